@@ -1,0 +1,278 @@
+"""Model configs: frozen dataclasses built field by field from a checkpoint's config.json.
+
+No transformers import: the runtime reads the JSON itself, so a config that transformers
+would silently patch up is rejected here with the file, key and value named.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from dflash_trt.errors import ConfigError, PairError
+
+SUPPORTED_TARGET_TYPES = ("qwen3",)
+LAYER_KINDS = ("full_attention", "sliding_attention")
+
+
+def read_json(path: Path) -> dict:
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: file not found") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+class _Fields:
+    """Typed access to one config.json, so every error names the file and the key."""
+
+    def __init__(self, data: dict, path: Path):
+        self.data, self.path = data, path
+
+    def get(self, key, kind, default=...):
+        value = self.data.get(key, default)
+        if value is ...:
+            raise ConfigError(f"{self.path}: required key '{key}' is missing")
+        if value is None and default is None:
+            return None
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+            raise ConfigError(f"{self.path}: key '{key}' must be {kind.__name__}, got {value!r}")
+        return value
+
+    def positive(self, key, default=...):
+        value = self.get(key, int, default)
+        if value is not None and value <= 0:
+            raise ConfigError(f"{self.path}: key '{key}' must be > 0, got {value}")
+        return value
+
+    def error(self, key, message):
+        return ConfigError(f"{self.path}: key '{key}' {message}")
+
+
+@dataclass(frozen=True, slots=True)
+class LayerDims:
+    """What one Qwen3 decoder layer needs; shared by the target and the drafter."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    attention_bias: bool
+    max_position_embeddings: int
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+
+def _rope_theta(f: _Fields) -> float:
+    # transformers 5 writes RoPE under `rope_parameters`; older checkpoints use top-level keys.
+    params = f.data.get("rope_parameters") or f.data.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise f.error("rope_parameters", f"must be an object, got {params!r}")
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind != "default":
+        raise f.error("rope_scaling", f"has rope_type {kind!r}; only default RoPE is supported yet")
+    theta = f.data.get("rope_theta", params.get("rope_theta"))
+    if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:
+        raise f.error("rope_theta", f"must be a positive number, got {theta!r}")
+    return float(theta)
+
+
+def _layer_dims(f: _Fields) -> LayerDims:
+    hidden = f.positive("hidden_size")
+    heads = f.positive("num_attention_heads")
+    kv_heads = f.positive("num_key_value_heads", heads)
+    if heads % kv_heads:
+        raise f.error("num_key_value_heads", f"= {kv_heads} must divide num_attention_heads = {heads}")
+    return LayerDims(
+        hidden_size=hidden,
+        intermediate_size=f.positive("intermediate_size"),
+        num_hidden_layers=f.positive("num_hidden_layers"),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=f.positive("head_dim", hidden // heads),
+        rms_norm_eps=f.get("rms_norm_eps", float, 1e-6),
+        rope_theta=_rope_theta(f),
+        attention_bias=f.get("attention_bias", bool, False),
+        max_position_embeddings=f.positive("max_position_embeddings", 32768),
+    )
+
+
+def _check_activation(f: _Fields) -> None:
+    act = f.data.get("hidden_act", "silu")
+    if act != "silu":
+        raise f.error("hidden_act", f"is {act!r}; only 'silu' (SwiGLU) is supported")
+
+
+def _token_ids(f: _Fields, key: str) -> tuple[int, ...]:
+    value = f.data.get(key)
+    if value is None:
+        return ()
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise f.error(key, f"must be an int or a list of ints, got {value!r}")
+    return tuple(values)
+
+
+@dataclass(frozen=True, slots=True)
+class TargetConfig:
+    """A Qwen3 dense target (HF `model_type` "qwen3")."""
+
+    dims: LayerDims
+    vocab_size: int
+    tie_word_embeddings: bool
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_dir(cls, directory: Path) -> "TargetConfig":
+        path = Path(directory) / "config.json"
+        f = _Fields(read_json(path), path)
+        model_type = f.data.get("model_type")
+        if model_type not in SUPPORTED_TARGET_TYPES:
+            raise f.error("model_type", f"is {model_type!r}; supported targets: {', '.join(SUPPORTED_TARGET_TYPES)}")
+        _check_activation(f)
+        eos = _token_ids(f, "eos_token_id")
+        gen_path = Path(directory) / "generation_config.json"
+        if gen_path.exists():
+            # Qwen3 lists both <|im_end|> and <|endoftext|> here; config.json has only one.
+            eos += tuple(i for i in _token_ids(_Fields(read_json(gen_path), gen_path), "eos_token_id") if i not in eos)
+        return cls(
+            dims=_layer_dims(f),
+            vocab_size=f.positive("vocab_size"),
+            tie_word_embeddings=f.get("tie_word_embeddings", bool, False),
+            eos_token_ids=eos,
+        )
+
+
+def default_target_layer_ids(num_draft_layers: int, num_target_layers: int) -> tuple[int, ...]:
+    """z-lab's default taps: spread between the second and the third-to-last target layer."""
+    if num_draft_layers == 1:
+        return (num_target_layers // 2,)
+    start, end = 1, num_target_layers - 3
+    step = (end - start) / (num_draft_layers - 1)
+    return tuple(int(round(start + i * step)) for i in range(num_draft_layers))
+
+
+@dataclass(frozen=True, slots=True)
+class DraftConfig:
+    """A z-lab DFlash drafter: Qwen3 layers over a block, fed by K target taps."""
+
+    dims: LayerDims
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]  # 0-based target layers whose *output* is tapped
+    layer_types: tuple[str, ...]
+    sliding_window: int | None
+    vocab_size: int | None
+
+    @property
+    def num_taps(self) -> int:
+        return len(self.target_layer_ids)
+
+    @classmethod
+    def from_dir(cls, directory: Path, num_target_layers: int | None = None) -> "DraftConfig":
+        """`num_target_layers` feeds the default tap formula when the config lists no taps."""
+        path = Path(directory) / "config.json"
+        f = _Fields(read_json(path), path)
+        dflash = f.data.get("dflash_config") or {}
+        if not isinstance(dflash, dict):
+            raise f.error("dflash_config", f"must be an object, got {dflash!r}")
+        if f.data.get("model_type", "qwen3") != "qwen3":
+            raise f.error("model_type", f"is {f.data['model_type']!r}; DFlash drafters use Qwen3 layers ('qwen3')")
+        _check_activation(f)
+        dims = _layer_dims(f)
+        layer_types = _layer_types(f, dims.num_hidden_layers)
+        window = f.positive("sliding_window", None)
+        if "sliding_attention" in layer_types and window is None:
+            raise f.error("sliding_window", "is required when layer_types has 'sliding_attention'")
+        return cls(
+            dims=dims,
+            block_size=_block_size(f, dflash),
+            mask_token_id=_mask_token_id(f, dflash),
+            target_layer_ids=_target_layer_ids(f, dflash, dims.num_hidden_layers, num_target_layers),
+            layer_types=layer_types,
+            sliding_window=window if "sliding_attention" in layer_types else None,
+            vocab_size=f.positive("vocab_size", None),
+        )
+
+
+def _block_size(f: _Fields, dflash: dict) -> int:
+    top, nested = f.data.get("block_size"), dflash.get("block_size")
+    if top is not None and nested is not None and top != nested:
+        raise f.error("block_size", f"= {top} disagrees with dflash_config.block_size = {nested}")
+    value = top if top is not None else nested
+    if value is None:
+        raise f.error("block_size", "is missing (expected at top level or in dflash_config)")
+    if not isinstance(value, int) or isinstance(value, bool) or value < 2:
+        raise f.error("block_size", f"must be an int >= 2, got {value!r}")
+    return value
+
+
+def _mask_token_id(f: _Fields, dflash: dict) -> int:
+    value = dflash.get("mask_token_id", f.data.get("mask_token_id"))
+    if value is None:
+        raise f.error("dflash_config.mask_token_id", "is missing")
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise f.error("dflash_config.mask_token_id", f"must be a non-negative int, got {value!r}")
+    return value
+
+
+def _target_layer_ids(f: _Fields, dflash: dict, num_layers: int, num_target_layers: int | None) -> tuple[int, ...]:
+    ids = dflash.get("target_layer_ids", f.data.get("target_layer_ids"))
+    if ids is not None:
+        if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and i >= 0 for i in ids):
+            raise f.error("dflash_config.target_layer_ids", f"must be a non-empty list of ints >= 0, got {ids!r}")
+        return tuple(ids)
+    n = dflash.get("num_target_layers", f.data.get("num_target_layers", num_target_layers))
+    if not isinstance(n, int) or n < 4:
+        raise f.error("num_target_layers", f"must be an int >= 4 when target_layer_ids is absent, got {n!r}")
+    return default_target_layer_ids(num_layers, n)
+
+
+def _layer_types(f: _Fields, num_layers: int) -> tuple[str, ...]:
+    types = f.data.get("layer_types")
+    if types is None:
+        return ("full_attention",) * num_layers
+    if not isinstance(types, list) or len(types) != num_layers:
+        raise f.error("layer_types", f"must list {num_layers} layer kinds, got {types!r}")
+    for kind in types:
+        if kind not in LAYER_KINDS:
+            raise f.error("layer_types", f"has unknown kind {kind!r}; known: {', '.join(LAYER_KINDS)}")
+    return tuple(types)
+
+
+def check_pair(target: TargetConfig, draft: DraftConfig, draft_dir: Path | str = "drafter") -> None:
+    """The pairing rules of a target and a drafter that do not need the weights."""
+    path = Path(draft_dir) / "config.json"
+    if draft.dims.hidden_size != target.dims.hidden_size:
+        raise PairError(
+            f"{path}: hidden_size = {draft.dims.hidden_size} differs from the target's hidden_size = "
+            f"{target.dims.hidden_size}"
+        )
+    for tap in draft.target_layer_ids:
+        if tap >= target.dims.num_hidden_layers:
+            raise PairError(
+                f"{path}: target_layer_ids has {tap}, but the target has only "
+                f"{target.dims.num_hidden_layers} layers (ids are 0-based)"
+            )
+    if draft.mask_token_id >= target.vocab_size:
+        raise PairError(
+            f"{path}: mask_token_id = {draft.mask_token_id} is outside the target's embedding table "
+            f"(vocab_size = {target.vocab_size})"
+        )

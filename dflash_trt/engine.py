@@ -1,0 +1,250 @@
+"""The engine: continuous batching of many requests over one target (+ drafter).
+
+Requests join (`add_request`) and leave (finish or `abort`) between steps. A step either
+prefills newly admitted requests or advances every running one: by one token in AR mode,
+or by one draft/verify round in DFlash mode. AR and DFlash share the models and caches,
+so AR is the baseline that DFlash must reproduce.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from dflash_trt.config import DraftConfig, TargetConfig, check_pair
+from dflash_trt.errors import PairError, RequestError
+from dflash_trt.models.dflash import DFlashDrafter
+from dflash_trt.models.qwen3 import Qwen3ForCausalLM
+from dflash_trt.sampling import SamplingParams, sample, target_probs
+from dflash_trt.sequence import RequestStats, Sequence
+from dflash_trt.speculate import OracleDrafts, speculative_step
+from dflash_trt.kv_cache import Batch
+from dflash_trt.weights import Checkpoint, load_weights
+
+MODES = ("ar", "dflash")
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    request_id: int
+    prompt_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str
+    stats: RequestStats
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """Tokens one request produced in one engine step (empty for an abort)."""
+
+    seq: Sequence
+    new_tokens: list[int]
+
+    @property
+    def finished(self) -> bool:
+        return self.seq.is_finished
+
+
+class Engine:
+    def __init__(self, target: Qwen3ForCausalLM, drafter: DFlashDrafter | None = None, *,
+                 max_batch_size: int = 8, max_seq_len: int = 4096, mode: str | None = None,
+                 oracle: OracleDrafts | None = None):
+        self.target, self.drafter, self.oracle = target, drafter, oracle
+        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+        self.block_size = drafter.config.block_size if drafter else 1
+        self.taps = drafter.config.target_layer_ids if drafter else ()
+        self.mode = mode or ("dflash" if drafter else "ar")
+        self._check_mode(self.mode)
+        capacity = max_seq_len + self.block_size  # a verify block may run past the last kept token
+        self.target_cache = target.new_cache(max_batch_size, capacity)
+        self.draft_cache = drafter.new_cache(max_batch_size, capacity) if drafter else None
+        self.device = target.lm_head.weight.device
+        self.eos_token_ids = frozenset(target.config.eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.free_slots = list(range(max_batch_size - 1, -1, -1))
+        self._next_id = 0
+
+    # -- requests -------------------------------------------------------------------------
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        self._validate(prompt_ids, params)
+        stop = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        generator = None
+        if not params.greedy:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(params.seed if params.seed is not None else torch.seed())
+        seq = Sequence(self._next_id, list(prompt_ids), params, frozenset(stop), generator)
+        self._next_id += 1
+        self.waiting.append(seq)
+        return seq
+
+    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if len(prompt_ids) == 0:
+            raise RequestError("the prompt is empty")
+        vocab = self.target.config.vocab_size
+        bad = [t for t in prompt_ids if not (0 <= t < vocab)]
+        if bad:
+            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        if len(prompt_ids) + params.max_tokens > self.max_seq_len:
+            raise RequestError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the engine's "
+                f"max_seq_len = {self.max_seq_len}"
+            )
+
+    def abort(self, seq: Sequence) -> None:
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.finish_reason = seq.finish_reason or "abort"
+        self._release(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def set_mode(self, mode: str) -> None:
+        self._check_mode(mode)
+        if mode != self.mode and self.has_work():
+            raise RequestError("the mode can change only while the engine is idle")
+        self.mode = mode
+
+    def _check_mode(self, mode: str) -> None:
+        if mode not in MODES:
+            raise RequestError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if mode == "dflash" and self.drafter is None:
+            raise RequestError("DFlash mode needs a drafter; this engine has only a target")
+
+    # -- stepping -------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> list[StepEvent]:
+        admitted = []
+        while self.waiting and self.free_slots:
+            seq = self.waiting.popleft()
+            seq.slot = self.free_slots.pop()
+            admitted.append(seq)
+        if admitted:
+            events = self._prefill(admitted)
+            self.running += admitted
+        elif self.running:
+            events = self._decode(self.running)
+        else:
+            return []
+        for event in events:
+            if event.finished:
+                self._release(event.seq)
+        return events
+
+    def _prefill(self, seqs: list[Sequence]) -> list[StepEvent]:
+        lengths = [len(s.prompt_ids) for s in seqs]
+        width = max(lengths)
+        ids = torch.zeros((len(seqs), width), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, : lengths[i]] = torch.tensor(s.prompt_ids)
+        batch = Batch.make([s.slot for s in seqs], [0] * len(seqs), lengths, width, self.device)
+        dflash = self.mode == "dflash"
+        hidden, taps = self.target(ids.to(self.device), batch, self.target_cache, self.taps if dflash else ())
+        last = hidden[torch.arange(len(seqs), device=self.device), batch.num_tokens - 1]
+        if dflash:
+            self.drafter.append_context(taps, batch, self.draft_cache)
+        tokens = self._pick(self.target.logits(last), seqs)
+        for s in seqs:
+            s.num_cached = len(s.prompt_ids)
+        return [StepEvent(s, s.emit([t])) for s, t in zip(seqs, tokens)]
+
+    def _decode(self, seqs: list[Sequence]) -> list[StepEvent]:
+        if self.mode == "ar":
+            batch = Batch.make([s.slot for s in seqs], [s.num_cached for s in seqs], [1] * len(seqs), 1, self.device)
+            ids = torch.tensor([[s.last_token] for s in seqs], device=self.device)
+            hidden, _ = self.target(ids, batch, self.target_cache)
+            tokens = [[t] for t in self._pick(self.target.logits(hidden[:, 0]), seqs)]
+        else:
+            out = speculative_step(self.target, self.drafter, self.target_cache, self.draft_cache, seqs, self.taps,
+                                   self.oracle)
+            tokens = out.tokens
+            for s, a in zip(seqs, out.accepted):
+                s.stats.verify_steps += 1
+                s.stats.acceptance_lengths.append(a + 1)
+        events = []
+        for s, new in zip(seqs, tokens):
+            s.num_cached += len(new)  # the committed rows: everything but the new last token
+            events.append(StepEvent(s, s.emit(new)))
+        return events
+
+    @staticmethod
+    def _pick(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        """Next token per row of logits [bs, V], greedy or sampled per request."""
+        greedy = logits.argmax(dim=-1).tolist()
+        return [g if s.params.greedy else sample(target_probs(row, s.params), s.generator)
+                for g, s, row in zip(greedy, seqs, logits)]
+
+    def _release(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq.slot >= 0:
+            self.free_slots.append(seq.slot)
+            seq.slot = -1
+
+    # -- convenience ----------------------------------------------------------------------
+
+    def generate(self, prompts: Iterable[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+                 mode: str | None = None) -> list[GenerationResult]:
+        """Run prompts to completion (batched as the engine's slots allow); results in order."""
+        prompts = list(prompts)
+        params = params or SamplingParams()
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        if mode:
+            self.set_mode(mode)
+        seqs = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        while self.has_work():
+            self.step()
+        return [GenerationResult(s.request_id, s.prompt_ids, s.output_ids, s.finish_reason, s.stats) for s in seqs]
+
+
+# -- loading ------------------------------------------------------------------------------
+
+
+def _build(model_cls, config, checkpoint: Checkpoint, device, dtype, prefixes=("",)):
+    with torch.device("meta"):
+        model = model_cls(config)
+    model = model.to(dtype).to_empty(device=device)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    load_weights(model, checkpoint, prefixes)
+    return model.eval()
+
+
+def load_target(directory: Path, device="cpu", dtype=torch.float32) -> Qwen3ForCausalLM:
+    config = TargetConfig.from_dir(directory)
+    return _build(Qwen3ForCausalLM, config, Checkpoint(directory), device, dtype)
+
+
+def load_drafter(directory: Path, target: Qwen3ForCausalLM, device="cpu", dtype=torch.float32) -> DFlashDrafter:
+    config = DraftConfig.from_dir(directory, target.config.dims.num_hidden_layers)
+    check_pair(target.config, config, directory)
+    checkpoint = Checkpoint(directory)
+    # z-lab drafters store flat names; some exports add a "model." prefix. Any stray
+    # embed_tokens / lm_head tensors are ignored: the drafter always uses the target's.
+    prefixes = ("", "model.")
+    fc_name = checkpoint.resolve("fc.weight", prefixes)
+    width = checkpoint.get(fc_name).shape[-1]
+    expected = config.num_taps * target.config.dims.hidden_size
+    if width != expected:
+        raise PairError(
+            f"{checkpoint.files[fc_name]}: '{fc_name}' has input width {width}, but {config.num_taps} taps x "
+            f"hidden_size {target.config.dims.hidden_size} = {expected}"
+        )
+    drafter = _build(DFlashDrafter, config, checkpoint, device, dtype, prefixes)
+    drafter.bind(target)
+    return drafter
+
+
+def load_pair(target_dir, drafter_dir=None, *, device="cpu", dtype=torch.float32,
+              max_batch_size: int = 8, max_seq_len: int = 4096, mode: str | None = None) -> Engine:
+    """Load a Qwen3 target (and optionally its DFlash drafter) into an Engine."""
+    target = load_target(Path(target_dir), device, dtype)
+    drafter = load_drafter(Path(drafter_dir), target, device, dtype) if drafter_dir else None
+    return Engine(target, drafter, max_batch_size=max_batch_size, max_seq_len=max_seq_len, mode=mode)

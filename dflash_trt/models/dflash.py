@@ -1,0 +1,111 @@
+"""The z-lab DFlash drafter: Qwen3 layers over a block [bonus, MASK x (B-1)] that attend
+to context K/V injected from the target's tapped hidden states.
+
+Context rows (committed positions) are projected once by `append_context` and kept in the
+draft cache; they never pass through q_proj, o_proj or the MLP. Block rows are computed
+fresh every step and never written, so the draft side has nothing to roll back.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dflash_trt.config import DraftConfig, LayerDims
+from dflash_trt.kv_cache import Batch, KVCache
+from dflash_trt.models.layers import MLP, AttentionProjections, RMSNorm, Rotary, apply_rope
+from dflash_trt.ops import attention_mask, block_attention
+
+
+class DFlashAttention(AttentionProjections):
+    def __init__(self, dims: LayerDims, layer_idx: int, sliding: bool):
+        super().__init__(dims)
+        self.layer_idx, self.sliding = layer_idx, sliding
+
+    def context_kv(self, c, cos, sin):
+        """Context features c [bs, T, H] -> K (k_norm, RoPE) and V [bs, T, Hkv, d]."""
+        d = self.dims
+        bias = None if self.qkv_proj.bias is None else self.qkv_proj.bias[d.q_size:]
+        k, v = nn.functional.linear(c, self.qkv_proj.weight[d.q_size:], bias).split(d.kv_size, dim=-1)
+        k = apply_rope(self.k_norm(k.unflatten(-1, (d.num_key_value_heads, d.head_dim))), cos, sin)
+        return k, v.unflatten(-1, (d.num_key_value_heads, d.head_dim))
+
+    def forward(self, h, cos, sin, mask, batch: Batch, cache: KVCache):
+        q, k, v = self.qkv(h, cos, sin)
+        ctx_k, ctx_v = cache.read(self.layer_idx, batch.slots, batch.max_start)
+        # Keys are [context ; block], context first, matching the mask built in DFlashDrafter.
+        out = block_attention(q, torch.cat([ctx_k, k], dim=1), torch.cat([ctx_v, v], dim=1), mask, self.scale)
+        return self.o_proj(out)
+
+
+class DFlashDecoderLayer(nn.Module):
+    def __init__(self, dims: LayerDims, layer_idx: int, sliding: bool):
+        super().__init__()
+        self.input_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
+        self.self_attn = DFlashAttention(dims, layer_idx, sliding)
+        self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
+        self.mlp = MLP(dims)
+
+    def forward(self, x, cos, sin, mask, batch, cache):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, batch, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, config: DraftConfig):
+        super().__init__()
+        dims = config.dims
+        self.config = config
+        self.fc = nn.Linear(config.num_taps * dims.hidden_size, dims.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
+        self.layers = nn.ModuleList(
+            DFlashDecoderLayer(dims, i, kind == "sliding_attention") for i, kind in enumerate(config.layer_types)
+        )
+        self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
+        self.rotary = Rotary(dims.head_dim, dims.rope_theta)  # the drafter's own RoPE config
+
+    def bind(self, target: nn.Module) -> None:
+        """Borrow the target's embedding and LM head (DFlash ships neither).
+
+        Set around nn.Module's registration on purpose: the weights stay the target's, with
+        no second copy and no entry in the drafter's state_dict.
+        """
+        object.__setattr__(self, "embed_tokens", target.model.embed_tokens)
+        object.__setattr__(self, "lm_head", target.lm_head)
+
+    def append_context(self, taps: torch.Tensor, batch: Batch, cache: KVCache) -> None:
+        """Project committed rows' taps [bs, width, K*H] into every layer's draft cache."""
+        c = self.hidden_norm(self.fc(taps))
+        cos, sin = self.rotary(batch.positions, c.dtype)
+        for layer in self.layers:
+            k, v = layer.self_attn.context_kv(c, cos, sin)
+            cache.write(layer.self_attn.layer_idx, batch, k, v)
+
+    def forward(self, block_ids: torch.Tensor, batch: Batch, cache: KVCache) -> torch.Tensor:
+        """block_ids [bs, B] at positions start..start+B-1 -> final hidden [bs, B, H]."""
+        x = self.embed_tokens(block_ids)
+        cos, sin = self.rotary(batch.positions, x.dtype)
+        masks = self._masks(batch)
+        for layer in self.layers:
+            x = layer(x, cos, sin, masks[layer.self_attn.sliding], batch, cache)
+        return self.norm(x)
+
+    def _masks(self, batch: Batch) -> dict[bool, torch.Tensor]:
+        """Full layers see every valid context row and the whole block (non-causal);
+        sliding layers are causal inside the block and see `sliding_window` positions back."""
+        ctx_pos = torch.arange(batch.max_start, device=batch.positions.device).expand(batch.size, -1)
+        k_pos = torch.cat([ctx_pos, batch.positions], dim=1)
+        k_valid = torch.cat([ctx_pos < batch.start[:, None], torch.ones_like(batch.valid)], dim=1)
+        full = attention_mask(batch.positions, k_pos, k_valid, causal=False, window=None)
+        if "sliding_attention" not in self.config.layer_types:
+            return {False: full}
+        sliding = attention_mask(batch.positions, k_pos, k_valid, causal=True, window=self.config.sliding_window)
+        return {False: full, True: sliding}
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def new_cache(self, num_slots: int, capacity: int) -> KVCache:
+        d = self.config.dims
+        w = self.fc.weight
+        return KVCache(len(self.layers), num_slots, capacity, d.num_key_value_heads, d.head_dim, w.dtype, w.device)

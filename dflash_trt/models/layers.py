@@ -1,0 +1,96 @@
+"""Pieces shared by the target and the drafter: norms, RoPE, fused linears, the MLP."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from dflash_trt.config import LayerDims
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32, scale in the model dtype: the order Qwen3 was trained with.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """Neox-style RoPE; cos/sin are computed per call from absolute positions."""
+
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        self.head_dim, self.theta = head_dim, theta
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, device=positions.device).float() / self.head_dim))
+        freqs = positions.float()[..., None] * inv_freq  # [..., d/2]
+        angles = torch.cat([freqs, freqs], dim=-1)  # [..., d]
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [bs, T, heads, d]; cos/sin [bs, T, d]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, :, None] + rotated * sin[:, :, None]
+
+
+class PackedLinear(nn.Linear):
+    """One matmul for several checkpoint projections stacked by rows (q/k/v, gate/up).
+
+    `shards` maps each checkpoint name to its row count, in stacking order; the loader
+    reads this to fill the fused weight from the separate tensors.
+    """
+
+    def __init__(self, in_features: int, shards: dict[str, int], bias: bool = False):
+        super().__init__(in_features, sum(shards.values()), bias=bias)
+        self.shards = shards
+
+
+class AttentionProjections(nn.Module):
+    """Qwen3 attention weights (HF names): fused q/k/v, per-head q/k RMSNorm, o_proj.
+
+    The target and drafter attention modules subclass this and differ only in what they
+    attend over.
+    """
+
+    def __init__(self, dims: LayerDims):
+        super().__init__()
+        self.dims = dims
+        self.scale = dims.head_dim ** -0.5
+        self.qkv_proj = PackedLinear(
+            dims.hidden_size, {"q_proj": dims.q_size, "k_proj": dims.kv_size, "v_proj": dims.kv_size},
+            bias=dims.attention_bias,
+        )
+        self.q_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps)
+        self.k_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps)
+        self.o_proj = nn.Linear(dims.q_size, dims.hidden_size, bias=False)
+
+    def qkv(self, x, cos, sin):
+        """x [bs, T, H] -> q [bs, T, Hq, d], k and v [bs, T, Hkv, d], RoPE applied."""
+        d = self.dims
+        q, k, v = self.qkv_proj(x).split([d.q_size, d.kv_size, d.kv_size], dim=-1)
+        q = apply_rope(self.q_norm(q.unflatten(-1, (d.num_attention_heads, d.head_dim))), cos, sin)
+        k = apply_rope(self.k_norm(k.unflatten(-1, (d.num_key_value_heads, d.head_dim))), cos, sin)
+        return q, k, v.unflatten(-1, (d.num_key_value_heads, d.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, dims: LayerDims):
+        super().__init__()
+        self.gate_up_proj = PackedLinear(
+            dims.hidden_size, {"gate_proj": dims.intermediate_size, "up_proj": dims.intermediate_size}
+        )
+        self.down_proj = nn.Linear(dims.intermediate_size, dims.hidden_size, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

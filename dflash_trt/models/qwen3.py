@@ -1,0 +1,91 @@
+"""Qwen3 dense target. HF parameter names are kept, so checkpoints load as they are.
+
+The forward pass writes K/V for the batch's tokens into the cache, attends causally over
+the slot's cache rows, and also returns the residual stream after the requested layers
+(the drafter's taps).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dflash_trt.config import LayerDims, TargetConfig
+from dflash_trt.kv_cache import Batch, KVCache
+from dflash_trt.models.layers import MLP, AttentionProjections, RMSNorm, Rotary
+from dflash_trt.ops import attention_mask, block_attention
+
+
+class Qwen3Attention(AttentionProjections):
+    def __init__(self, dims: LayerDims, layer_idx: int):
+        super().__init__(dims)
+        self.layer_idx = layer_idx
+
+    def forward(self, x, cos, sin, mask, batch: Batch, cache: KVCache):
+        q, k, v = self.qkv(x, cos, sin)
+        cache.write(self.layer_idx, batch, k, v)
+        k_all, v_all = cache.read(self.layer_idx, batch.slots, batch.max_end)
+        return self.o_proj(block_attention(q, k_all, v_all, mask, self.scale))
+
+
+class Qwen3DecoderLayer(nn.Module):
+    def __init__(self, dims: LayerDims, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
+        self.self_attn = Qwen3Attention(dims, layer_idx)
+        self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
+        self.mlp = MLP(dims)
+
+    def forward(self, x, cos, sin, mask, batch, cache):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, batch, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3Model(nn.Module):
+    def __init__(self, config: TargetConfig):
+        super().__init__()
+        dims = config.dims
+        self.embed_tokens = nn.Embedding(config.vocab_size, dims.hidden_size)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(dims, i) for i in range(dims.num_hidden_layers))
+        self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
+        self.rotary = Rotary(dims.head_dim, dims.rope_theta)
+
+    def forward(self, input_ids, batch: Batch, cache: KVCache, taps: tuple[int, ...] = ()):
+        """input_ids [bs, width] -> (final hidden [bs, width, H], taps [bs, width, K*H] or None)."""
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(batch.positions, x.dtype)
+        key_pos = torch.arange(batch.max_end, device=x.device).expand(batch.size, -1)
+        key_valid = key_pos < (batch.start + batch.num_tokens)[:, None]
+        mask = attention_mask(batch.positions, key_pos, key_valid, causal=True, window=None)
+        tapped = []
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, mask, batch, cache)
+            # A tap id names the layer whose *output* is taken: here, right after layer i.
+            # (In HF `output_hidden_states` terms that is hidden_states[i + 1].)
+            if i in taps:
+                tapped.append(x)
+        tapped = [tapped[sorted(set(taps)).index(t)] for t in taps]  # back to the config's order
+        return self.norm(x), (torch.cat(tapped, dim=-1) if taps else None)
+
+
+class Qwen3ForCausalLM(nn.Module):
+    def __init__(self, config: TargetConfig):
+        super().__init__()
+        self.config = config
+        self.model = Qwen3Model(config)
+        self.lm_head = nn.Linear(config.dims.hidden_size, config.vocab_size, bias=False)
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids, batch: Batch, cache: KVCache, taps: tuple[int, ...] = ()):
+        return self.model(input_ids, batch, cache, taps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def new_cache(self, num_slots: int, capacity: int) -> KVCache:
+        d = self.config.dims
+        w = self.lm_head.weight
+        return KVCache(d.num_hidden_layers, num_slots, capacity, d.num_key_value_heads, d.head_dim, w.dtype, w.device)

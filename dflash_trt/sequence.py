@@ -1,0 +1,86 @@
+"""One request's state inside the engine, and the statistics it reports."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from dflash_trt.sampling import SamplingParams
+
+
+@dataclass
+class RequestStats:
+    prompt_tokens: int
+    output_tokens: int = 0
+    verify_steps: int = 0
+    # Per verify step: accepted drafts + 1 bonus (1..B), counted before any stop cut-off.
+    acceptance_lengths: list[int] = field(default_factory=list)
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """τ: tokens produced per verify step (0 when no verify step ran, e.g. in AR mode)."""
+        return sum(self.acceptance_lengths) / len(self.acceptance_lengths) if self.acceptance_lengths else 0.0
+
+    def acceptance_histogram(self, block_size: int) -> list[int]:
+        """counts[k - 1] = number of verify steps that produced k tokens, k = 1..block_size."""
+        counts = [0] * block_size
+        for length in self.acceptance_lengths:
+            counts[length - 1] += 1
+        return counts
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop_ids: frozenset[int]
+    generator: torch.Generator | None = None
+    slot: int = -1
+    output_ids: list[int] = field(default_factory=list)
+    # Target K/V rows committed for this sequence; in DFlash mode the draft cache holds the
+    # same number of context rows. The last output token is emitted but not yet cached.
+    num_cached: int = 0
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    stats: RequestStats = None
+
+    def __post_init__(self):
+        if self.stats is None:
+            self.stats = RequestStats(prompt_tokens=len(self.prompt_ids))
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def emit(self, tokens: list[int]) -> list[int]:
+        """Append generated tokens up to a stop token or max_tokens; returns those kept."""
+        kept = []
+        for token in tokens:
+            kept.append(token)
+            if token in self.stop_ids:
+                self.finish_reason = "stop"
+                break
+            if len(self.output_ids) + len(kept) >= self.params.max_tokens:
+                self.finish_reason = "length"
+                break
+        self.output_ids += kept
+        self.stats.output_tokens = len(self.output_ids)
+        now = time.perf_counter()
+        if self.stats.first_token_time is None:
+            self.stats.first_token_time = now
+        if self.is_finished:
+            self.stats.finish_time = now
+        return kept

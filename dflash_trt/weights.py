@@ -1,0 +1,101 @@
+"""Safetensors checkpoints in the Hugging Face layout, loaded into models that keep HF names.
+
+safetensors only: no pickle, no remote code. Fused parameters (`PackedLinear`) declare
+which checkpoint tensors they stack, so a checkpoint is read as it is, with no conversion.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+
+from dflash_trt.errors import CheckpointError
+from dflash_trt.models.layers import PackedLinear
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+class Checkpoint:
+    """Tensor names of one checkpoint directory, each mapped to the file that holds it."""
+
+    def __init__(self, directory: Path):
+        self.directory = Path(directory)
+        self._handles: dict[Path, object] = {}
+        self.files = self._tensor_files()
+
+    def _tensor_files(self) -> dict[str, Path]:
+        index = self.directory / INDEX_FILE
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{index}: not a valid safetensors index ({e!r})") from None
+            return {name: self.directory / file for name, file in weight_map.items()}
+        single = self.directory / SINGLE_FILE
+        if not single.exists():
+            raise CheckpointError(f"{self.directory}: no {SINGLE_FILE} or {INDEX_FILE} found")
+        return {name: single for name in self._open(single).keys()}
+
+    def _open(self, path: Path):
+        if path not in self._handles:
+            if not path.exists():
+                raise CheckpointError(f"{path}: weight file listed in the checkpoint is missing")
+            try:
+                self._handles[path] = safe_open(str(path), framework="pt")
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(f"{path}: corrupt safetensors file ({e})") from None
+        return self._handles[path]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
+    def get(self, name: str) -> torch.Tensor:
+        path = self.files[name]
+        try:
+            return self._open(path).get_tensor(name)
+        except (SafetensorError, OSError, RuntimeError) as e:
+            raise CheckpointError(f"{path}: cannot read tensor '{name}' ({e})") from None
+
+    def resolve(self, name: str, prefixes: tuple[str, ...]) -> str:
+        """The stored name of model tensor `name`, trying each allowed prefix."""
+        for prefix in prefixes:
+            if prefix + name in self.files:
+                return prefix + name
+        raise CheckpointError(f"{self.directory}: tensor '{prefixes[0] + name}' is missing from the checkpoint")
+
+
+def _sources(module: nn.Module, param_name: str) -> list[str]:
+    """Checkpoint tensor names that make up one model parameter, in stacking order."""
+    owner, _, leaf = param_name.rpartition(".")
+    if isinstance(module, PackedLinear):
+        base = owner.rpartition(".")[0]
+        return [f"{base}.{shard}.{leaf}".lstrip(".") for shard in module.shards]
+    return [param_name]
+
+
+def load_weights(model: nn.Module, checkpoint: Checkpoint, prefixes: tuple[str, ...] = ("",),
+                 skip: tuple[str, ...] = ()) -> None:
+    """Fill every parameter of `model` from `checkpoint`, checking shapes; extra tensors are ignored."""
+    modules = dict(model.named_modules())
+    for param_name, param in model.named_parameters():
+        if param_name in skip:
+            continue
+        module = modules[param_name.rpartition(".")[0]]
+        parts = []
+        for source in _sources(module, param_name):
+            stored = checkpoint.resolve(source, prefixes)
+            parts.append(checkpoint.get(stored))
+        tensor = torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]
+        if tuple(tensor.shape) != tuple(param.shape):
+            shapes = ", ".join(f"{s}{tuple(p.shape)}" for s, p in zip(_sources(module, param_name), parts))
+            raise CheckpointError(
+                f"{checkpoint.files[checkpoint.resolve(_sources(module, param_name)[0], prefixes)]}: "
+                f"tensor {shapes} does not fit parameter '{param_name}' of shape {tuple(param.shape)}"
+            )
+        with torch.no_grad():
+            param.copy_(tensor)

@@ -1,0 +1,34 @@
+import pytest
+import torch
+
+from dflash_trt.fixtures import TinyPairSpec, write_tiny_pair
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def make_pair(tmp_path_factory):
+    """Write (once per spec) a tiny pair and return its paths."""
+    cache = {}
+
+    def make(**fields):
+        spec = TinyPairSpec(**fields)
+        key = repr(spec)
+        if key not in cache:
+            cache[key] = write_tiny_pair(tmp_path_factory.mktemp("pair"), spec)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def no_tokenizer():
+    """Spec fields for a pair without a tokenizer (faster to write; ids only)."""
+    return {"tokenizer_tokens": None, "vocab_size": 512}
