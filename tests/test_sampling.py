@@ -1,0 +1,138 @@
+"""Sampling: the target distribution, and losslessness of speculative sampling.
+
+Chi-square tests use fixed seeds (so they are deterministic) and reject at p < 0.001.
+"""
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from dflash_trt.engine import load_pair
+from dflash_trt.errors import RequestError
+from dflash_trt.kv_cache import Batch
+from dflash_trt.sampling import SamplingParams, target_probs
+from dflash_trt.speculate import accepted_length, speculative_sample
+
+P_MIN = 1e-3
+
+
+def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Goodness of fit of counts to probs, pooling cells expected below 5 into one."""
+    probs, counts = probs.double(), counts.double()
+    if counts[probs == 0].sum() > 0:
+        return 0.0  # a token the target can never produce
+    expected = probs / probs.sum() * counts.sum()
+    small = expected < 5
+    obs = torch.cat([counts[~small], counts[small].sum()[None]])
+    exp = torch.cat([expected[~small], expected[small].sum()[None]])
+    keep = exp > 0
+    return chisquare(obs[keep].numpy(), exp[keep].numpy()).pvalue
+
+
+@pytest.mark.parametrize("params, kept", [
+    (SamplingParams(temperature=1.0, top_k=2), {3, 1}),
+    (SamplingParams(temperature=1.0, top_p=0.5), {3}),  # 0.53 >= 0.5: the top token alone
+    (SamplingParams(temperature=1.0, top_p=0.8), {3, 1}),
+    (SamplingParams(temperature=1.0, top_k=3, top_p=0.95), {3, 1, 0}),
+    (SamplingParams(temperature=1.0), {0, 1, 2, 3}),
+])
+def test_top_k_and_top_p_keep_the_expected_tokens(params, kept):
+    logits = torch.log(torch.tensor([0.1, 0.3, 0.07, 0.53]))
+    probs = target_probs(logits, params)
+    assert set(probs.nonzero().flatten().tolist()) == kept
+    assert probs.sum().item() == pytest.approx(1.0)
+
+
+def test_temperature_sharpens_the_distribution():
+    logits = torch.tensor([0.0, 1.0, 2.0])
+    cold, hot = target_probs(logits, SamplingParams(temperature=0.5)), target_probs(logits, SamplingParams(temperature=2))
+    assert cold[2] > hot[2] and torch.allclose(cold, torch.softmax(logits / 0.5, -1))
+
+
+@pytest.mark.parametrize("field, value", [
+    ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1), ("max_tokens", 0), ("seed", "x"),
+])
+def test_bad_sampling_values_are_rejected_with_their_name(field, value):
+    with pytest.raises(RequestError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_accepted_length_counts_leading_matches_only():
+    draft = torch.tensor([[5, 6, 7], [5, 6, 7], [1, 6, 7], [5, 9, 7]])
+    target = torch.tensor([[5, 6, 7], [5, 6, 0], [5, 6, 7], [5, 6, 7]])
+    assert accepted_length(draft, target).tolist() == [3, 2, 0, 1]
+
+
+P0 = torch.tensor([0.5, 0.25, 0.15, 0.1, 0.0, 0.0])
+P1 = torch.tensor([0.05, 0.05, 0.1, 0.2, 0.3, 0.3])
+
+
+@pytest.mark.parametrize("draft_token", [0, 3, 4])  # likely, unlikely, impossible under P0
+def test_speculative_sample_emits_exactly_the_target_distribution(draft_token):
+    gen = torch.Generator().manual_seed(draft_token)
+    first, second = torch.zeros(6), torch.zeros(6)
+    for _ in range(20000):
+        accepted, bonus = speculative_sample(torch.stack([P0, P1]), torch.tensor([draft_token]), gen)
+        first[draft_token if accepted else bonus] += 1
+        if accepted:
+            second[bonus] += 1
+    assert chi_square_p(first, P0) > P_MIN
+    if second.sum() > 0:
+        assert chi_square_p(second, P1) > P_MIN
+
+
+def test_the_chi_square_check_rejects_a_lossy_rule():
+    # Control: "always accept the draft when it is possible" is not lossless; the same
+    # check must catch it, or it would not catch a broken speculative_sample either.
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.zeros(6)
+    for _ in range(20000):
+        counts[3 if torch.rand((), generator=gen) < 0.5 else torch.multinomial(P0, 1, generator=gen)] += 1
+    assert chi_square_p(counts, P0) < P_MIN
+
+
+def exact_next_token_marginals(target, prompt, params, depth):
+    """Exact distributions of generated tokens 1..depth, by enumerating every prefix."""
+    V = target.config.vocab_size
+    marginals, prefixes, weights = [], [[]], torch.ones(1, dtype=torch.float64)
+    for _ in range(depth):
+        seqs = [prompt + p for p in prefixes]
+        n = len(seqs[0])
+        cache = target.new_cache(len(seqs), n)
+        with torch.no_grad():
+            hidden, _ = target(torch.tensor(seqs), Batch.make(list(range(len(seqs))), [0] * len(seqs),
+                                                              [n] * len(seqs), n, "cpu"), cache)
+            probs = target_probs(target.logits(hidden[:, -1]), params).double()  # [prefixes, V]
+        joint = weights[:, None] * probs
+        marginals.append(joint.sum(0))
+        prefixes = [p + [t] for p in prefixes for t in range(V)]
+        weights = joint.flatten()
+    return marginals
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True),
+    SamplingParams(max_tokens=3, temperature=0.7, top_k=6, top_p=0.9, ignore_eos=True),
+])
+def test_dflash_sampling_matches_the_target_distribution(make_pair, params):
+    pair = make_pair(tokenizer_tokens=None, vocab_size=12, block_size=3, init_scale=0.7)
+    engine = load_pair(pair.target, pair.drafter, max_batch_size=64, max_seq_len=16)
+    prompt = [3, 1, 4]
+    expected = exact_next_token_marginals(engine.target, prompt, params, depth=3)
+    n = 3000
+    runs = {}
+    for mode in ("ar", "dflash"):
+        results = engine.generate([prompt] * n, [SamplingParams(**{**_fields(params), "seed": i}) for i in range(n)],
+                                  mode=mode)
+        runs[mode] = results
+        for position in range(3):
+            counts = torch.bincount(torch.tensor([r.token_ids[position] for r in results]), minlength=12)
+            assert chi_square_p(counts, expected[position]) > P_MIN, (mode, position)
+    # the test exercised acceptance: some drafts were accepted, some rejected
+    accepted = sum(sum(a - 1 for a in r.stats.acceptance_lengths) for r in runs["dflash"])
+    steps = sum(r.stats.verify_steps for r in runs["dflash"])
+    assert 0.05 * steps < accepted < 1.9 * steps
+
+
+def _fields(params):
+    return {f: getattr(params, f) for f in params.__dataclass_fields__}
