@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -32,3 +34,9 @@ def make_pair(tmp_path_factory):
 def no_tokenizer():
     """Spec fields for a pair without a tokenizer (faster to write; ids only)."""
     return {"tokenizer_tokens": None, "vocab_size": 512}
+
+
+@pytest.fixture(scope="session")
+def device():
+    """Where engine tests run: DFLASH_TEST_DEVICE=cuda runs them on the GPU (fp32)."""
+    return os.environ.get("DFLASH_TEST_DEVICE", "cpu")

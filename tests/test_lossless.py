@@ -36,9 +36,9 @@ ORACLES = {
 
 @pytest.mark.parametrize("oracle", ORACLES)
 @pytest.mark.parametrize("block_size", [2, 4, 8, 16])
-def test_greedy_dflash_equals_ar_for_a_ragged_batch(make_pair, no_tokenizer, block_size, oracle):
+def test_greedy_dflash_equals_ar_for_a_ragged_batch(make_pair, no_tokenizer, device, block_size, oracle):
     pair = make_pair(block_size=block_size, **no_tokenizer)
-    engine = load_pair(pair.target, pair.drafter, max_seq_len=128)
+    engine = load_pair(pair.target, pair.drafter, device=device, max_seq_len=128)
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     ar, dflash = run_both(engine, PROMPTS, params, ORACLES[oracle])
     for a, d in zip(ar, dflash):
@@ -59,26 +59,26 @@ PAIRS = {
 
 
 @pytest.mark.parametrize("name", PAIRS)
-def test_greedy_dflash_equals_ar_across_pair_layouts(make_pair, no_tokenizer, name):
+def test_greedy_dflash_equals_ar_across_pair_layouts(make_pair, no_tokenizer, device, name):
     pair = make_pair(**PAIRS[name], **no_tokenizer)
-    engine = load_pair(pair.target, pair.drafter, max_seq_len=128)
+    engine = load_pair(pair.target, pair.drafter, device=device, max_seq_len=128)
     ar, dflash = run_both(engine, PROMPTS, SamplingParams(max_tokens=29, ignore_eos=True),
                           ORACLES["random-acceptance"])
     assert [d.token_ids for d in dflash] == [a.token_ids for a in ar]
 
 
-def test_requests_join_and_leave_between_steps(make_pair, no_tokenizer):
+def test_requests_join_and_leave_between_steps(make_pair, device, no_tokenizer):
     pair = make_pair(block_size=4, **no_tokenizer)
-    engine = load_pair(pair.target, pair.drafter, max_batch_size=2, max_seq_len=128)
+    engine = load_pair(pair.target, pair.drafter, device=device, max_batch_size=2, max_seq_len=128)
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (5, 31, 2, 17, 9)]
     ar, dflash = run_both(engine, PROMPTS, params, ORACLES["random-acceptance"])
     assert [d.token_ids for d in dflash] == [a.token_ids for a in ar]
     assert [len(d.token_ids) for d in dflash] == [5, 31, 2, 17, 9]
 
 
-def test_stop_token_inside_an_accepted_block_ends_generation_there(make_pair, no_tokenizer):
+def test_stop_token_inside_an_accepted_block_ends_generation_there(make_pair, device, no_tokenizer):
     pair = make_pair(block_size=8, **no_tokenizer)
-    engine = load_pair(pair.target, pair.drafter, max_seq_len=128)
+    engine = load_pair(pair.target, pair.drafter, device=device, max_seq_len=128)
     free = engine.generate([PROMPTS[2]], SamplingParams(max_tokens=30, ignore_eos=True), mode="ar")[0].token_ids
     # a stop token that first appears at output index >= 3: inside the first verify block
     index = next(i for i in range(3, 8) if free[i] not in free[:i])
@@ -89,9 +89,9 @@ def test_stop_token_inside_an_accepted_block_ends_generation_there(make_pair, no
     assert dflash[0].stats.verify_steps == 1 and dflash[0].stats.acceptance_lengths == [8]
 
 
-def test_eos_from_the_target_config_stops_generation(make_pair, no_tokenizer):
+def test_eos_from_the_target_config_stops_generation(make_pair, device, no_tokenizer):
     pair = make_pair(block_size=4, **no_tokenizer)
-    engine = load_pair(pair.target, pair.drafter, max_seq_len=128)
+    engine = load_pair(pair.target, pair.drafter, device=device, max_seq_len=128)
     free = engine.generate([PROMPTS[1]], SamplingParams(max_tokens=20, ignore_eos=True), mode="ar")[0].token_ids
     engine.eos_token_ids = frozenset({free[4]})
     ar, dflash = run_both(engine, [PROMPTS[1]], SamplingParams(max_tokens=20), ORACLES["full-acceptance"],
@@ -99,9 +99,9 @@ def test_eos_from_the_target_config_stops_generation(make_pair, no_tokenizer):
     assert dflash[0].token_ids == ar[0].token_ids == free[: free.index(free[4]) + 1]
 
 
-def test_acceptance_statistics_add_up(make_pair, no_tokenizer):
+def test_acceptance_statistics_add_up(make_pair, device, no_tokenizer):
     pair = make_pair(block_size=4, **no_tokenizer)
-    engine = load_pair(pair.target, pair.drafter, max_seq_len=128)
+    engine = load_pair(pair.target, pair.drafter, device=device, max_seq_len=128)
     _, dflash = run_both(engine, PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
                          ORACLES["random-acceptance"])
     for d in dflash:

@@ -99,10 +99,11 @@ def exact_next_token_marginals(target, prompt, params, depth):
         seqs = [prompt + p for p in prefixes]
         n = len(seqs[0])
         cache = target.new_cache(len(seqs), n)
+        device = cache.k.device
         with torch.no_grad():
-            hidden, _ = target(torch.tensor(seqs), Batch.make(list(range(len(seqs))), [0] * len(seqs),
-                                                              [n] * len(seqs), n, "cpu"), cache)
-            probs = target_probs(target.logits(hidden[:, -1]), params).double()  # [prefixes, V]
+            hidden, _ = target(torch.tensor(seqs, device=device), Batch.make(
+                list(range(len(seqs))), [0] * len(seqs), [n] * len(seqs), n, device), cache)
+            probs = target_probs(target.logits(hidden[:, -1]), params).double().cpu()  # [prefixes, V]
         joint = weights[:, None] * probs
         marginals.append(joint.sum(0))
         prefixes = [p + [t] for p in prefixes for t in range(V)]
@@ -114,9 +115,9 @@ def exact_next_token_marginals(target, prompt, params, depth):
     SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True),
     SamplingParams(max_tokens=3, temperature=0.7, top_k=6, top_p=0.9, ignore_eos=True),
 ])
-def test_dflash_sampling_matches_the_target_distribution(make_pair, params):
+def test_dflash_sampling_matches_the_target_distribution(make_pair, device, params):
     pair = make_pair(tokenizer_tokens=None, vocab_size=12, block_size=3, init_scale=0.7)
-    engine = load_pair(pair.target, pair.drafter, max_batch_size=64, max_seq_len=16)
+    engine = load_pair(pair.target, pair.drafter, device=device, max_batch_size=64, max_seq_len=16)
     prompt = [3, 1, 4]
     expected = exact_next_token_marginals(engine.target, prompt, params, depth=3)
     n = 3000
@@ -126,7 +127,7 @@ def test_dflash_sampling_matches_the_target_distribution(make_pair, params):
                                   mode=mode)
         runs[mode] = results
         for position in range(3):
-            counts = torch.bincount(torch.tensor([r.token_ids[position] for r in results]), minlength=12)
+            counts = torch.bincount(torch.tensor([r.token_ids[position] for r in results]), minlength=12).cpu()
             assert chi_square_p(counts, expected[position]) > P_MIN, (mode, position)
     # the test exercised acceptance: some drafts were accepted, some rejected
     accepted = sum(sum(a - 1 for a in r.stats.acceptance_lengths) for r in runs["dflash"])
