@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import jinja2
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
@@ -131,16 +132,18 @@ def write_qwen_tokenizer(
 ) -> TokenizerSpec:
     """Write a Hugging Face tokenizer for `family` built from the real Qwen BPE ranks.
 
-    `num_regular_tokens=N` keeps ranks 0..N-1 only: BPE ranks are closed under merges, so
-    the prefix is a valid, smaller tokenizer that agrees with the real one on every token
-    it keeps (useful for tiny test models). Special tokens follow directly at id N.
+    `num_regular_tokens=N` keeps ranks 0..N-1 only, a valid smaller BPE for tiny test
+    models: every Qwen3 token is built from lower ranks, so the prefix encodes like the
+    real tokenizer restricted to its tokens. (Qwen3.5 is not quite closed: a few tokens
+    ranked above ~99k need a later-ranked part and become unreachable in a prefix.)
+    Special tokens follow directly at id N.
     """
     if family not in _FAMILIES:
-        raise ValueError(f"unknown tokenizer family {family!r}; expected one of {sorted(_FAMILIES)}")
+        raise ValueError(f"unknown tokenizer family {family!r}; known: {sorted(_FAMILIES)}")
     fam = _FAMILIES[family]
     n = fam.full_size if num_regular_tokens is None else num_regular_tokens
     if not 256 <= n <= fam.full_size:
-        raise ValueError(f"num_regular_tokens must be in [256, {fam.full_size}] for {family}, got {n}")
+        raise ValueError(f"num_regular_tokens must be in [256, {fam.full_size}], got {n}")
     tokens = _load_ranks(fam.rank_file, n)
     tok = _build_tokenizer(tokens, fam)
     directory = Path(directory)
@@ -178,24 +181,38 @@ def _load_ranks(rank_file: str, n: int) -> list[bytes]:
 def _derive_merges(tokens: list[bytes]) -> list[tuple[bytes, bytes]]:
     """The BPE merge that creates each multi-byte token, in rank order.
 
-    tiktoken has no merge list: a pair merges whenever its concatenation is a token, lowest
-    rank first. Replaying that on a token's own bytes, with only lower-ranked tokens
-    allowed, stops at the two parts that the final (rank r) merge joins.
+    tiktoken has no merge list: any adjacent pair whose concatenation is a token merges,
+    lowest rank first. Inside a span that ends up as token t, the merges are exactly those
+    of BPE run on t's bytes alone, so replaying that until two parts remain yields the one
+    merge HF needs for t, and listing merges by rank gives HF's merge priority = tiktoken's
+    pair priority.
     """
     ranks = {t: r for r, t in enumerate(tokens)}
-    return [_last_merge(t, r, ranks) for r, t in enumerate(tokens) if len(t) > 1]
+    merges = []
+    for token in tokens:
+        if len(token) > 1 and (pair := _last_merge(token, ranks)) is not None:
+            merges.append(pair)
+    return merges
 
 
-def _last_merge(token: bytes, rank: int, ranks: dict[bytes, int]) -> tuple[bytes, bytes]:
+def _last_merge(token: bytes, ranks: dict[bytes, int]) -> tuple[bytes, bytes] | None:
+    """The two parts BPE joins last to form `token`, or None if BPE never forms it.
+
+    Intermediates may outrank `token`: Qwen3.5's vocabulary is not closed under merges
+    (e.g. "人力资源" ranks below "人力"), and 201 of its tokens cannot be reached at all
+    (e.g. "俱乐部" gets stuck at three parts). Such tokens get no merge, which leaves
+    247587 merges, the count of the published Qwen3.5 merges.txt. tiktoken still emits them
+    when a whole regex piece equals one; HF BPE (without ignore_merges) never does.
+    """
     parts = [token[i : i + 1] for i in range(len(token))]
     while len(parts) > 2:
-        best_rank, best_i = rank, -1
+        best_rank, best_i = len(ranks), -1
         for i in range(len(parts) - 1):
-            r = ranks.get(parts[i] + parts[i + 1], rank)
-            if r < best_rank:  # strict: leftmost pair wins ties, like tiktoken
+            r = ranks.get(parts[i] + parts[i + 1], best_rank)
+            if r < best_rank:  # strict: the leftmost pair wins ties, as in tiktoken
                 best_rank, best_i = r, i
         if best_i < 0:
-            raise ValueError(f"token {token!r} (rank {rank}) cannot be built from lower ranks")
+            return None
         parts[best_i : best_i + 2] = [parts[best_i] + parts[best_i + 1]]
     return parts[0], parts[1]
 
@@ -222,13 +239,15 @@ def _build_tokenizer(tokens: list[bytes], fam: _Family) -> tokenizers.Tokenizer:
 
     vocab = {to_str(t): rank for rank, t in enumerate(tokens)}
     merges = [(to_str(a), to_str(b)) for a, b in _derive_merges(tokens)]
+    # ignore_merges=False like transformers' Qwen classes, which rebuild the BPE from our
+    # vocab/merges that way; True would only differ on Qwen3.5's BPE-unreachable tokens.
     tok = tokenizers.Tokenizer(BPE(vocab, merges, byte_fallback=False, ignore_merges=False))
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
             pre_tokenizers.Split(Regex(fam.pattern), behavior="isolated"),
             # The regex above already split the text; ByteLevel only maps bytes to chars.
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
         ]
     )
     tok.decoder = decoders.ByteLevel()
@@ -241,8 +260,8 @@ def _add_qwen_tokens(tok: tokenizers.Tokenizer, fam: _Family, first_id: int) -> 
     for offset, (content, special) in enumerate(fam.added_tokens):
         added = AddedToken(content, special=special, normalized=False)
         (tok.add_special_tokens if special else tok.add_tokens)([added])
-        if tok.token_to_id(content) != first_id + offset:
-            raise AssertionError(f"{content} got id {tok.token_to_id(content)}, not {first_id + offset}")
+        if (got := tok.token_to_id(content)) != first_id + offset:
+            raise RuntimeError(f"{content} got id {got}, expected {first_id + offset}")
 
 
 def _tokenizer_config(fam: _Family, n: int) -> dict[str, Any]:
@@ -309,7 +328,7 @@ class Tokenizer:
         self._pad_token_id = self._required_id(config.get("pad_token") or ENDOFTEXT, "pad_token")
         self._endoftext_id = backend.token_to_id(ENDOFTEXT)
         template = config.get("chat_template")
-        self._template = _compile_template(template) if template else None
+        self._template = _compile_template(template, source / CONFIG_FILE) if template else None
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -372,11 +391,14 @@ class Tokenizer:
         )
 
 
-def _compile_template(source: str):
+def _compile_template(source: str, config_path: Path) -> jinja2.Template:
     # Same environment settings as transformers, so a template renders identically there.
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = _raise_template_error
-    return env.from_string(source)
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise TokenizerFileError(f"{config_path}: bad chat_template: {exc}") from exc
 
 
 def _read_backend(path: Path) -> tokenizers.Tokenizer:

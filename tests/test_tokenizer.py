@@ -295,6 +295,18 @@ def _corrupt_file(directory, name):
     (directory / name).write_text('{"not": "closed"', encoding="utf-8")
 
 
+def _break_chat_template(directory, name):
+    config = json.loads((directory / name).read_text())
+    config["chat_template"] = "{% for m in messages %}"  # never closed
+    (directory / name).write_text(json.dumps(config))
+
+
+def _unknown_eos(directory, name):
+    config = json.loads((directory / name).read_text())
+    config["eos_token"] = "<|no_such_token|>"
+    (directory / name).write_text(json.dumps(config))
+
+
 @pytest.mark.parametrize(
     ("damage", "name", "error"),
     [
@@ -302,6 +314,8 @@ def _corrupt_file(directory, name):
         (_drop_file, "tokenizer_config.json", FileNotFoundError),
         (_corrupt_file, "tokenizer.json", ValueError),
         (_corrupt_file, "tokenizer_config.json", ValueError),
+        (_break_chat_template, "tokenizer_config.json", ValueError),
+        (_unknown_eos, "tokenizer_config.json", ValueError),
     ],
 )
 def test_loading_a_damaged_directory_names_the_bad_file(small, tmp_path, damage, name, error):
