@@ -19,3 +19,7 @@ class PairError(DFlashError):
 
 class RequestError(DFlashError):
     """A generation request that the engine cannot serve (bad length, bad sampling value)."""
+
+
+class BuildError(DFlashError):
+    """A build that cannot proceed (missing source, existing output, failed step)."""

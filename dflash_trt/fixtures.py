@@ -210,3 +210,11 @@ def write_tiny_pair(directory: Path, spec: TinyPairSpec = TinyPairSpec()) -> Pai
     write_safetensors(drafter_dir, drafter_tensors(spec, len(taps), vocab_size))
     _write_json(directory / "fixture.json", {k: v for k, v in asdict(spec).items() if k != "extra_draft_config"})
     return PairPaths(target_dir, drafter_dir)
+
+
+# The embedded demo pair: small enough to build in seconds on a laptop CPU, with the first
+# 8000 merges of the real Qwen3 tokenizer so prompts and outputs are real text.
+DEMO_SPEC = TinyPairSpec(
+    hidden_size=256, intermediate_size=768, num_layers=6, num_heads=8, num_kv_heads=2, head_dim=32,
+    draft_layers=2, target_layer_ids=(1, 3, 4), block_size=8, tokenizer_tokens=8000, seed=2026,
+)

@@ -69,10 +69,14 @@ class Checkpoint:
         raise CheckpointError(f"{self.directory}: tensor '{prefixes[0] + name}' is missing from the checkpoint")
 
 
-def _sources(module: nn.Module, param_name: str) -> list[str]:
-    """Checkpoint tensor names that make up one model parameter, in stacking order."""
+def _sources(module: nn.Module, param_name: str, checkpoint: Checkpoint, prefixes: tuple[str, ...]) -> list[str]:
+    """Checkpoint tensor names that make up one model parameter, in stacking order.
+
+    An engine directory stores fused tensors under the parameter's own name; a Hugging Face
+    checkpoint stores the separate projections that a PackedLinear stacks.
+    """
     owner, _, leaf = param_name.rpartition(".")
-    if isinstance(module, PackedLinear):
+    if isinstance(module, PackedLinear) and not any(p + param_name in checkpoint for p in prefixes):
         base = owner.rpartition(".")[0]
         return [f"{base}.{shard}.{leaf}".lstrip(".") for shard in module.shards]
     return [param_name]
@@ -87,14 +91,15 @@ def load_weights(model: nn.Module, checkpoint: Checkpoint, prefixes: tuple[str, 
             continue
         module = modules[param_name.rpartition(".")[0]]
         parts = []
-        for source in _sources(module, param_name):
+        sources = _sources(module, param_name, checkpoint, prefixes)
+        for source in sources:
             stored = checkpoint.resolve(source, prefixes)
             parts.append(checkpoint.get(stored))
         tensor = torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]
         if tuple(tensor.shape) != tuple(param.shape):
-            shapes = ", ".join(f"{s}{tuple(p.shape)}" for s, p in zip(_sources(module, param_name), parts))
+            shapes = ", ".join(f"{s}{tuple(p.shape)}" for s, p in zip(sources, parts))
             raise CheckpointError(
-                f"{checkpoint.files[checkpoint.resolve(_sources(module, param_name)[0], prefixes)]}: "
+                f"{checkpoint.files[checkpoint.resolve(sources[0], prefixes)]}: "
                 f"tensor {shapes} does not fit parameter '{param_name}' of shape {tuple(param.shape)}"
             )
         with torch.no_grad():

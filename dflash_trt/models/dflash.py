@@ -75,7 +75,7 @@ class DFlashDrafter(nn.Module):
 
     def append_context(self, taps: torch.Tensor, batch: Batch, cache: KVCache) -> None:
         """Project committed rows' taps [bs, width, K*H] into every layer's draft cache."""
-        c = self.hidden_norm(self.fc(taps))
+        c = self.hidden_norm(self.fc(taps.to(self.fc.weight.dtype)))
         cos, sin = self.rotary(batch.positions, c.dtype)
         for layer in self.layers:
             k, v = layer.self_attn.context_kv(c, cos, sin)
@@ -83,8 +83,8 @@ class DFlashDrafter(nn.Module):
 
     def forward(self, block_ids: torch.Tensor, batch: Batch, cache: KVCache) -> torch.Tensor:
         """block_ids [bs, B] at positions start..start+B-1 -> final hidden [bs, B, H]."""
-        x = self.embed_tokens(block_ids)
-        cos, sin = self.rotary(batch.positions, x.dtype)
+        x = self.embed_tokens(block_ids).float()  # fp32 residual stream, as in the target
+        cos, sin = self.rotary(batch.positions, self.fc.weight.dtype)
         masks = self._masks(batch)
         for layer in self.layers:
             x = layer(x, cos, sin, masks[layer.self_attn.sliding], batch, cache)

@@ -16,10 +16,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32, scale in the model dtype: the order Qwen3 was trained with.
+        # Normalise in fp32, scale in the weights' dtype: the order Qwen3 was trained with.
+        # The input may be the fp32 residual stream; the output is always in the model dtype.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return self.weight * x32.to(self.weight.dtype)
 
 
 class Rotary(nn.Module):

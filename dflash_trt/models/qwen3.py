@@ -52,8 +52,11 @@ class Qwen3Model(nn.Module):
 
     def forward(self, input_ids, batch: Batch, cache: KVCache, taps: tuple[int, ...] = ()):
         """input_ids [bs, width] -> (final hidden [bs, width, H], taps [bs, width, K*H] or None)."""
-        x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(batch.positions, x.dtype)
+        # The residual stream stays fp32 even for bf16 weights: rounding it to bf16 after
+        # every layer is the largest source of bf16 noise, and that noise decides greedy
+        # near-ties differently for a verify block than for one-token AR steps.
+        x = self.embed_tokens(input_ids).float()
+        cos, sin = self.rotary(batch.positions, self.embed_tokens.weight.dtype)
         key_pos = torch.arange(batch.max_end, device=x.device).expand(batch.size, -1)
         key_valid = key_pos < (batch.start + batch.num_tokens)[:, None]
         mask = attention_mask(batch.positions, key_pos, key_valid, causal=True, window=None)
