@@ -36,8 +36,8 @@ class BuildConfig:
 
     target: str = ""  # local directory or Hugging Face id; empty: the embedded demo pair
     drafter: str = ""
-    dtype: str = "bfloat16"
-    device: str = "cpu"  # where the engine will run (cuda: GPU dtype rules, plugins when present)
+    dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu (CPU bf16 matmuls are slow)
+    device: str = "cpu"  # where the engine will run
     max_batch_size: int = 8  # concurrent sequences in the engine
     max_input_len: int = 2048  # prompt tokens
     max_output_len: int = 1024  # generated tokens per request
@@ -47,8 +47,8 @@ class BuildConfig:
 
     def __post_init__(self):
         problems = []
-        if self.dtype not in DTYPES:
-            problems.append(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPES + ("auto",):
+            problems.append(f"dtype must be one of auto, {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.device not in DEVICES:
             problems.append(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         for name in ("max_batch_size", "max_input_len", "max_output_len", "triton_max_batch_size"):
@@ -66,10 +66,16 @@ class BuildConfig:
         return self.max_input_len + self.max_output_len
 
     @property
+    def resolved_dtype(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if self.device == "cuda" else "float32"
+
+    @property
     def torch_dtype(self):
         import torch
 
-        return getattr(torch, self.dtype)
+        return getattr(torch, self.resolved_dtype)
 
     @classmethod
     def from_mapping(cls, data: dict, source: str) -> "BuildConfig":
@@ -122,7 +128,7 @@ def resolve_source(source: str, role: str) -> Path:
     path = Path(source).expanduser()
     if path.is_dir():
         return path
-    if source.count("/") != 1 or path.exists():
+    if source.count("/") != 1 or source.startswith((".", "/", "~")) or path.exists():
         raise BuildError(f"{role} {source!r}: not a directory and not a Hugging Face id (org/name)")
     hub = Path(os.environ.get("HF_HUB_CACHE") or Path(os.environ.get("HF_HOME", "~/.cache/huggingface")) / "hub")
     repo = hub.expanduser() / f"models--{source.replace('/', '--')}"
@@ -209,7 +215,7 @@ def run(config: BuildConfig, output: Path, force: bool = False) -> Path:
         drafter = load_drafter(drafter_src, target, "cpu", config.torch_dtype)
         Tokenizer.from_dir(target_src)  # fails early, naming the file, if the tokenizer is broken
         engine_dir = work / "out" / "engine"
-        _log("packing weights (fused qkv and gate_up, cast to " + config.dtype + ")")
+        _log(f"packing weights (fused qkv and gate_up, cast to {config.resolved_dtype})")
         _save_model(target, engine_dir / "target", target_src)
         _save_model(drafter, engine_dir / "drafter", drafter_src)
         _copy_tokenizer(target_src, engine_dir / "tokenizer")

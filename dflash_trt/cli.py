@@ -1,0 +1,135 @@
+"""The `dflash-trt` command line: thin click commands over the library.
+
+Library errors cross into click exactly once, in `_errors()`: a DFlashError becomes a
+ClickException (exit 1); bad flags are click usage errors (exit 2). Heavy imports (torch,
+tritonclient) happen inside the commands so `dflash-trt --help` is instant.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from pathlib import Path
+
+import click
+
+from dflash_trt import __version__
+from dflash_trt.errors import DFlashError
+
+
+@contextlib.contextmanager
+def _errors():
+    try:
+        yield
+    except DFlashError as e:
+        raise click.ClickException(str(e)) from None
+
+
+def _preset_names() -> list[str]:
+    from dflash_trt.build import preset_names
+
+    return preset_names()
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="dflash-trt")
+def cli():
+    """Lossless DFlash speculative decoding for Qwen, served by Triton.
+
+    \b
+    dflash-trt build -o out/demo                 # the embedded demo pair
+    dflash-trt run out/demo "Write a haiku." --stats
+    dflash-trt build --preset qwen3-8b-b16 -o out/qwen3-8b
+    """
+
+
+@cli.command()
+@click.option("--target", metavar="SRC", help="Target checkpoint: local directory or Hugging Face id.")
+@click.option("--drafter", metavar="SRC", help="DFlash drafter checkpoint: local directory or Hugging Face id.")
+@click.option("--preset", type=click.Choice(_preset_names()), help="A build_configs/*.toml preset.")
+@click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="A TOML file with BuildConfig fields (instead of --preset).")
+@click.option("-o", "--output", required=True, type=click.Path(path_type=Path), help="Output directory.")
+@click.option("--force", is_flag=True, help="Overwrite an existing output directory.")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]))
+@click.option("--device", type=click.Choice(["cpu", "cuda"]))
+@click.option("--max-batch-size", type=click.IntRange(min=1))
+@click.option("--max-input-len", type=click.IntRange(min=1))
+@click.option("--max-output-len", type=click.IntRange(min=1))
+@click.option("--block-size", type=click.IntRange(min=0))
+def build(target, drafter, preset, config_file, output, force, **overrides):
+    """Build an engine directory and Triton model repository.
+
+    With no --target/--drafter (and no preset naming them) the embedded demo pair is built.
+
+    \b
+    dflash-trt build -o out/demo
+    dflash-trt build --target Qwen/Qwen3-8B --drafter z-lab/Qwen3-8B-DFlash-b16 --device cuda -o out/q8
+    """
+    from dflash_trt import build as build_lib
+
+    if preset and config_file:
+        raise click.UsageError("give --preset or --config, not both")
+    with _errors():
+        config = build_lib.resolve_config(preset, config_file, target=target, drafter=drafter, **overrides)
+        path = build_lib.run(config, output, force=force)
+    click.echo(path)
+
+
+def _sampling_options(command):
+    options = [
+        click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True),
+        click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True),
+        click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True),
+        click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=1.0, show_default=True),
+        click.option("--seed", type=int),
+        click.option("--chat/--no-chat", default=True, show_default=True, help="Apply the chat template."),
+        click.option("--thinking/--no-thinking", default=False, show_default=True,
+                     help="Let the model think first (Qwen3 chat template)."),
+        click.option("--stats", is_flag=True, help="Print acceptance length and tokens/s to stderr."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+@cli.command()
+@click.argument("output_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("prompt")
+@click.option("--mode", type=click.Choice(["dflash", "ar"]), default="dflash", show_default=True)
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), help="Default: the device the engine was built for.")
+@_sampling_options
+def run(output_dir, prompt, mode, device, max_tokens, temperature, top_k, top_p, seed, chat, thinking, stats):
+    """Generate in-process from a built engine (no server).
+
+    \b
+    dflash-trt run out/demo "Write a quicksort in Python." --stats
+    """
+    import time
+
+    from dflash_trt.build import load_engine
+    from dflash_trt.sampling import SamplingParams
+
+    with _errors():
+        loaded = load_engine(output_dir / "engine", device)
+        tok = loaded.tokenizer
+        text = tok.apply_chat_template([{"role": "user", "content": prompt}], enable_thinking=thinking) if chat else prompt
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                                stop_token_ids=tuple(tok.stop_token_ids))
+        start = time.perf_counter()
+        result = loaded.engine.generate([tok.encode(text)], params, mode=mode)[0]
+        elapsed = time.perf_counter() - start
+    click.echo(tok.decode(result.token_ids))
+    if stats:
+        s = result.stats
+        tau = f"{s.mean_acceptance_length:.2f}" if mode == "dflash" else "n/a (AR)"
+        click.echo(f"[{mode}] {s.output_tokens} tokens in {elapsed:.2f}s = {s.output_tokens / elapsed:.1f} tok/s; "
+                   f"mean acceptance length {tau}; verify steps {s.verify_steps}", err=True)
+
+
+def main():  # pragma: no cover - `python -m dflash_trt`
+    cli(prog_name="dflash-trt")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
