@@ -127,6 +127,79 @@ def run(output_dir, prompt, mode, device, max_tokens, temperature, top_k, top_p,
                    f"mean acceptance length {tau}; verify steps {s.verify_steps}", err=True)
 
 
+@cli.command()
+@click.argument("output_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--http-port", type=click.IntRange(1, 65535), default=8000, show_default=True)
+@click.option("--grpc-port", type=click.IntRange(1, 65535), default=8001, show_default=True)
+@click.option("--metrics-port", type=click.IntRange(1, 65535), default=8002, show_default=True)
+@click.option("--host", default="0.0.0.0", show_default=True)
+@click.option("--tritonserver", "tritonserver", type=click.Path(path_type=Path), envvar="DFLASH_TRT_TRITONSERVER",
+              help="tritonserver binary (default: PATH, then the one bundled in nvidia-pytriton).")
+def serve(output_dir, http_port, grpc_port, metrics_port, host, tritonserver):
+    """Serve a built output directory with a real tritonserver until Ctrl-C.
+
+    \b
+    dflash-trt serve out/demo
+    dflash-trt generate "Write a haiku." --stream --stats
+    """
+    import signal
+
+    from dflash_trt.serve import TritonServer
+
+    def shutdown(signum, frame):
+        raise KeyboardInterrupt
+
+    with _errors():
+        server = TritonServer(output_dir / "model_repository", http_port=http_port, grpc_port=grpc_port,
+                              metrics_port=metrics_port, host=host, tritonserver=tritonserver)
+        endpoints = server.start()
+    click.echo(f"HTTP    {endpoints.http}\nGRPC    {endpoints.grpc}\nmetrics {endpoints.metrics}")
+    signal.signal(signal.SIGTERM, shutdown)
+    try:
+        code = server.wait()
+    except KeyboardInterrupt:
+        click.echo("stopping tritonserver", err=True)
+        server.stop()
+        return
+    if code != 0:
+        raise click.ClickException(f"tritonserver exited with code {code}")
+
+
+@cli.command()
+@click.argument("prompt")
+@click.option("--url", default="localhost:8001", show_default=True,
+              help="Server address (gRPC port for grpc, HTTP port for http).")
+@click.option("--protocol", type=click.Choice(["grpc", "http"]), default="grpc", show_default=True)
+@click.option("--stream", is_flag=True, help="Print text as it arrives (gRPC).")
+@_sampling_options
+def generate(prompt, url, protocol, stream, max_tokens, temperature, top_k, top_p, seed, chat, thinking, stats):
+    """Send one prompt to a running server and print the answer.
+
+    \b
+    dflash-trt generate "Write a quicksort in Python." --stream --stats
+    """
+    import time
+
+    from dflash_trt import client
+
+    completion = client.Completion()
+    start = time.perf_counter()
+    with _errors():
+        for chunk in client.generate(url, prompt, protocol=protocol, stream=stream, completion=completion,
+                                     max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                     seed=seed, chat=chat, thinking=thinking, stats=stats):
+            click.echo(chunk, nl=False)
+    click.echo()
+    if stats:
+        elapsed = time.perf_counter() - start
+        m = completion.metrics
+        tokens = m.get("num_output_tokens", 0)
+        click.echo(f"{tokens} tokens in {elapsed:.2f}s = {tokens / elapsed:.1f} tok/s (client side); "
+                   f"acceptance rate {m.get('acceptance_rate', 0):.3f} "
+                   f"({m.get('total_accepted_draft_tokens', 0)}/{m.get('total_draft_tokens', 0)} drafts accepted)",
+                   err=True)
+
+
 def main():  # pragma: no cover - `python -m dflash_trt`
     cli(prog_name="dflash-trt")
 

@@ -1,0 +1,109 @@
+"""A small tritonclient wrapper for the `ensemble` model (what `dflash-trt generate` uses).
+
+Any tritonclient script that speaks the Triton TensorRT-LLM backend's ensemble contract
+works the same way; this module only saves the boilerplate.
+"""
+
+from __future__ import annotations
+
+import queue
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import numpy as np
+
+from dflash_trt import protocol as p
+from dflash_trt.errors import DFlashError
+
+
+class ClientError(DFlashError):
+    """The server answered with an error, or could not be reached."""
+
+
+@dataclass
+class Completion:
+    """Filled as responses arrive; `metrics` holds the perf outputs when they were asked for."""
+
+    text: str = ""
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def _inputs(module, prompt: str, *, max_tokens: int, stream: bool, temperature: float, top_k: int, top_p: float,
+            seed: int | None, chat: bool, thinking: bool, stats: bool):
+    values = [
+        (p.TEXT_INPUT, np.array([[prompt.encode()]], dtype=np.object_)),
+        (p.MAX_TOKENS, np.array([[max_tokens]], dtype=np.int32)),
+        (p.STREAM, np.array([[stream]])),
+        (p.TEMPERATURE, np.array([[temperature]], dtype=np.float32)),
+        (p.TOP_K, np.array([[top_k]], dtype=np.int32)),
+        (p.TOP_P, np.array([[top_p]], dtype=np.float32)),
+        (p.CHAT, np.array([[chat]])),
+        (p.THINKING, np.array([[thinking]])),
+        (p.RETURN_PERF_METRICS, np.array([[stats]])),
+    ]
+    if seed is not None:
+        values.append((p.SEED, np.array([[seed]], dtype=np.uint64)))
+    tensors = []
+    for name, value in values:
+        dtype = "BYTES" if value.dtype == np.object_ else {np.bool_: "BOOL", np.int32: "INT32", np.float32: "FP32",
+                                                           np.uint64: "UINT64"}[value.dtype.type]
+        tensor = module.InferInput(name, list(value.shape), dtype)
+        tensor.set_data_from_numpy(value)
+        tensors.append(tensor)
+    return tensors
+
+
+def _read(result, completion: Completion) -> str:
+    chunk = b"".join(result.as_numpy(p.TEXT_OUTPUT).reshape(-1)).decode()
+    completion.text += chunk
+    for spec in p.PERF_OUTPUTS:
+        value = result.as_numpy(spec.name)
+        if value is not None:
+            completion.metrics[spec.name] = value.reshape(-1)[0].item()
+    return chunk
+
+
+def generate(url: str, prompt: str, *, protocol: str = "grpc", stream: bool = False,
+             completion: Completion | None = None, **options) -> Iterator[str]:
+    """Yield the text as it arrives (one chunk when not streaming); fills `completion`."""
+    completion = completion if completion is not None else Completion()
+    if stream and protocol != "grpc":
+        raise ClientError("streaming needs --protocol grpc (Triton's HTTP streaming is the generate_stream endpoint)")
+    if protocol == "http":
+        import tritonclient.http as module
+        from tritonclient.utils import InferenceServerException
+
+        try:
+            client = module.InferenceServerClient(url)
+            result = client.infer(p.ENSEMBLE, _inputs(module, prompt, stream=False, **options))
+        except (InferenceServerException, ConnectionError, OSError) as e:
+            raise ClientError(f"{url}: {e}") from None
+        yield _read(result, completion)
+        return
+    yield from _grpc(url, prompt, stream, completion, options)
+
+
+def _grpc(url, prompt, stream, completion, options) -> Iterator[str]:
+    import tritonclient.grpc as module
+    from tritonclient.utils import InferenceServerException
+
+    responses: queue.Queue = queue.Queue()
+    client = module.InferenceServerClient(url)
+    try:
+        client.start_stream(callback=lambda result, error: responses.put((result, error)))
+        client.async_stream_infer(p.ENSEMBLE, _inputs(module, prompt, stream=stream, **options),
+                                  enable_empty_final_response=True)
+        while True:
+            result, error = responses.get()
+            if error is not None:
+                raise ClientError(f"{url}: {error}")
+            final = result.get_response().parameters.get("triton_final_response")
+            if result.as_numpy(p.TEXT_OUTPUT) is not None:
+                yield _read(result, completion)
+            if final is None or final.bool_param:
+                return
+    except InferenceServerException as e:
+        raise ClientError(f"{url}: {e}") from None
+    finally:
+        client.stop_stream(cancel_requests=True)
+        client.close()
