@@ -13,7 +13,7 @@ from torch import nn
 
 from dflash_trt.config import DraftConfig, LayerDims
 from dflash_trt.kv_cache import Batch, KVCache
-from dflash_trt.models.layers import MLP, AttentionProjections, RMSNorm, Rotary, apply_rope
+from dflash_trt.models.layers import AttentionProjections, DecoderLayer, RMSNorm, Rotary, apply_rope
 from dflash_trt.ops import attention_mask, block_attention
 
 
@@ -38,19 +38,6 @@ class DFlashAttention(AttentionProjections):
         return self.o_proj(out)
 
 
-class DFlashDecoderLayer(nn.Module):
-    def __init__(self, dims: LayerDims, layer_idx: int, sliding: bool):
-        super().__init__()
-        self.input_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
-        self.self_attn = DFlashAttention(dims, layer_idx, sliding)
-        self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
-        self.mlp = MLP(dims)
-
-    def forward(self, x, cos, sin, mask, batch, cache):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, batch, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
 class DFlashDrafter(nn.Module):
     def __init__(self, config: DraftConfig):
         super().__init__()
@@ -59,7 +46,8 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(config.num_taps * dims.hidden_size, dims.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
         self.layers = nn.ModuleList(
-            DFlashDecoderLayer(dims, i, kind == "sliding_attention") for i, kind in enumerate(config.layer_types)
+            DecoderLayer(dims, DFlashAttention(dims, i, kind == "sliding_attention"))
+            for i, kind in enumerate(config.layer_types)
         )
         self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
         self.rotary = Rotary(dims.head_dim, dims.rope_theta)  # the drafter's own RoPE config

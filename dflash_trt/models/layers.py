@@ -95,3 +95,19 @@ class MLP(nn.Module):
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block (HF names); the target and the drafter differ only in the
+    attention module they pass in."""
+
+    def __init__(self, dims: LayerDims, self_attn: nn.Module):
+        super().__init__()
+        self.input_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
+        self.self_attn = self_attn
+        self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
+        self.mlp = MLP(dims)
+
+    def forward(self, x, *attention_args):
+        x = x + self.self_attn(self.input_layernorm(x), *attention_args)
+        return x + self.mlp(self.post_attention_layernorm(x))

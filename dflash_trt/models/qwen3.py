@@ -12,7 +12,7 @@ from torch import nn
 
 from dflash_trt.config import LayerDims, TargetConfig
 from dflash_trt.kv_cache import Batch, KVCache
-from dflash_trt.models.layers import MLP, AttentionProjections, RMSNorm, Rotary
+from dflash_trt.models.layers import AttentionProjections, DecoderLayer, RMSNorm, Rotary
 from dflash_trt.ops import attention_mask, block_attention
 
 
@@ -28,25 +28,12 @@ class Qwen3Attention(AttentionProjections):
         return self.o_proj(block_attention(q, k_all, v_all, mask, self.scale))
 
 
-class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, dims: LayerDims, layer_idx: int):
-        super().__init__()
-        self.input_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
-        self.self_attn = Qwen3Attention(dims, layer_idx)
-        self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
-        self.mlp = MLP(dims)
-
-    def forward(self, x, cos, sin, mask, batch, cache):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, batch, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
 class Qwen3Model(nn.Module):
     def __init__(self, config: TargetConfig):
         super().__init__()
         dims = config.dims
         self.embed_tokens = nn.Embedding(config.vocab_size, dims.hidden_size)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(dims, i) for i in range(dims.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(dims, Qwen3Attention(dims, i)) for i in range(dims.num_hidden_layers))
         self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
         self.rotary = Rotary(dims.head_dim, dims.rope_theta)
 
