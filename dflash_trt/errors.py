@@ -23,3 +23,7 @@ class RequestError(DFlashError):
 
 class BuildError(DFlashError):
     """A build that cannot proceed (missing source, existing output, failed step)."""
+
+
+class ServeError(DFlashError):
+    """tritonserver cannot be found, prepared, started or kept running."""
