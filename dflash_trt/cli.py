@@ -154,6 +154,7 @@ def serve(output_dir, http_port, grpc_port, metrics_port, host, tritonserver):
                               metrics_port=metrics_port, host=host, tritonserver=tritonserver)
         endpoints = server.start()
     click.echo(f"HTTP    {endpoints.http}\nGRPC    {endpoints.grpc}\nmetrics {endpoints.metrics}")
+    click.echo(f"server log: {server.log_path}", err=True)
     signal.signal(signal.SIGTERM, shutdown)
     try:
         code = server.wait()
