@@ -45,6 +45,7 @@ class TinyPairSpec:
     # Larger than HF's 0.02 so tiny random models have well-separated logits (greedy
     # comparisons would otherwise hinge on near-ties).
     init_scale: float = 1.0
+    dtype: str = "float32"  # stored dtype of the weight files
     extra_draft_config: dict = field(default_factory=dict, hash=False, compare=False)
 
 
@@ -128,12 +129,13 @@ def _layer_config(spec: TinyPairSpec, num_layers: int, rope_theta: float) -> dic
         "max_position_embeddings": 4096,
         "attention_bias": False,
         "attention_dropout": 0.0,
-        "torch_dtype": "float32",
+        "torch_dtype": spec.dtype,
     }
 
 
-def write_safetensors(directory: Path, tensors: dict[str, torch.Tensor], num_shards: int = 1) -> None:
-    tensors = {name: t.contiguous() for name, t in tensors.items()}
+def write_safetensors(directory: Path, tensors: dict[str, torch.Tensor], num_shards: int = 1,
+                      dtype: torch.dtype | None = None) -> None:
+    tensors = {name: (t.to(dtype) if dtype else t).contiguous() for name, t in tensors.items()}
     if num_shards == 1:
         save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
         return
@@ -184,7 +186,8 @@ def write_tiny_pair(directory: Path, spec: TinyPairSpec = TinyPairSpec()) -> Pai
     _write_json(target_dir / "config.json", target_config)
     _write_json(target_dir / "generation_config.json",
                 {"bos_token_id": bos, "eos_token_id": [eos, pad], "pad_token_id": pad, "do_sample": False})
-    write_safetensors(target_dir, target_tensors(spec, vocab_size), spec.num_shards)
+    dtype = getattr(torch, spec.dtype)
+    write_safetensors(target_dir, target_tensors(spec, vocab_size), spec.num_shards, dtype)
 
     taps = spec.target_layer_ids or default_target_layer_ids(spec.draft_layers, spec.num_layers)
     dflash_config = {"mask_token_id": mask_id}
@@ -207,7 +210,7 @@ def write_tiny_pair(directory: Path, spec: TinyPairSpec = TinyPairSpec()) -> Pai
         draft_config["block_size"] = spec.block_size
     draft_config.update(spec.extra_draft_config)
     _write_json(drafter_dir / "config.json", draft_config)
-    write_safetensors(drafter_dir, drafter_tensors(spec, len(taps), vocab_size))
+    write_safetensors(drafter_dir, drafter_tensors(spec, len(taps), vocab_size), dtype=dtype)
     _write_json(directory / "fixture.json", {k: v for k, v in asdict(spec).items() if k != "extra_draft_config"})
     return PairPaths(target_dir, drafter_dir)
 
