@@ -196,6 +196,7 @@ def generate(prompt, url, protocol, stream, max_tokens, temperature, top_k, top_
         m = completion.metrics
         tokens = m.get("num_output_tokens", 0)
         click.echo(f"{tokens} tokens in {elapsed:.2f}s = {tokens / elapsed:.1f} tok/s (client side); "
+                   f"mean acceptance length {m.get('mean_acceptance_length', 0):.2f}; "
                    f"acceptance rate {m.get('acceptance_rate', 0):.3f} "
                    f"({m.get('total_accepted_draft_tokens', 0)}/{m.get('total_draft_tokens', 0)} drafts accepted)",
                    err=True)

@@ -40,6 +40,7 @@ def _inputs(module, prompt: str, *, max_tokens: int, stream: bool, temperature: 
         (p.CHAT, np.array([[chat]])),
         (p.THINKING, np.array([[thinking]])),
         (p.RETURN_PERF_METRICS, np.array([[stats]])),
+        (p.EXCLUDE_INPUT_IN_OUTPUT, np.array([[True]])),  # print the answer, not the prompt again
     ]
     if seed is not None:
         values.append((p.SEED, np.array([[seed]], dtype=np.uint64)))
@@ -75,7 +76,8 @@ def generate(url: str, prompt: str, *, protocol: str = "grpc", stream: bool = Fa
 
         try:
             client = module.InferenceServerClient(url)
-            result = client.infer(p.ENSEMBLE, _inputs(module, prompt, stream=False, **options))
+            # Triton 2.51 refuses unary calls on an ensemble with a decoupled step; ensemble_unary relays them.
+            result = client.infer(p.ENSEMBLE_UNARY, _inputs(module, prompt, stream=False, **options))
         except (InferenceServerException, ConnectionError, OSError) as e:
             raise ClientError(f"{url}: {e}") from None
         yield _read(result, completion)

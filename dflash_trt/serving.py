@@ -1,0 +1,411 @@
+"""Serving logic behind the Triton models, free of Triton so it is unit-tested without it.
+
+- `Preprocessor`: text request -> token ids, stop-word lists, resolved end/pad ids.
+- `EngineWorker`: one thread owning the Engine. Requests join between steps (continuous
+  batching); every step's new tokens are turned into text and sent through the request's
+  `Sink`; cancelled requests are aborted; a failing step fails its requests, not the thread.
+- `IncrementalDetokenizer`: stream chunks that never split a character.
+- `postprocess`: what the postprocessing model does to each dflash response.
+
+Detokenization happens here, in the dflash model's engine thread, not in postprocessing:
+a correct incremental detokenizer needs per-request state across a stream's responses (where
+the last chunk ended), and ensemble postprocessing executions are independent (any instance,
+any batch, no request identity). Decoding the few new tokens of a step costs microseconds,
+and the stop-word and end-token bookkeeping that decides the text lives here anyway.
+Postprocessing therefore only maps the text and the perf metrics onto the ensemble outputs.
+
+Output semantics follow the Triton TensorRT-LLM backend:
+- the end token (eos, or the request's `end_id`) is not part of the output; a stop word is;
+- `exclude_input_in_output=false` (the default) prefixes the non-streamed text with the prompt
+  (the prompt and output ids are decoded together); streaming never repeats the prompt;
+- `pad_id` is accepted and ignored: every response carries one unpadded string;
+- stop words match token sequences (as tokenized alone by preprocessing), like TensorRT-LLM's;
+- `bad_words` is refused (the engine has no logit masking yet), as are requests of batch > 1.
+
+Cancellation: a request whose client cancels is aborted between steps. Triton 2.51 does not
+pass the cancellation of an *ensemble* request on to its running dflash request, so only
+direct dflash calls are aborted early; an abandoned ensemble stream generates to its end.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Protocol
+
+import numpy as np
+
+from dflash_trt import protocol as p
+from dflash_trt.errors import BuildError, DFlashError, RequestError
+
+TOKENIZER_DIR = "tokenizer"  # inside the engine directory, as `build` writes it
+REPLACEMENT_CHAR = "\ufffd"  # what decoding puts in place of an incomplete UTF-8 sequence
+
+
+def read_limits(engine_dir: Path) -> p.Limits:
+    """The request limits of a built engine, from its engine.json (no weights loaded)."""
+    from dflash_trt.build import ENGINE_FILE, BuildConfig
+
+    path = Path(engine_dir) / ENGINE_FILE
+    try:
+        config = BuildConfig.from_mapping(json.loads(path.read_text())["build_config"], str(path))
+    except FileNotFoundError:
+        raise BuildError(f"{path}: not found; is {engine_dir} an engine directory from `dflash-trt build`?") from None
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise BuildError(f"{path}: not a valid engine record ({e!r})") from None
+    return p.Limits(max_input_len=config.max_input_len, max_output_len=config.max_output_len)
+
+
+def _batch1(array) -> np.ndarray:
+    return np.asarray(array)[np.newaxis]
+
+
+# -- preprocessing ----------------------------------------------------------------------------
+
+
+class Preprocessor:
+    """Tokenizes one request for the dflash model (the preprocessing model's logic)."""
+
+    def __init__(self, tokenizer, limits: p.Limits):
+        self.tokenizer, self.limits = tokenizer, limits
+
+    @classmethod
+    def load(cls, engine_dir: Path) -> "Preprocessor":
+        from dflash_trt.tokenizer import Tokenizer
+
+        return cls(Tokenizer.from_dir(Path(engine_dir) / TOKENIZER_DIR), read_limits(engine_dir))
+
+    def __call__(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        query = p.Query.from_arrays(arrays)
+        query.validate(self.limits)
+        ids = self.tokenizer.encode(self._prompt(query))
+        p.check_prompt_ids(ids, self.limits)
+        stop_words = [self.tokenizer.encode(w) for w in query.stop_words]
+        return {
+            p.INPUT_ID: _batch1(np.array(ids, dtype=np.int32)),
+            p.REQUEST_INPUT_LEN: _batch1(np.array([len(ids)], dtype=np.int32)),
+            p.REQUEST_OUTPUT_LEN: _batch1(np.array([query.max_tokens], dtype=np.int32)),
+            p.STOP_WORDS_IDS: _batch1(p.pack_word_list(stop_words)),
+            p.BAD_WORDS_IDS: _batch1(p.pack_word_list([])),
+            p.OUT_END_ID: _batch1(np.array([p.NO_END_ID if query.end_id is None else query.end_id], np.int32)),
+            p.OUT_PAD_ID: _batch1(np.array([self.tokenizer.pad_token_id if query.pad_id is None else query.pad_id],
+                                           np.int32)),
+        }
+
+    def _prompt(self, query: p.Query) -> str:
+        if not query.chat:
+            return query.text  # raw prompts behave like TensorRT-LLM's
+        try:
+            return self.tokenizer.apply_chat_template([{"role": "user", "content": query.text}],
+                                                      add_generation_prompt=True, enable_thinking=query.thinking)
+        except DFlashError as e:
+            raise p.RequestValidationError(f"'{p.CHAT}' is true, but the chat template failed: {e}") from None
+
+
+# -- postprocessing ---------------------------------------------------------------------------
+
+
+def postprocess(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """dflash response tensors (batch dimension removed, as `read_inputs` returns them) ->
+    postprocessing outputs: the text becomes OUTPUT, perf metrics pass when present."""
+    out = {p.OUTPUT: arrays[p.OUTPUT_TEXT]}
+    out.update({name: arrays[name] for name in p.PERF_INTERNAL.values() if name in arrays})
+    return {name: _batch1(array) for name, array in out.items()}
+
+
+# -- text -------------------------------------------------------------------------------------
+
+
+class IncrementalDetokenizer:
+    """Decodes a growing token list into chunks whose concatenation is decode(all tokens).
+
+    Invariant: the tokens before `_start` decode to text ending on a character boundary. A
+    byte-level decode restarts cleanly at such a boundary, so decode(ids[:s]) + decode(ids[s:])
+    == decode(ids). Pending tokens are held back while their text ends in U+FFFD, which is how
+    an incomplete UTF-8 sequence decodes; `flush` emits whatever is left at the end.
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str]):
+        self._decode = decode
+        self._ids: list[int] = []
+        self._start = 0
+
+    def push(self, ids: list[int]) -> str:
+        self._ids += ids
+        text = self._decode(self._ids[self._start:])
+        if text.endswith(REPLACEMENT_CHAR):
+            return ""
+        self._start = len(self._ids)
+        return text
+
+    def flush(self) -> str:
+        text = self._decode(self._ids[self._start:]) if self._start < len(self._ids) else ""
+        self._start = len(self._ids)
+        return text
+
+
+def stop_cut(output: list[int], new: list[int], stop_words: tuple[tuple[int, ...], ...]) -> int | None:
+    """How many of `new` to keep so that output + kept ends with the first completed stop word;
+    None if no stop word completes inside `new`."""
+    if not stop_words:
+        return None
+    context = output[max(0, len(output) - (max(map(len, stop_words)) - 1)):]  # where a word may begin
+    seq = context + list(new)
+    for i in range(len(new)):
+        end = len(context) + i + 1
+        if any(end >= len(w) and tuple(seq[end - len(w): end]) == w for w in stop_words):
+            return i + 1
+    return None
+
+
+def perf_metrics(stats, block_size: int, num_output_tokens: int) -> dict[str, float | int]:
+    """Speculation statistics of one request, under the ensemble's output names.
+
+    Each verify step drafts block_size - 1 tokens; acceptance_lengths holds accepted + 1."""
+    accepted = sum(length - 1 for length in stats.acceptance_lengths)
+    drafted = stats.verify_steps * (block_size - 1)
+    return {
+        p.ACCEPTANCE_RATE: accepted / drafted if drafted else 0.0,
+        p.TOTAL_ACCEPTED_DRAFT_TOKENS: accepted,
+        p.TOTAL_DRAFT_TOKENS: drafted,
+        p.NUM_INPUT_TOKENS: stats.prompt_tokens,
+        p.NUM_OUTPUT_TOKENS: num_output_tokens,
+        p.MEAN_ACCEPTANCE_LENGTH: stats.mean_acceptance_length,
+    }
+
+
+# -- responses --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One response of the dflash model; `final` marks the last one of its request."""
+
+    text: str
+    final: bool
+    metrics: dict | None = None
+
+    def to_arrays(self) -> dict[str, np.ndarray]:
+        arrays = {p.OUTPUT_TEXT: np.array([[self.text.encode("utf-8")]], dtype=np.object_)}
+        dtypes = {s.name: p.NUMPY_DTYPES[s.dtype] for s in p.PERF_OUTPUTS}
+        for name, value in (self.metrics or {}).items():
+            arrays[p.PERF_INTERNAL[name]] = np.array([[value]], dtype=dtypes[name])
+        return arrays
+
+
+class Sink(Protocol):
+    """Where one request's responses go (the Triton response sender, in the dflash model)."""
+
+    def send(self, chunk: Chunk) -> None: ...
+
+    def fail(self, message: str, client_error: bool = False) -> None: ...  # an error response; ends the request
+
+    def cancel(self) -> None: ...  # acknowledge a cancellation: end the request
+
+    def is_cancelled(self) -> bool: ...
+
+
+# -- the engine thread ------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Job:
+    request: p.Request
+    sink: Sink
+    params: object  # SamplingParams
+    detok: IncrementalDetokenizer
+    seq: object = None  # the engine's Sequence once admitted
+    output_ids: list[int] = field(default_factory=list)  # what the client gets: end token dropped, stop-cut
+
+
+def _log(message: str) -> None:
+    print(f"[dflash-trt] {message}", file=sys.stderr, flush=True)
+
+
+class EngineWorker:
+    """Owns an Engine and the one thread that steps it; `submit` may be called from any thread."""
+
+    def __init__(self, engine, tokenizer, limits: p.Limits, *, idle_wait_s: float = 0.05,
+                 cancel_check_s: float = 0.02):
+        self.engine, self.tokenizer, self.limits = engine, tokenizer, limits
+        self._idle_wait_s = idle_wait_s
+        # is_cancelled() is a round trip to the Triton process per request: poll, don't spin.
+        self._cancel_check_s, self._last_cancel_check = cancel_check_s, 0.0
+        self._inbox: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._jobs: dict[object, _Job] = {}  # Sequence -> job, admitted requests only
+        self._stopping = threading.Event()
+        self._closed = False  # set once the inbox is drained for good; guarded by _lock
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="dflash-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def load(cls, engine_dir: Path, device: str | None = None) -> "EngineWorker":
+        from dflash_trt.build import load_engine
+
+        loaded = load_engine(engine_dir, device)
+        return cls(loaded.engine, loaded.tokenizer, read_limits(engine_dir))
+
+    def submit(self, request: p.Request, sink: Sink) -> None:
+        """Validate (raising RequestValidationError here, in the caller's thread) and enqueue."""
+        request.validate(self.limits, self.engine.target.config.vocab_size)
+        job = _Job(request, sink, self._sampling_params(request), IncrementalDetokenizer(self.tokenizer.decode))
+        with self._lock:
+            if self._closed or self._stopping.is_set():
+                raise p.RequestValidationError("the server is shutting down")
+            self._inbox.put(job)
+
+    def _sampling_params(self, request: p.Request):
+        from dflash_trt.sampling import SamplingParams
+
+        if request.end_id is None:
+            stop, ignore_eos = tuple(self.tokenizer.stop_token_ids), False
+        else:  # end_id replaces the eos, as in TensorRT-LLM
+            stop, ignore_eos = (request.end_id,), True
+        try:
+            return SamplingParams(max_tokens=request.max_tokens, temperature=request.temperature,
+                                  top_k=request.top_k, top_p=request.top_p, seed=request.seed,
+                                  stop_token_ids=stop, ignore_eos=ignore_eos)
+        except RequestError as e:
+            raise p.RequestValidationError(str(e)) from None
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        """Stop the thread; requests still in flight get an error response."""
+        self._stopping.set()
+        self._inbox.put(None)  # wake an idle thread
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def num_active(self) -> int:
+        return len(self._jobs)
+
+    # -- loop -------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                self._admit(wait=not self._jobs)
+                self._drop_cancelled()
+                if self._jobs:
+                    self._step()
+            except Exception:  # a bug in this loop must not silently end serving
+                _log(f"engine loop error:\n{traceback.format_exc()}")
+                self._fail_jobs(list(self._jobs.values()), "internal error in the engine loop")
+        self._shutdown()
+
+    def _admit(self, wait: bool) -> None:
+        try:
+            job = self._inbox.get(timeout=self._idle_wait_s) if wait else self._inbox.get_nowait()
+            while True:
+                if job is not None:
+                    self._add(job)
+                job = self._inbox.get_nowait()
+        except queue.Empty:
+            pass
+
+    def _add(self, job: _Job) -> None:
+        try:
+            job.seq = self.engine.add_request(list(job.request.prompt_ids), job.params)
+        except RequestError as e:
+            message = str(e)
+            self._quietly(lambda: job.sink.fail(message, client_error=True))
+            return
+        self._jobs[job.seq] = job
+
+    def _drop_cancelled(self) -> None:
+        now = time.monotonic()
+        if now - self._last_cancel_check < self._cancel_check_s:
+            return
+        self._last_cancel_check = now
+        for job in list(self._jobs.values()):
+            try:
+                cancelled = job.sink.is_cancelled()
+            except Exception:  # the client side is gone: treat as cancelled
+                cancelled = True
+            if cancelled:
+                self.engine.abort(job.seq)
+                del self._jobs[job.seq]
+                _log(f"request {job.seq.request_id} was cancelled by its client; its sequence is aborted")
+                self._quietly(job.sink.cancel)
+
+    def _step(self) -> None:
+        try:
+            events = self.engine.step()
+        except Exception as e:
+            # A failed batched forward may have half-written the cache rows of every sequence
+            # holding a slot: fail those; requests still waiting for a slot are unaffected.
+            _log(f"engine step failed:\n{traceback.format_exc()}")
+            self._fail_jobs([j for j in self._jobs.values() if j.seq.slot >= 0], f"generation failed: {e!r}")
+            return
+        for event in events:
+            job = self._jobs.get(event.seq)
+            if job is not None:
+                self._advance(job, list(event.new_tokens), event.finished)
+
+    def _advance(self, job: _Job, tokens: list[int], finished: bool) -> None:
+        seq = job.seq
+        if finished and seq.finish_reason == "stop" and tokens and tokens[-1] in seq.stop_ids:
+            tokens.pop()  # the end token ends the output but is not part of it
+        keep = stop_cut(job.output_ids, tokens, job.request.stop_words)
+        if keep is not None:
+            tokens, finished = tokens[:keep], True
+            self.engine.abort(seq)  # no-op for a sequence that already finished
+        job.output_ids += tokens
+        try:
+            self._respond(job, tokens, finished)
+        except Exception:  # sending failed: the client is gone, stop generating for it
+            _log(f"sending a response failed:\n{traceback.format_exc()}")
+            self.engine.abort(seq)
+            finished = True
+        if finished:
+            del self._jobs[seq]
+
+    def _respond(self, job: _Job, tokens: list[int], finished: bool) -> None:
+        request = job.request
+        if request.stream:
+            text = job.detok.push(tokens) + (job.detok.flush() if finished else "")
+            if text or finished:
+                job.sink.send(Chunk(text, finished, self._metrics(job)))
+        elif finished:
+            ids = job.output_ids if request.exclude_input_in_output else [*request.prompt_ids, *job.output_ids]
+            job.sink.send(Chunk(self.tokenizer.decode(ids), True, self._metrics(job)))
+
+    def _metrics(self, job: _Job) -> dict | None:
+        if not job.request.return_perf_metrics:
+            return None
+        return perf_metrics(job.seq.stats, self.engine.block_size, len(job.output_ids))
+
+    def _fail_jobs(self, jobs: list[_Job], message: str) -> None:
+        for job in jobs:
+            self._jobs.pop(job.seq, None)
+            self._quietly(lambda: self.engine.abort(job.seq))
+            self._quietly(lambda: job.sink.fail(message))
+
+    @staticmethod
+    def _quietly(action: Callable[[], None]) -> None:
+        try:
+            action()
+        except Exception:
+            _log(f"ignored while ending a request:\n{traceback.format_exc()}")
+
+    def _shutdown(self) -> None:
+        self._fail_jobs(list(self._jobs.values()), "the server is shutting down")
+        with self._lock:
+            self._closed = True  # nothing enters the inbox after this
+        while True:
+            try:
+                job = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if job is not None:
+                self._quietly(lambda: job.sink.fail("the server is shutting down"))

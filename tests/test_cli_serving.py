@@ -1,0 +1,107 @@
+"""`dflash-trt serve` and `dflash-trt generate` as a user runs them: real processes, a real
+tritonserver, the demo engine."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from dflash_trt.build import load_engine, resolve_config, run
+from dflash_trt.cli import cli
+from dflash_trt.sampling import SamplingParams
+
+pytestmark = pytest.mark.slow
+PROMPT = "Zürich"
+
+
+def free_ports(n):
+    import socket
+
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli") / "demo"
+    run(resolve_config("tiny"), out)
+    return out
+
+
+def start_serve(demo, ports):
+    http, grpc, metrics = ports
+    cmd = [sys.executable, "-m", "dflash_trt", "serve", str(demo), "--host", "127.0.0.1", "--http-port", str(http),
+           "--grpc-port", str(grpc), "--metrics-port", str(metrics)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.fixture(scope="module")
+def serving(demo):
+    ports = free_ports(3)
+    proc = start_serve(demo, ports)
+    lines = [proc.stdout.readline() for _ in range(3)]  # printed once the server is ready
+    assert lines[1].startswith("GRPC"), (lines, proc.stderr.read() if proc.poll() is not None else "")
+    yield proc, ports
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(60)
+
+
+def expected_text(demo, max_tokens):
+    local = load_engine(demo / "engine")
+    tok = local.tokenizer
+    text = tok.apply_chat_template([{"role": "user", "content": PROMPT}], enable_thinking=False)
+    ids = local.engine.generate([tok.encode(text)], SamplingParams(max_tokens=max_tokens,
+                                                                   stop_token_ids=tuple(tok.stop_token_ids)))[0]
+    return tok.decode(ids.token_ids)
+
+
+@pytest.mark.parametrize("args", [["--stream"], ["--protocol", "http"]])
+def test_generate_prints_the_engines_text_and_stats(demo, serving, args):
+    _, (http, grpc, _) = serving
+    url = f"127.0.0.1:{grpc}" if "http" not in args else f"127.0.0.1:{http}"
+    result = CliRunner().invoke(cli, ["generate", PROMPT, "--url", url, "--max-tokens", "12", "--stats", *args])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.rstrip("\n") == expected_text(demo, 12)
+    assert "mean acceptance length" in result.stderr and "tok/s" in result.stderr
+
+
+def test_generate_against_no_server_fails_clearly():
+    (port,) = free_ports(1)
+    result = CliRunner().invoke(cli, ["generate", "hi", "--url", f"127.0.0.1:{port}", "--max-tokens", "4"])
+    assert result.exit_code == 1 and f"127.0.0.1:{port}" in result.stderr
+
+
+def test_serve_exits_1_with_the_reason_when_a_port_is_taken(demo, serving):
+    _, (http, _, _) = serving
+    grpc, metrics = free_ports(2)
+    proc = start_serve(demo, (http, grpc, metrics))
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and str(http) in err
+
+
+def servers_of(demo) -> set[str]:
+    return set(subprocess.run(["pgrep", "-f", f"model-repository={demo}"], capture_output=True, text=True).stdout.split())
+
+
+def test_serve_stops_cleanly_on_sigterm_leaving_no_processes(demo):
+    before = servers_of(demo)  # the module's other server may be running on the same repository
+    proc = start_serve(demo, free_ports(3))
+    assert proc.stdout.readline().startswith("HTTP")
+    children = servers_of(demo) - before
+    assert children, "tritonserver should be running"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 0
+    deadline = time.time() + 10
+    while time.time() < deadline and any(os.path.exists(f"/proc/{pid}") for pid in children):
+        time.sleep(0.2)
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in children)
