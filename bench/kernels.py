@@ -1,0 +1,208 @@
+"""Time the block-attention plugin against today's path (gather K/V from the cache, explicit
+mask, torch SDPA) and, when installed, FlashInfer's batch prefill over a paged cache.
+
+Qwen3-8B attention layout (32 query heads, 8 KV heads, head_dim 128), bf16, one layer.
+  non-causal: the drafter's full layers: context rows from the cache + the block's own K/V.
+  causal:     the target verify: the block is already in the cache, causal inside it.
+Every timing replays a CUDA graph of the call (what the engine does), so host overhead is
+out. Bandwidth = K/V bytes the kernel must read / time, as a share of a device-to-device
+copy measured here (bytes read + written / time, the convention of performance.md).
+
+    python bench/kernels.py --json $OUT/kernels.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from dflash_trt import plugins  # noqa: E402
+from dflash_trt.ops import attention_mask, block_attention_reference  # noqa: E402
+
+HQ, HKV, D = 32, 8, 128
+TOKENS, BATCHES, CONTEXTS = (1, 8, 16), (1, 8, 32), (512, 4096, 32768)
+PAGE = 16
+
+
+def time_us(fn, budget_s: float = 0.05) -> tuple[float, str]:
+    """Mean GPU time of fn() in microseconds, from replaying a CUDA graph of it (eager launches
+    if capture fails)."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    reps = 1 if start.elapsed_time(end) > 0.5 else 10  # big calls: one per graph (memory)
+    mode = "graph"
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(reps):
+                fn()
+        runner = graph.replay
+    except Exception:  # noqa: BLE001 - fall back to plain launches
+        graph, runner, reps, mode = None, fn, 1, "eager"
+    runner()
+    torch.cuda.synchronize()
+    start.record()
+    runner()
+    end.record()
+    end.synchronize()
+    iters = int(min(200, max(3, budget_s * 1e3 / max(start.elapsed_time(end), 1e-3))))
+    start.record()
+    for _ in range(iters):
+        runner()
+    end.record()
+    end.synchronize()
+    us = start.elapsed_time(end) * 1e3 / (iters * reps)
+    del graph
+    return us, mode
+
+
+def copy_bandwidth_gbps() -> float:
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    us, _ = time_us(lambda: dst.copy_(src), budget_s=0.2)
+    return 2 * src.numel() / (us * 1e-6) / 1e9  # bytes read + written
+
+
+def flashinfer_fn(fi, k_pages, v_pages, q, batch, T, kv_len, causal, pages_per_slot):
+    pages = -(-kv_len // PAGE)
+    i32 = dict(dtype=torch.int32, device="cuda")
+    qo_indptr = torch.arange(batch + 1, **i32) * T
+    kv_indptr = torch.arange(batch + 1, **i32) * pages
+    kv_indices = (torch.arange(batch, **i32)[:, None] * pages_per_slot + torch.arange(pages, **i32)).flatten()
+    last = torch.full((batch,), kv_len - (pages - 1) * PAGE, **i32)
+    workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+    wrapper.plan(qo_indptr, kv_indptr, kv_indices, last, HQ, HKV, D, PAGE, causal=causal,
+                 q_data_type=torch.bfloat16)
+    q_flat = q.reshape(batch * T, HQ, D)
+    run = getattr(wrapper, "run", None) or wrapper.forward
+    return lambda: run(q_flat, (k_pages, v_pages))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", type=Path, help="write the results here")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/kernels.py needs a CUDA GPU")
+    if plugins.load() is None:
+        sys.exit("the plugins did not load")
+    try:
+        import flashinfer as fi
+    except ImportError:
+        fi = None
+        print("FlashInfer is absent: its column stays empty", file=sys.stderr)
+
+    torch.manual_seed(0)
+    copy_gbps = copy_bandwidth_gbps()
+    print(f"{torch.cuda.get_device_name()}: device-to-device copy {copy_gbps:,.0f} GB/s", file=sys.stderr)
+
+    # One layer's cache for the largest shape; smaller shapes use its first slots and rows.
+    capacity = max(CONTEXTS) + 2 * PAGE  # room for the block, a whole number of pages
+    k_cache = torch.randn(max(BATCHES), capacity, HKV, D, dtype=torch.bfloat16, device="cuda")
+    v_cache = torch.randn_like(k_cache)
+    scale = D ** -0.5
+    rows = []
+    for causal in (False, True):
+        for T in TOKENS:
+            for batch in BATCHES:
+                for ctx in CONTEXTS:
+                    q = torch.randn(batch, T, HQ, D, dtype=torch.bfloat16, device="cuda")
+                    k_blk = torch.randn(batch, T, HKV, D, dtype=torch.bfloat16, device="cuda")
+                    v_blk = torch.randn_like(k_blk)
+                    i32 = dict(dtype=torch.int32, device="cuda")
+                    slots = torch.arange(batch, **i32)
+                    q_start = torch.full((batch,), ctx, **i32)
+                    q_pos = q_start.long()[:, None] + torch.arange(T, device="cuda")
+                    if causal:  # verify: the block sits in the cache at ctx .. ctx + T - 1
+                        ctx_len = q_start + T
+                        blk = (None, None)
+                        length = ctx + T
+                        k_pos = torch.arange(length, device="cuda").expand(batch, -1)
+                        mask = attention_mask(q_pos, k_pos, k_pos < length, causal=True, window=None)
+
+                        def sdpa():
+                            k, v = k_cache[slots.long(), :length], v_cache[slots.long(), :length]
+                            return block_attention_reference(q, k, v, mask, scale)
+                    else:  # draft: context from the cache, the block's K/V transient
+                        ctx_len = q_start
+                        blk = (k_blk, v_blk)
+                        k_pos = torch.cat([torch.arange(ctx, device="cuda").expand(batch, -1), q_pos], 1)
+                        mask = attention_mask(q_pos, k_pos, torch.ones_like(k_pos, dtype=torch.bool), causal=False,
+                                              window=None)
+
+                        def sdpa():
+                            k = torch.cat([k_cache[slots.long(), :ctx], k_blk], 1)
+                            v = torch.cat([v_cache[slots.long(), :ctx], v_blk], 1)
+                            return block_attention_reference(q, k, v, mask, scale)
+
+                    def kernel():
+                        return torch.ops.dflash.block_attention(q, k_cache, v_cache, slots, ctx_len, q_start, *blk,
+                                                                causal, 0, scale, ctx + T, 0)
+
+                    kv_bytes = batch * (ctx + T) * HKV * D * 2 * 2
+                    k_us, _ = time_us(kernel)
+                    try:  # today's path materialises K/V (and, for GQA, may expand them): it can run out
+                        diff = (kernel().float().flatten(2) - sdpa().float()).abs().max().item()
+                        s_us, _ = time_us(sdpa)
+                    except torch.cuda.OutOfMemoryError:
+                        diff = s_us = None
+                        torch.cuda.empty_cache()
+                    f_us = f_err = None
+                    if fi is not None:
+                        try:
+                            k_pages = k_cache.view(-1, PAGE, HKV, D)
+                            v_pages = v_cache.view(-1, PAGE, HKV, D)
+                            if not causal:  # FlashInfer reads the block from the cache too
+                                for i in range(batch):
+                                    k_cache[i, ctx:ctx + T], v_cache[i, ctx:ctx + T] = k_blk[i], v_blk[i]
+                            f_us, _ = time_us(flashinfer_fn(fi, k_pages, v_pages, q, batch, T, ctx + T, causal,
+                                                            capacity // PAGE))
+                        except Exception as e:  # noqa: BLE001 - API drift between versions
+                            f_err = f"{type(e).__name__}: {e}"[:200]
+                    gbps = kv_bytes / (k_us * 1e-6) / 1e9
+                    rows.append(dict(mode="causal" if causal else "non-causal", T=T, batch=batch, context=ctx,
+                                     kernel_us=k_us, kernel_gbps=gbps, copy_share=gbps / copy_gbps, sdpa_us=s_us,
+                                     speedup_vs_sdpa=None if s_us is None else s_us / k_us, flashinfer_us=f_us,
+                                     flashinfer_error=f_err, max_abs_diff_vs_sdpa=diff, kv_bytes=kv_bytes))
+                    print(f"{rows[-1]['mode']:>10} T={T:<2} batch={batch:<2} ctx={ctx:<5} kernel {k_us:8.1f} us "
+                          f"({100 * gbps / copy_gbps:4.0f}% copy bw)  sdpa {s_us or float('nan'):9.1f} us  "
+                          f"diff {diff if diff is not None else float('nan'):.3g}", file=sys.stderr)
+                    torch.cuda.empty_cache()
+
+    fmt = lambda x, spec: "-" if x is None else format(x, spec)  # noqa: E731
+    print("| mode | T | batch | context | kernel us | GB/s | % of copy bw | SDPA us | SDPA / kernel | FlashInfer us |"
+          " max diff |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['mode']} | {r['T']} | {r['batch']} | {r['context']} | {r['kernel_us']:.1f} | "
+              f"{r['kernel_gbps']:,.0f} | {100 * r['copy_share']:.0f}% | {fmt(r['sdpa_us'], '.1f')} | "
+              f"{fmt(r['speedup_vs_sdpa'], '.1f')} | {fmt(r['flashinfer_us'], '.1f')} | "
+              f"{fmt(r['max_abs_diff_vs_sdpa'], '.2g')} |")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(dict(
+            device=torch.cuda.get_device_name(), torch=torch.__version__, copy_gbps=copy_gbps,
+            flashinfer=getattr(fi, "__version__", None) if fi else None,
+            layout=dict(q_heads=HQ, kv_heads=HKV, head_dim=D, dtype="bfloat16"), rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,591 @@
+// Block attention over a KV cache (semantics in block_attention.h), flash-decoding style.
+//
+// Work split. One CTA takes one (batch row b, KV head, query chunk, key split):
+//   - all queries that read this KV head, i.e. the T tokens x G = Hq / Hkv heads of the GQA
+//     group, as one matrix of M = T * G rows (row r = token r / G, head r % G), so every K/V
+//     tile is loaded once and used by all of them (up to 64 rows per CTA; larger M gets
+//     more query chunks, which re-read K/V mostly from L2);
+//   - a contiguous share of the row's keys. Long contexts are cut into `num_splits` shares so
+//     that a small batch still fills every SM; each CTA leaves a partial result (normalised
+//     output + log-sum-exp) and a small combine kernel merges them. With one split the
+//     attention kernel writes the output directly.
+//
+// Inside a CTA (4 warps). Keys stream through shared memory in tiles of 64 with cp.async
+// 16-byte copies, double buffered, so the next tile's loads are in flight while the tensor
+// cores work on this one. The M rows are MT m16 tiles (MT = 1, 2 or 4); the 4 / MT warps
+// that share an m-tile each take a quarter / half / all of the tile's keys and keep their
+// own online-softmax state, merged once at the end through shared memory. So decode (M <=
+// 16) still uses all four warps, and M = 64 (T = 16, G = 4) gives each warp one m-tile.
+// Q.K^T and P.V run on mma.sync m16n8k16 (bf16/fp16 in, fp32 accumulate); the score
+// accumulators are re-packed in registers as the A operand of P.V (no shared round trip).
+//
+// Keys of a row are numbered "virtually": [0, n_cache) are cache rows lo .. lo + n_cache - 1
+// (lo/hi trimmed by the window and the causal limit, so masked-out context is never read),
+// [n_cache, n_keys) are the block's rows. Splits cut this virtual range.
+//
+// This file has no torch dependency: it compiles alone with
+//   nvcc -std=c++17 -arch=sm_90 -c block_attention.cu
+
+#include "block_attention.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+namespace dflash {
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kTileKeys = 64;   // keys per shared-memory tile
+constexpr int kCtaRows = 64;    // query rows per CTA at most (4 m16 tiles)
+constexpr int kMinChunk = 128;  // keys per split at least (a split must amortise its epilogue)
+constexpr int kMaxSplits = 64;
+constexpr float kLog2e = 1.4426950408889634f;
+
+__host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+// How many m16 tiles a CTA holds for M query rows: 1, 2 or 4 (3 is padded to 4 so that
+// the 4 warps split evenly between m-tiles and key quarters).
+__host__ __device__ constexpr int m_tiles_for(int rows) { return rows <= 16 ? 1 : rows <= 32 ? 2 : 4; }
+
+// ---------------------------------------------------------------------------------------------
+// PTX wrappers
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte global -> shared copy; src_bytes = 0 writes zeros (rows past the keys: their zero
+// K gives a finite score that the mask removes, their zero V keeps 0 * V finite).
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// Four 8x8 b16 matrices; lane i gives the address of row i % 8 of matrix i / 8.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+
+// D(16x8 fp32) += A(16x16) * B(16x8), A row-major, B column-major.
+template <typename T>
+__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+// Two floats -> one register of two 16-bit values (low half = first).
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  } else {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void store4(T* dst, float4 v) {  // dst 8-byte aligned
+  uint2 packed = make_uint2(pack2<T>(v.x, v.y), pack2<T>(v.z, v.w));
+  *reinterpret_cast<uint2*>(dst) = packed;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Which keys a row can see at all, and which split of them this CTA takes.
+
+struct RowKeys {
+  int t_first, t_last;  // the tokens of this CTA's query rows
+  int lo;               // first cache row read
+  int n_cache;          // cache rows lo .. lo + n_cache - 1
+  int n_keys;           // n_cache + block rows
+  int begin;            // this split's virtual keys: [begin, end)
+  int end;
+};
+
+__device__ __forceinline__ RowKeys row_keys(const BlockAttentionParams& p, int ctx, int qs, int q_chunk, int split,
+                                            int num_splits) {
+  const int group = p.num_q_heads / p.num_kv_heads;
+  RowKeys r;
+  r.t_first = q_chunk * kCtaRows / group;
+  r.t_last = min(p.num_tokens - 1, (q_chunk * kCtaRows + kCtaRows - 1) / group);
+  // The CTA's earliest query has the strictest window, its latest the loosest causal limit:
+  // keys outside [lo, hi) are invisible to all of its queries (for a long prefill this also
+  // keeps early query chunks from reading keys that only later chunks see).
+  r.lo = p.window > 0 ? max(0, qs + r.t_first - p.window + 1) : 0;
+  const int hi = p.causal ? min(ctx, qs + r.t_last + 1) : ctx;
+  r.n_cache = max(0, hi - r.lo);
+  const int n_blk = p.k_blk == nullptr ? 0 : p.causal ? r.t_last + 1 : p.num_tokens;
+  r.n_keys = r.n_cache + n_blk;
+  // Per-row chunk: every row uses at most num_splits CTAs whatever its length, so results
+  // never depend on the host's max_keys hint; short rows leave their last CTAs empty.
+  int chunk = ceil_div(r.n_keys, num_splits);
+  chunk = max(kMinChunk, ceil_div(chunk, kTileKeys) * kTileKeys);
+  r.begin = min(split * chunk, r.n_keys);
+  r.end = min(r.begin + chunk, r.n_keys);
+  return r;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The attention kernel. grid = (num_splits, Hkv * q_chunks, bs), block = 128 threads.
+
+// Two CTAs per SM at d = 128 (about 250 registers a thread, 70 KB of shared memory each):
+// a third would need spills, and two already keep two 32 KB tiles per SM in flight, more
+// than the bandwidth-latency product of HBM3 per SM (about 20 KB).
+template <typename T, int D, int MT>
+__global__ void __launch_bounds__(kThreads, 2)
+    block_attention_kernel(const BlockAttentionParams p, int num_splits, float* __restrict__ o_part,
+                           float* __restrict__ lse_part) {
+  constexpr int KG = kWarps / MT;      // warps per m-tile, each on its own slice of every tile
+  constexpr int NK = kTileKeys / KG;   // keys per warp per tile: 16, 32 or 64
+  constexpr int STRIDE = D + 8;        // shared row stride in elements: the 16-byte pad puts the
+                                       // 8 rows of an ldmatrix in 8 different bank groups
+  constexpr int TILE = kTileKeys * STRIDE;
+  static_assert(D == 64 || D == 128, "head_dim");
+  static_assert(NK % 16 == 0, "a warp's key slice must be whole k16 steps of P.V");
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* smem = reinterpret_cast<T*>(smem_raw);  // [stage][K | V][kTileKeys][STRIDE]
+
+  const int split = blockIdx.x;
+  const int kvh = blockIdx.y % p.num_kv_heads;
+  const int q_chunk = blockIdx.y / p.num_kv_heads;
+  const int b = blockIdx.z;
+  const int group = p.num_q_heads / p.num_kv_heads;
+  const int rows = p.num_tokens * group;
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int mt = warp % MT, kg = warp / MT;
+  const int gid = lane / 4, tig = lane % 4;  // mma fragment coordinates: row gid (+8), column 2*tig (+1)
+
+  const int slot = p.slots[b];
+  const int ctx = max(p.ctx_len[b], 0);
+  const int qs = p.q_start[b];
+  const RowKeys rk = row_keys(p, ctx, qs, q_chunk, split, num_splits);
+
+  // ---- Q fragments (A operand of Q.K^T), kept in registers for the whole key loop. -------
+  // This thread's two rows: r = gid and gid + 8 of its m-tile. Rows past M are zero.
+  const T* q = static_cast<const T*>(p.q);
+  uint32_t qf[D / 16][4];
+  int q_pos[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = q_chunk * kCtaRows + mt * 16 + gid + 8 * h;
+    const int t = r / group;
+    q_pos[h] = qs + t;
+    const bool valid = r < rows;
+    const T* src = q + (valid ? b * p.q_stride[0] + t * p.q_stride[1] + (kvh * group + r % group) * p.q_stride[2] : 0);
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      qf[ks][h] = valid ? *reinterpret_cast<const uint32_t*>(src + ks * 16 + 2 * tig) : 0u;
+      qf[ks][h + 2] = valid ? *reinterpret_cast<const uint32_t*>(src + ks * 16 + 8 + 2 * tig) : 0u;
+    }
+  }
+
+  // ---- K/V tile loader: 64 keys x D, 16 bytes per copy, spread over all 128 threads. -------
+  const T* k_cache = static_cast<const T*>(p.k_cache);
+  const T* v_cache = static_cast<const T*>(p.v_cache);
+  const T* k_blk = static_cast<const T*>(p.k_blk);
+  const T* v_blk = static_cast<const T*>(p.v_blk);
+  const int64_t k_slot_base = slot * p.k_cache_stride[0] + kvh * p.k_cache_stride[2];
+  const int64_t v_slot_base = slot * p.v_cache_stride[0] + kvh * p.v_cache_stride[2];
+  auto load_tile = [&](int stage, int v0) {
+    T* ks = smem + stage * 2 * TILE;
+    T* vs = ks + TILE;
+    constexpr int kChunksPerRow = D / 8;
+#pragma unroll
+    for (int i = 0; i < kTileKeys * kChunksPerRow / kThreads; ++i) {
+      const int c = threadIdx.x + i * kThreads;  // consecutive threads: consecutive 16 B of a row
+      const int r = c / kChunksPerRow, col = (c % kChunksPerRow) * 8;
+      const int v = v0 + r;
+      const T* ksrc = k_cache;  // any valid address when nothing is read
+      const T* vsrc = v_cache;
+      int bytes = 0;
+      if (v < rk.end) {
+        bytes = 16;
+        if (v < rk.n_cache) {
+          ksrc = k_cache + k_slot_base + (rk.lo + v) * p.k_cache_stride[1] + col;
+          vsrc = v_cache + v_slot_base + (rk.lo + v) * p.v_cache_stride[1] + col;
+        } else {
+          const int j = v - rk.n_cache;
+          ksrc = k_blk + b * p.k_blk_stride[0] + j * p.k_blk_stride[1] + kvh * p.k_blk_stride[2] + col;
+          vsrc = v_blk + b * p.v_blk_stride[0] + j * p.v_blk_stride[1] + kvh * p.v_blk_stride[2] + col;
+        }
+      }
+      cp_async_16(ks + r * STRIDE + col, ksrc, bytes);
+      cp_async_16(vs + r * STRIDE + col, vsrc, bytes);
+    }
+  };
+
+  // ---- Online softmax state (log2 domain) for rows gid and gid + 8. -----------------------
+  // m: running max of scaled scores (-inf until a key is seen), l: this thread's partial
+  // sum of exp2(s - m) (the quad's four partials are summed at the end), acc: P.V.
+  const float scale_log2 = p.scale * kLog2e;
+  float m_run[2] = {-INFINITY, -INFINITY};
+  float l_run[2] = {0.f, 0.f};
+  float acc[D / 8][4];
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+
+  const int num_tiles = ceil_div(rk.end - rk.begin, kTileKeys);
+  const int kw = kg * NK;  // this warp's slice of every tile
+  if (num_tiles > 0) load_tile(0, rk.begin);
+  cp_async_commit();
+
+  for (int it = 0; it < num_tiles; ++it) {
+    // Prefetch the next tile into the other stage (always commit, so wait_group<1> below
+    // means "the tile for this iteration has landed").
+    if (it + 1 < num_tiles) load_tile((it + 1) & 1, rk.begin + (it + 1) * kTileKeys);
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+
+    const int v0 = rk.begin + it * kTileKeys;
+    const T* ks = smem + (it & 1) * 2 * TILE;
+    const T* vs = ks + TILE;
+
+    // S = Q.K^T for this warp's NK keys: NK / 8 n-tiles. One ldmatrix.x4 gives the B
+    // fragments of two n-tiles (keys kw + 16 jp .. + 15) for one k16 step of head_dim.
+    float s[NK / 8][4];
+#pragma unroll
+    for (int j = 0; j < NK / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+#pragma unroll
+    for (int kd = 0; kd < D / 16; ++kd) {
+#pragma unroll
+      for (int jp = 0; jp < NK / 16; ++jp) {
+        uint32_t kb[4];
+        ldmatrix_x4(kb, ks + (kw + jp * 16 + (lane / 16) * 8 + lane % 8) * STRIDE + kd * 16 + ((lane / 8) & 1) * 8);
+        mma_16816<T>(s[2 * jp], qf[kd], kb[0], kb[1]);
+        mma_16816<T>(s[2 * jp + 1], qf[kd], kb[2], kb[3]);
+      }
+    }
+
+    // Mask. Most tiles are plain context that every query of the row sees; test that once
+    // per tile and skip the per-element checks for them.
+    const bool all_visible = v0 + kTileKeys <= rk.end && v0 + kTileKeys <= rk.n_cache &&
+                             (!p.causal || rk.lo + v0 + kTileKeys - 1 <= qs + rk.t_first) &&
+                             (p.window <= 0 || rk.lo + v0 > qs + rk.t_last - p.window);
+#pragma unroll
+    for (int j = 0; j < NK / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float x = s[j][e] * scale_log2;
+        if (!all_visible) {
+          const int v = v0 + kw + j * 8 + 2 * tig + (e & 1);
+          const int qp = q_pos[e / 2];
+          const int kp = v < rk.n_cache ? rk.lo + v : qs + (v - rk.n_cache);
+          const bool visible = v < rk.end && (!p.causal || kp <= qp) && (p.window <= 0 || kp > qp - p.window);
+          if (!visible) x = -INFINITY;
+        }
+        s[j][e] = x;
+      }
+    }
+
+    // Online softmax update. A row's scores in this warp live in the 4 lanes of a quad
+    // (two per n-tile each), so a row reduction is a local one plus two xor-shuffles.
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < NK / 8; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * h], s[j][2 * h + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m_run[h], mx);
+      // While nothing is visible m_new is -inf; subtracting 0 instead keeps exp2 at 0
+      // rather than NaN (-inf - -inf).
+      const float m_use = m_new == -INFINITY ? 0.f : m_new;
+      const float alpha = exp2f(m_run[h] - m_use);
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < NK / 8; ++j) {
+        s[j][2 * h] = exp2f(s[j][2 * h] - m_use);
+        s[j][2 * h + 1] = exp2f(s[j][2 * h + 1] - m_use);
+        sum += s[j][2 * h] + s[j][2 * h + 1];
+      }
+      l_run[h] = l_run[h] * alpha + sum;
+      m_run[h] = m_new;
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n) {
+        acc[n][2 * h] *= alpha;
+        acc[n][2 * h + 1] *= alpha;
+      }
+    }
+
+    // acc += P.V. The C fragments of n-tiles 2k and 2k+1 are exactly the A fragment of
+    // k16 step k; V's B fragments come from ldmatrix.trans (V is [key][d] in shared).
+#pragma unroll
+    for (int kk = 0; kk < NK / 16; ++kk) {
+      const uint32_t pa[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]), pack2<T>(s[2 * kk][2], s[2 * kk][3]),
+                              pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                              pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+      for (int n = 0; n < D / 8; n += 2) {
+        uint32_t vb[4];
+        ldmatrix_x4_trans(vb, vs + (kw + kk * 16 + ((lane / 8) & 1) * 8 + lane % 8) * STRIDE + n * 8 + (lane / 16) * 8);
+        mma_16816<T>(acc[n], pa, vb[0], vb[1]);
+        mma_16816<T>(acc[n + 1], pa, vb[2], vb[3]);
+      }
+    }
+    __syncthreads();  // everyone is done with this stage before it is refilled
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+
+  // ---- Merge the KG warps of each m-tile through shared memory (reusing the K/V tiles). ---
+  // o_s[warp][16][D] (unnormalised), m_s/l_s[warp][16].
+  float* o_s = reinterpret_cast<float*>(smem_raw);
+  float* m_s = o_s + kWarps * 16 * D;
+  float* l_s = m_s + kWarps * 16;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float l = l_run[h];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const int r = gid + 8 * h;
+    if (tig == 0) {
+      m_s[warp * 16 + r] = m_run[h];
+      l_s[warp * 16 + r] = l;
+    }
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n)
+      *reinterpret_cast<float2*>(o_s + (warp * 16 + r) * D + n * 8 + 2 * tig) =
+          make_float2(acc[n][2 * h], acc[n][2 * h + 1]);
+  }
+  __syncthreads();
+
+  // Each thread finishes 4 consecutive columns of one row at a time (coalesced stores).
+  T* out = static_cast<T*>(p.out);
+  const int T_ = p.num_tokens;
+  for (int idx = threadIdx.x; idx < MT * 16 * (D / 4); idx += kThreads) {
+    const int rr = idx / (D / 4), col = (idx % (D / 4)) * 4;
+    const int r = q_chunk * kCtaRows + rr;
+    if (r >= rows) continue;
+    const int t = r / group, head = kvh * group + r % group;
+    const int tile = rr / 16, row16 = rr % 16;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < KG; ++w) mx = fmaxf(mx, m_s[(w * MT + tile) * 16 + row16]);
+    const float m_use = mx == -INFINITY ? 0.f : mx;
+    float l = 0.f;
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int w = 0; w < KG; ++w) {
+      const int wr = (w * MT + tile) * 16 + row16;  // warp w*MT + tile holds this m-tile's slice w
+      const float c = exp2f(m_s[wr] - m_use);
+      l += c * l_s[wr];
+      const float4 x = *reinterpret_cast<const float4*>(o_s + wr * D + col);
+      o.x += c * x.x; o.y += c * x.y; o.z += c * x.z; o.w += c * x.w;
+    }
+    // l == 0: no visible key (empty split, or a fully masked query): zeros, lse = -inf.
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    o.x *= inv; o.y *= inv; o.z *= inv; o.w *= inv;
+    const int64_t row_index = (static_cast<int64_t>(b) * T_ + t) * p.num_q_heads + head;
+    if (num_splits == 1) {
+      store4<T>(out + row_index * D + col, o);
+    } else {
+      const int64_t part_row = static_cast<int64_t>(split) * p.batch * T_ * p.num_q_heads + row_index;
+      *reinterpret_cast<float4*>(o_part + part_row * D + col) = o;
+      if (col == 0) lse_part[part_row] = l > 0.f ? m_use + log2f(l) : -INFINITY;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Combine: one warp per (b, t, head) row merges the num_splits partials
+//   out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M),  M = max_s lse_s.
+// Empty splits carry lse = -inf and are skipped (their o is never read).
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads)
+    block_attention_combine_kernel(int num_rows, int num_splits, const float* __restrict__ o_part,
+                                   const float* __restrict__ lse_part, T* __restrict__ out) {
+  const int row = blockIdx.x * kWarps + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= num_rows) return;
+  float mx = -INFINITY;
+  for (int s = 0; s < num_splits; ++s) mx = fmaxf(mx, lse_part[static_cast<int64_t>(s) * num_rows + row]);
+  const float m_use = mx == -INFINITY ? 0.f : mx;
+  float wsum = 0.f;
+  float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+  const int col = lane * 4;  // D / 4 lanes do the columns; all lanes read the lse values
+  for (int s = 0; s < num_splits; ++s) {
+    const int64_t part_row = static_cast<int64_t>(s) * num_rows + row;
+    const float lse = lse_part[part_row];
+    if (lse == -INFINITY) continue;
+    const float w = exp2f(lse - m_use);
+    wsum += w;
+    if (col < D) {
+      const float4 x = *reinterpret_cast<const float4*>(o_part + part_row * D + col);
+      o.x += w * x.x; o.y += w * x.y; o.z += w * x.z; o.w += w * x.w;
+    }
+  }
+  const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+  o.x *= inv; o.y *= inv; o.z *= inv; o.w *= inv;
+  if (col < D) store4<T>(out + static_cast<int64_t>(row) * D + col, o);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host side
+
+int num_rows_per_kv_head(const BlockAttentionParams& p) { return p.num_tokens * (p.num_q_heads / p.num_kv_heads); }
+
+template <typename T, int D>
+constexpr size_t smem_bytes() {
+  // max(two stages of K and V tiles, the merge buffers)
+  return std::max<size_t>(2 * 2 * kTileKeys * (D + 8) * sizeof(T), (kWarps * 16 * D + 2 * kWarps * 16) * sizeof(float));
+}
+
+template <typename T>
+struct Type {
+  using type = T;
+};
+template <int N>
+using Int = std::integral_constant<int, N>;
+
+// Calls f(Type<T>{}, Int<D>{}, Int<MT>{}) for the kernel instance that serves p.
+template <typename F>
+auto dispatch(const BlockAttentionParams& p, F&& f) {
+  auto by_mt = [&](auto t, auto d) {
+    switch (m_tiles_for(num_rows_per_kv_head(p))) {
+      case 1: return f(t, d, Int<1>{});
+      case 2: return f(t, d, Int<2>{});
+      default: return f(t, d, Int<4>{});
+    }
+  };
+  auto by_d = [&](auto t) { return p.head_dim == 64 ? by_mt(t, Int<64>{}) : by_mt(t, Int<128>{}); };
+  return p.dtype == DType::kBFloat16 ? by_d(Type<__nv_bfloat16>{}) : by_d(Type<__half>{});
+}
+
+// The kernel instance, with its dynamic shared memory limit raised: over 48 KB must be opted
+// into, per device, so this runs before every launch (a cheap host call, legal during graph
+// capture).
+template <typename T, int D, int MT>
+cudaError_t prepare(decltype(&block_attention_kernel<T, D, MT>)* kernel) {
+  *kernel = block_attention_kernel<T, D, MT>;
+  return cudaFuncSetAttribute(*kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              static_cast<int>(smem_bytes<T, D>()));
+}
+
+bool aligned(const void* ptr, size_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
+
+}  // namespace
+
+const char* block_attention_check(const BlockAttentionParams& p) {
+  if (p.head_dim != 64 && p.head_dim != 128) return "head_dim must be 64 or 128";
+  if (p.batch < 0 || p.num_tokens < 0) return "negative batch or num_tokens";
+  if (p.num_kv_heads <= 0 || p.num_q_heads <= 0 || p.num_q_heads % p.num_kv_heads != 0)
+    return "num_q_heads must be a positive multiple of num_kv_heads";
+  if (p.batch > 65535) return "batch must be <= 65535";
+  if (!p.q || !p.k_cache || !p.v_cache || !p.slots || !p.ctx_len || !p.q_start || !p.out) return "null pointer";
+  if ((p.k_blk == nullptr) != (p.v_blk == nullptr)) return "k_blk and v_blk must be given together";
+  // 16-byte copies of cache and block rows, 4-byte loads of q, 8-byte stores of out.
+  auto rows16 = [](const void* ptr, const int64_t* stride) {
+    return aligned(ptr, 16) && stride[0] % 8 == 0 && stride[1] % 8 == 0 && stride[2] % 8 == 0;
+  };
+  if (!rows16(p.k_cache, p.k_cache_stride) || !rows16(p.v_cache, p.v_cache_stride))
+    return "cache rows must be 16-byte aligned (pointer and strides multiples of 8 elements)";
+  if (p.k_blk && (!rows16(p.k_blk, p.k_blk_stride) || !rows16(p.v_blk, p.v_blk_stride)))
+    return "block K/V rows must be 16-byte aligned (pointer and strides multiples of 8 elements)";
+  if (!aligned(p.q, 4) || p.q_stride[0] % 2 || p.q_stride[1] % 2 || p.q_stride[2] % 2)
+    return "q must be 4-byte aligned with even strides";
+  if (!aligned(p.out, 8)) return "out must be 8-byte aligned";
+  return nullptr;
+}
+
+int block_attention_num_splits(const BlockAttentionParams& p, int num_sms) {
+  // Shapes only (no pointers needed): a TensorRT plugin sizes its workspace before it has data.
+  if (p.max_keys <= 0 || p.batch <= 0 || p.num_tokens <= 0 || (p.head_dim != 64 && p.head_dim != 128) ||
+      p.num_kv_heads <= 0 || p.num_q_heads % p.num_kv_heads != 0)
+    return 1;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 1;
+  if (num_sms <= 0 && cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) return 1;
+  // CTAs resident per SM for this instance (2 at d = 128), from the occupancy calculator.
+  const int per_sm = dispatch(p, [&](auto t, auto d, auto mt) {
+    using T = typename decltype(t)::type;
+    decltype(&block_attention_kernel<T, decltype(d)::value, decltype(mt)::value>) kernel;
+    int n = 0;
+    if (prepare<T, decltype(d)::value, decltype(mt)::value>(&kernel) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, smem_bytes<T, decltype(d)::value>()) !=
+            cudaSuccess)
+      n = 0;
+    return std::max(n, 1);
+  });
+  const int rows = num_rows_per_kv_head(p);
+  const int ctas = p.batch * p.num_kv_heads * ceil_div(rows, kCtaRows);
+  // Memory-bound CTAs of one launch finish at different times (ragged rows, uneven SMs), so
+  // aim for about four waves of resident CTAs: the last, partly filled wave then costs
+  // little. But each split must read enough keys to pay for writing and re-reading its fp32
+  // partial (M rows x d x 8 bytes against keys x d x 4 bytes of K/V): 8 * M keys keeps that
+  // below 1/4 of the traffic, usually far below.
+  const int min_chunk = std::max(kMinChunk, 8 * std::min(rows, kCtaRows));
+  const int by_length = ceil_div(p.max_keys, min_chunk);
+  const int wanted = ceil_div(4 * per_sm * num_sms, ctas);
+  return std::max(1, std::min({by_length, wanted, kMaxSplits}));
+}
+
+size_t block_attention_workspace_bytes(const BlockAttentionParams& p, int num_splits) {
+  if (num_splits <= 1) return 0;
+  const size_t rows = static_cast<size_t>(num_splits) * p.batch * p.num_tokens * p.num_q_heads;
+  return rows * (p.head_dim + 1) * sizeof(float);  // o_part, then lse_part
+}
+
+cudaError_t block_attention_launch(const BlockAttentionParams& p, int num_splits, void* workspace,
+                                   size_t workspace_bytes, cudaStream_t stream) {
+  if (block_attention_check(p) != nullptr || num_splits < 1) return cudaErrorInvalidValue;
+  if (p.batch == 0 || p.num_tokens == 0) return cudaSuccess;
+  float* o_part = nullptr;
+  float* lse_part = nullptr;
+  if (num_splits > 1) {
+    if (workspace == nullptr || !aligned(workspace, 16) ||
+        workspace_bytes < block_attention_workspace_bytes(p, num_splits))
+      return cudaErrorInvalidValue;
+    o_part = static_cast<float*>(workspace);
+    lse_part = o_part + static_cast<size_t>(num_splits) * p.batch * p.num_tokens * p.num_q_heads * p.head_dim;
+  }
+  const int rows = num_rows_per_kv_head(p);
+  const dim3 grid(num_splits, p.num_kv_heads * ceil_div(rows, kCtaRows), p.batch);
+  return dispatch(p, [&](auto t, auto d, auto mt) {
+    using T = typename decltype(t)::type;
+    constexpr int D = decltype(d)::value;
+    decltype(&block_attention_kernel<T, D, decltype(mt)::value>) kernel;
+    cudaError_t err = prepare<T, D, decltype(mt)::value>(&kernel);
+    if (err != cudaSuccess) return err;
+    kernel<<<grid, kThreads, smem_bytes<T, D>(), stream>>>(p, num_splits, o_part, lse_part);
+    if (num_splits > 1) {
+      const int num_rows = p.batch * p.num_tokens * p.num_q_heads;
+      block_attention_combine_kernel<T, D><<<ceil_div(num_rows, kWarps), kThreads, 0, stream>>>(
+          num_rows, num_splits, o_part, lse_part, static_cast<T*>(p.out));
+    }
+    return cudaGetLastError();
+  });
+}
+
+}  // namespace dflash
