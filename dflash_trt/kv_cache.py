@@ -66,7 +66,3 @@ class KVCache:
         cols = batch.positions[batch.valid]
         self.k[layer, rows, cols] = k[batch.valid]
         self.v[layer, rows, cols] = v[batch.valid]
-
-    def read(self, layer: int, slots: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first `length` rows of each slot: [bs, length, Hkv, d] (stale rows included)."""
-        return self.k[layer, slots, :length], self.v[layer, slots, :length]

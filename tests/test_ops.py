@@ -1,15 +1,44 @@
-"""Custom ops: the paged block-attention reference agrees with the mask + SDPA path the models
-use today (CPU), the CUDA kernel agrees with the fp32 reference (cuda marker), and every
+"""Custom ops: the paged block-attention reference agrees with an explicit-mask SDPA oracle
+(CPU), the CUDA kernel agrees with the fp32 reference (cuda marker), and every
 plugins/*.cu compiles alone with nvcc (CI, no GPU needed)."""
 
 from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from dflash_trt import plugins
-from dflash_trt.ops import (attention_mask, block_attention_reference, paged_block_attention,
-                            paged_block_attention_reference)
+from dflash_trt.ops import paged_block_attention, paged_block_attention_reference
+
+
+# An independent oracle: an explicit [bs, T, L] mask over gathered keys, then SDPA.
+def attention_mask(
+    q_pos: torch.Tensor, k_pos: torch.Tensor, k_valid: torch.Tensor, causal: bool, window: int | None
+) -> torch.Tensor:
+    """[bs, T, L] bool, True where query t may attend key l.
+
+    q_pos [bs, T] and k_pos [bs, L] are absolute positions; k_valid [bs, L] marks keys that
+    hold real data (cache rows past a sequence's length are stale). `causal` means key
+    position <= query position; `window` keeps keys with position > query - window (the
+    Qwen3 / SpecForge sliding-window convention).
+    """
+    mask = k_valid[:, None, :].expand(-1, q_pos.shape[1], -1)
+    if causal:
+        mask = mask & (k_pos[:, None, :] <= q_pos[:, :, None])
+    if window is not None:
+        mask = mask & (k_pos[:, None, :] > q_pos[:, :, None] - window)
+    return mask
+
+
+def block_attention_reference(q, k, v, mask, scale):
+    """q [bs, T, Hq, d], k/v [bs, L, Hkv, d], mask [bs, T, L] -> [bs, T, Hq * d]."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+        attn_mask=mask[:, None], scale=scale, enable_gqa=True,
+    )  # [bs, Hq, T, d]
+    return out.transpose(1, 2).flatten(2)
+
 
 PLUGINS = Path(__file__).resolve().parent.parent / "plugins"
 

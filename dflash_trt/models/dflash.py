@@ -14,13 +14,14 @@ from torch import nn
 from dflash_trt.config import DraftConfig, LayerDims
 from dflash_trt.kv_cache import Batch, KVCache
 from dflash_trt.models.layers import AttentionProjections, DecoderLayer, RMSNorm, Rotary, apply_rope
-from dflash_trt.ops import attention_mask, block_attention
+from dflash_trt.ops import paged_block_attention
 
 
 class DFlashAttention(AttentionProjections):
-    def __init__(self, dims: LayerDims, layer_idx: int, sliding: bool):
+    def __init__(self, dims: LayerDims, layer_idx: int, window: int | None):
         super().__init__(dims)
-        self.layer_idx, self.sliding = layer_idx, sliding
+        self.layer_idx = layer_idx
+        self.window = window  # sliding layers: causal in the block and `window` positions back
 
     def context_kv(self, c, cos, sin):
         """Context features c [bs, T, H] -> K (k_norm, RoPE) and V [bs, T, Hkv, d]."""
@@ -30,12 +31,15 @@ class DFlashAttention(AttentionProjections):
         k = apply_rope(self.k_norm(k.unflatten(-1, (d.num_key_value_heads, d.head_dim))), cos, sin)
         return k, v.unflatten(-1, (d.num_key_value_heads, d.head_dim))
 
-    def forward(self, h, cos, sin, mask, batch: Batch, cache: KVCache):
+    def forward(self, h, cos, sin, lengths, batch: Batch, cache: KVCache):
         q, k, v = self.qkv(h, cos, sin)
-        ctx_k, ctx_v = cache.read(self.layer_idx, batch.slots, batch.max_start)
-        # Keys are [context ; block], context first, matching the mask built in DFlashDrafter.
-        out = block_attention(q, torch.cat([ctx_k, k], dim=1), torch.cat([ctx_v, v], dim=1), mask, self.scale)
-        return self.o_proj(out)
+        # keys: the slot's context rows [0, start) plus the block's own transient k/v at
+        # start + j; full layers are non-causal, sliding layers causal with a window
+        slots, start = lengths
+        out = paged_block_attention(q, cache.k[self.layer_idx], cache.v[self.layer_idx], slots, start, start, k, v,
+                                    causal=self.window is not None, window=self.window, scale=self.scale,
+                                    max_keys=batch.max_start + batch.width)
+        return self.o_proj(out.flatten(2))
 
 
 class DFlashDrafter(nn.Module):
@@ -46,7 +50,7 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(config.num_taps * dims.hidden_size, dims.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
         self.layers = nn.ModuleList(
-            DecoderLayer(dims, DFlashAttention(dims, i, kind == "sliding_attention"))
+            DecoderLayer(dims, DFlashAttention(dims, i, window=config.sliding_window if kind == "sliding_attention" else None))
             for i, kind in enumerate(config.layer_types)
         )
         self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
@@ -73,22 +77,10 @@ class DFlashDrafter(nn.Module):
         """block_ids [bs, B] at positions start..start+B-1 -> final hidden [bs, B, H]."""
         x = self.embed_tokens(block_ids).float()  # fp32 residual stream, as in the target
         cos, sin = self.rotary(batch.positions, self.fc.weight.dtype)
-        masks = self._masks(batch)
+        lengths = (batch.slots.int(), batch.start.int())  # once per pass
         for layer in self.layers:
-            x = layer(x, cos, sin, masks[layer.self_attn.sliding], batch, cache)
+            x = layer(x, cos, sin, lengths, batch, cache)
         return self.norm(x)
-
-    def _masks(self, batch: Batch) -> dict[bool, torch.Tensor]:
-        """Full layers see every valid context row and the whole block (non-causal);
-        sliding layers are causal inside the block and see `sliding_window` positions back."""
-        ctx_pos = torch.arange(batch.max_start, device=batch.positions.device).expand(batch.size, -1)
-        k_pos = torch.cat([ctx_pos, batch.positions], dim=1)
-        k_valid = torch.cat([ctx_pos < batch.start[:, None], torch.ones_like(batch.valid)], dim=1)
-        full = attention_mask(batch.positions, k_pos, k_valid, causal=False, window=None)
-        if "sliding_attention" not in self.config.layer_types:
-            return {False: full}
-        sliding = attention_mask(batch.positions, k_pos, k_valid, causal=True, window=self.config.sliding_window)
-        return {False: full, True: sliding}
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -13,7 +13,7 @@ from torch import nn
 from dflash_trt.config import LayerDims, TargetConfig
 from dflash_trt.kv_cache import Batch, KVCache
 from dflash_trt.models.layers import AttentionProjections, DecoderLayer, RMSNorm, Rotary
-from dflash_trt.ops import attention_mask, block_attention
+from dflash_trt.ops import paged_block_attention
 
 
 class Qwen3Attention(AttentionProjections):
@@ -21,11 +21,14 @@ class Qwen3Attention(AttentionProjections):
         super().__init__(dims)
         self.layer_idx = layer_idx
 
-    def forward(self, x, cos, sin, mask, batch: Batch, cache: KVCache):
+    def forward(self, x, cos, sin, lengths, batch: Batch, cache: KVCache):
         q, k, v = self.qkv(x, cos, sin)
         cache.write(self.layer_idx, batch, k, v)
-        k_all, v_all = cache.read(self.layer_idx, batch.slots, batch.max_end)
-        return self.o_proj(block_attention(q, k_all, v_all, mask, self.scale))
+        # keys: the slot's cache rows [0, start + num_tokens), the new ones included; causal
+        slots, end, start = lengths
+        out = paged_block_attention(q, cache.k[self.layer_idx], cache.v[self.layer_idx], slots, end, start,
+                                    causal=True, scale=self.scale, max_keys=batch.max_end)
+        return self.o_proj(out.flatten(2))
 
 
 class Qwen3Model(nn.Module):
@@ -44,12 +47,10 @@ class Qwen3Model(nn.Module):
         # near-ties differently for a verify block than for one-token AR steps.
         x = self.embed_tokens(input_ids).float()
         cos, sin = self.rotary(batch.positions, self.embed_tokens.weight.dtype)
-        key_pos = torch.arange(batch.max_end, device=x.device).expand(batch.size, -1)
-        key_valid = key_pos < (batch.start + batch.num_tokens)[:, None]
-        mask = attention_mask(batch.positions, key_pos, key_valid, causal=True, window=None)
+        lengths = (batch.slots.int(), (batch.start + batch.num_tokens).int(), batch.start.int())  # once per pass
         tapped = []
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, mask, batch, cache)
+            x = layer(x, cos, sin, lengths, batch, cache)
             # A tap id names the layer whose *output* is taken: here, right after layer i.
             # (In HF `output_hidden_states` terms that is hidden_states[i + 1].)
             if i in taps:
