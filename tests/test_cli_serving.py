@@ -13,21 +13,10 @@ from click.testing import CliRunner
 from dflash_trt.build import load_engine, resolve_config, run
 from dflash_trt.cli import cli
 from dflash_trt.sampling import SamplingParams
+from ports import free_ports
 
 pytestmark = pytest.mark.slow
 PROMPT = "Zürich"
-
-
-def free_ports(n):
-    import socket
-
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 @pytest.fixture(scope="module")

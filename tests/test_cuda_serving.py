@@ -1,7 +1,6 @@
 """GPU serving (skipped without CUDA): engines built with --device cuda, served by the real
 tritonserver, queried over gRPC: one streaming request and 8 concurrent requests."""
 
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -10,6 +9,7 @@ import pytest
 from dflash_trt import client
 from dflash_trt.build import resolve_config, run
 from dflash_trt.fixtures import TinyPairSpec, write_tiny_pair
+from ports import free_ports
 
 pytestmark = pytest.mark.cuda
 
@@ -18,16 +18,6 @@ pytestmark = pytest.mark.cuda
 ONE_B = TinyPairSpec(hidden_size=2048, intermediate_size=6144, num_layers=12, num_heads=16, num_kv_heads=8,
                      head_dim=128, draft_layers=2, target_layer_ids=(1, 5, 9), block_size=16,
                      tokenizer_tokens=None, dtype="bfloat16", init_scale=0.5)
-
-
-def free_ports(n):
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 @pytest.fixture(scope="module", params=["tiny-demo", "random-1b"])

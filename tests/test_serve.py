@@ -18,6 +18,7 @@ import tritonclient.http as httpclient
 import dflash_trt
 from dflash_trt.errors import ServeError
 from dflash_trt.serve import TritonServer, check_ports_free, find_tritonserver
+from ports import free_ports
 
 CONFIG = """
 name: "{name}"
@@ -79,16 +80,6 @@ def write_repository(tmp: Path, model_py: str, name: str = "echo") -> Path:
     (root / name / "config.pbtxt").write_text(CONFIG.format(name=name))
     (root / name / "1" / "model.py").write_text(model_py)
     return root
-
-
-def free_ports(n: int = 3) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def make_server(repository: Path, ports=None, **kwargs) -> TritonServer:

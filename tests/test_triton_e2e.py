@@ -5,7 +5,6 @@ greedy output; bad requests must get clear errors while the server keeps serving
 
 import json
 import queue
-import socket
 import threading
 import time
 import urllib.error
@@ -23,6 +22,7 @@ from dflash_trt.build import load_engine, resolve_config, run  # noqa: E402
 from dflash_trt.sampling import SamplingParams  # noqa: E402
 from dflash_trt.serve import TritonServer  # noqa: E402
 from dflash_trt.serving import perf_metrics  # noqa: E402
+from ports import free_ports  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -31,16 +31,6 @@ MAX_TOKENS = 32
 PROMPTS = ["你好，世界", "1 2 3", "中文", "Zürich", "Hello", "The capital of France is", "def f(x):",
            "Once upon a time"]
 TIMEOUT_S = 60
-
-
-def free_ports(n):
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
 
 
 @pytest.fixture(scope="module")
