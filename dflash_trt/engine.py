@@ -17,12 +17,12 @@ import torch
 
 from dflash_trt.config import DraftConfig, TargetConfig, check_pair
 from dflash_trt.errors import PairError, RequestError
+from dflash_trt.kv_cache import Batch
 from dflash_trt.models.dflash import DFlashDrafter
 from dflash_trt.models.qwen3 import Qwen3ForCausalLM
 from dflash_trt.sampling import SamplingParams, sample, target_probs
 from dflash_trt.sequence import RequestStats, Sequence
 from dflash_trt.speculate import OracleDrafts, speculative_step
-from dflash_trt.kv_cache import Batch
 from dflash_trt.weights import Checkpoint, load_weights
 
 MODES = ("ar", "dflash")
