@@ -159,6 +159,10 @@ def serve(output_dir, http_port, grpc_port, metrics_port, host, tritonserver):
     try:
         code = server.wait()
     except KeyboardInterrupt:
+        # A second Ctrl-C / SIGTERM must not interrupt the stop and orphan the server:
+        # stop() is bounded (SIGTERM, then SIGKILL of the whole group after its timeout).
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         click.echo("stopping tritonserver", err=True)
         server.stop()
         return

@@ -89,6 +89,8 @@ def test_serve_stops_cleanly_on_sigterm_leaving_no_processes(demo):
     children = servers_of(demo) - before
     assert children, "tritonserver should be running"
     proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGINT)  # an impatient second signal must not orphan the server
     assert proc.wait(60) == 0
     deadline = time.time() + 10
     while time.time() < deadline and any(os.path.exists(f"/proc/{pid}") for pid in children):
