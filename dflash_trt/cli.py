@@ -206,6 +206,48 @@ def generate(prompt, url, protocol, stream, max_tokens, temperature, top_k, top_
                    err=True)
 
 
+@cli.command()
+@click.argument("output_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--dataset", "datasets", multiple=True, default=["gsm8k"], show_default=True, metavar="NAME|PATH",
+              help="gsm8k, humaneval, mt_bench, or a JSONL file with a 'prompt' field; repeatable.")
+@click.option("--concurrency", default="1,8,16,32", show_default=True, help="Comma-separated concurrencies.")
+@click.option("--num-prompts", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--oracle-tau", type=click.FloatRange(min=1), help="Oracle acceptance with this mean τ.")
+@click.option("--chat/--no-chat", default=True, show_default=True, help="Apply the chat template.")
+@click.option("--thinking/--no-thinking", default=False, show_default=True)
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), help="Default: the device the engine was built for.")
+@click.option("--json", "json_file", type=click.Path(dir_okay=False, path_type=Path), help="Also write rows here.")
+def bench(output_dir, datasets, concurrency, num_prompts, max_tokens, oracle_tau, chat, thinking, device, json_file):
+    """Benchmark AR vs DFlash per dataset and concurrency; a markdown table on stdout.
+
+    \b
+    dflash-trt bench out/q8 --dataset gsm8k --dataset humaneval --oracle-tau 6.5 --json bench.json
+    """
+    from dflash_trt import bench as bench_lib
+    from dflash_trt.build import load_engine
+    from dflash_trt.datasets import dataset_label, load_prompts
+
+    try:
+        levels = [int(c) for c in concurrency.split(",")]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated ints, got {concurrency!r}", param_hint="--concurrency")
+    bar = click.progressbar(length=2 * len(levels) * num_prompts * len(datasets), file=sys.stderr) \
+        if sys.stderr.isatty() else None
+    progress = lambda n, msg: bar.update(n) if bar else (msg and click.echo(msg, err=True))  # noqa: E731
+    with _errors():
+        loaded, rows = load_engine(output_dir / "engine", device), []
+        for name in datasets:
+            rows += bench_lib.run_bench(loaded, load_prompts(name, num_prompts), dataset=dataset_label(name),
+                                        concurrencies=levels, max_tokens=max_tokens, chat=chat, thinking=thinking,
+                                        oracle_tau=oracle_tau, progress=progress)
+    if bar:
+        bar.render_finish()
+    click.echo(bench_lib.format_table(rows))
+    if json_file:
+        json_file.write_text(bench_lib.rows_to_json(rows, engine=str(output_dir), max_tokens=max_tokens) + "\n")
+
+
 def main():  # pragma: no cover - `python -m dflash_trt`
     cli(prog_name="dflash-trt")
 

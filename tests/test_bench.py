@@ -1,0 +1,103 @@
+"""`dflash-trt bench` and dflash_trt.bench: shipped prompt sets, rows, oracle τ, the CLI."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from dflash_trt import bench
+from dflash_trt.build import load_engine, resolve_config, run
+from dflash_trt.cli import cli
+from dflash_trt.datasets import NAMES, load_prompts
+from dflash_trt.errors import ConfigError
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory):
+    return run(resolve_config("tiny"), tmp_path_factory.mktemp("bench") / "demo")
+
+
+@pytest.fixture(scope="module")
+def loaded(out):
+    return load_engine(out / "engine")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_shipped_sets_load_with_a_limit(name):
+    prompts = load_prompts(name, 5)
+    assert len(prompts) == 5 and all(isinstance(p, str) and p for p in prompts)
+    assert len(load_prompts(name)) == {"gsm8k": 128, "humaneval": 64, "mt_bench": 80}[name]
+
+
+def test_shipped_prompts_are_worded_like_the_reference_benchmark():
+    assert load_prompts("gsm8k", 1)[0].endswith("put your final answer within \\boxed{}.")
+    assert load_prompts("humaneval", 1)[0].startswith("Write a solution to the following problem")
+
+
+def test_user_jsonl_and_errors_that_name_the_line(tmp_path):
+    good = tmp_path / "mine.jsonl"
+    good.write_text('{"prompt": "a"}\n\n{"prompt": "b", "extra": 1}\n')
+    assert load_prompts(good) == ["a", "b"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a"}\n{"text": "b"}\n')
+    with pytest.raises(ConfigError, match=r"bad\.jsonl:2: .*'prompt'"):
+        load_prompts(bad)
+    bad.write_text('{"prompt": "a"}\n{not json\n')
+    with pytest.raises(ConfigError, match=r"bad\.jsonl:2: not valid JSON"):
+        load_prompts(bad)
+    with pytest.raises(ConfigError, match="not a dataset name"):
+        load_prompts(tmp_path / "missing.jsonl")
+
+
+def test_rows_per_concurrency_are_lossless_and_positive(loaded):
+    prompts = load_prompts("mt_bench", 3)
+    rows = bench.run_bench(loaded, prompts, dataset="mt_bench", concurrencies=(1, 2), max_tokens=12)
+    assert [r.concurrency for r in rows] == [1, 2]
+    for r in rows:
+        assert r.mode_label == "real acceptance" and r.dataset == "mt_bench" and r.num_prompts == 3
+        assert r.identical_share == 1.0  # greedy fp32: DFlash reproduces AR exactly
+        assert min(r.ar_tok_s, r.dflash_tok_s, r.ar_decode_tok_s, r.dflash_decode_tok_s, r.speedup) > 0
+        assert 1.0 <= r.tau_steps <= loaded.block_size and r.tau_per_request >= 1.0
+        assert 0 < r.ttft_p50_s <= r.ttft_p99_s
+
+
+def test_oracle_tau_sets_the_mean_acceptance_length(loaded):
+    assert loaded.block_size == 8
+    prompts = load_prompts("gsm8k", 4)
+    (row,) = bench.run_bench(loaded, prompts, dataset="gsm8k", concurrencies=(4,), max_tokens=64,
+                             oracle_tau=4, seed=1, chat=False)
+    assert row.mode_label == "oracle τ=4"
+    assert abs(row.tau_steps - 4) <= 0.5, row
+    assert row.identical_share == 1.0
+
+
+def test_oracle_num_correct_mean_and_bounds():
+    draw = bench.oracle_num_correct(6.5, 16, seed=0)
+    ks = [draw(None) for _ in range(4000)]
+    assert set(ks) == {5, 6} and abs(sum(ks) / len(ks) - 5.5) < 0.05
+    assert {bench.oracle_num_correct(8, 8)(None) for _ in range(10)} == {7}
+    with pytest.raises(ConfigError, match="block size"):
+        bench.oracle_num_correct(9, 8)
+
+
+def test_cli_prints_a_table_and_writes_json(out, tmp_path):
+    report = tmp_path / "bench.json"
+    result = CliRunner().invoke(cli, ["bench", str(out), "--dataset", "humaneval", "--concurrency", "1,2",
+                                      "--num-prompts", "2", "--max-tokens", "6", "--json", str(report)])
+    assert result.exit_code == 0, result.output
+    table = result.stdout.strip().splitlines()
+    assert table[0].startswith("| Dataset | Concurrency | AR tok/s | DFlash tok/s | Speedup | τ |")
+    assert len(table) == 4 and "| humaneval | 2 |" in table[3] and "real acceptance" in table[3]
+    assert "humaneval c=1 AR" in result.stderr
+    rows = json.loads(report.read_text())["rows"]
+    assert [r["concurrency"] for r in rows] == [1, 2]
+    assert all(r["ar_tok_s"] > 0 and r["dflash_tok_s"] > 0 and r["identical_share"] == 1.0 for r in rows)
+
+
+def test_cli_rejects_bad_input(out, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("[1]\n")
+    result = CliRunner().invoke(cli, ["bench", str(out), "--dataset", str(bad), "--num-prompts", "1"])
+    assert result.exit_code == 1 and "bad.jsonl:1:" in result.output
+    result = CliRunner().invoke(cli, ["bench", str(out), "--concurrency", "1,x"])
+    assert result.exit_code == 2 and "--concurrency" in result.output
