@@ -230,6 +230,17 @@ def read_inputs(get: Callable[[str], np.ndarray | None], specs) -> dict[str, np.
     return arrays
 
 
+def read_request(pb_utils, request, specs) -> dict[str, np.ndarray]:
+    """`read_inputs` for a Triton request; `pb_utils` is passed in because only the Python
+    backend's stub can import it (the model.py adapters hand it over)."""
+
+    def get(name):
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        return None if tensor is None else tensor.as_numpy()
+
+    return read_inputs(get, specs)
+
+
 def _check_array(spec: TensorSpec, array: np.ndarray) -> np.ndarray:
     expected = NUMPY_DTYPES[spec.dtype]
     if spec.dtype == STRING:

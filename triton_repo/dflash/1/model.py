@@ -13,14 +13,6 @@ from dflash_trt.serving import EngineWorker
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
-def _inputs(request, specs):
-    def get(name):
-        tensor = pb_utils.get_input_tensor_by_name(request, name)
-        return None if tensor is None else tensor.as_numpy()
-
-    return protocol.read_inputs(get, specs)
-
-
 class _Sink:
     """One request's response sender, as the serving.Sink the worker talks to."""
 
@@ -51,7 +43,7 @@ class TritonPythonModel:
         for request in requests:
             sink = _Sink(request)
             try:
-                self.worker.submit(protocol.Request.from_arrays(_inputs(request, protocol.DFLASH_INPUTS)), sink)
+                self.worker.submit(protocol.Request.from_arrays(protocol.read_request(pb_utils, request, protocol.DFLASH_INPUTS)), sink)
             except protocol.RequestValidationError as e:  # this request fails, the batch goes on
                 sink.fail(str(e), client_error=True)
         return None

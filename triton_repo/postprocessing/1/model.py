@@ -6,21 +6,13 @@ from dflash_trt import protocol
 from dflash_trt.serving import postprocess
 
 
-def _inputs(request, specs):
-    def get(name):
-        tensor = pb_utils.get_input_tensor_by_name(request, name)
-        return None if tensor is None else tensor.as_numpy()
-
-    return protocol.read_inputs(get, specs)
-
-
 class TritonPythonModel:
     def execute(self, requests):
         return [self._respond(request) for request in requests]
 
     def _respond(self, request):
         try:
-            outputs = postprocess(_inputs(request, protocol.POSTPROCESSING_INPUTS))
+            outputs = postprocess(protocol.read_request(pb_utils, request, protocol.POSTPROCESSING_INPUTS))
         except protocol.RequestValidationError as e:
             return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG))
         return pb_utils.InferenceResponse([pb_utils.Tensor(name, array) for name, array in outputs.items()])

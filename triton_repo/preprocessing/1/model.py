@@ -7,14 +7,6 @@ from dflash_trt.repository import engine_dir_from_args
 from dflash_trt.serving import Preprocessor
 
 
-def _inputs(request, specs):
-    def get(name):
-        tensor = pb_utils.get_input_tensor_by_name(request, name)
-        return None if tensor is None else tensor.as_numpy()
-
-    return protocol.read_inputs(get, specs)
-
-
 class TritonPythonModel:
     def initialize(self, args):
         self.preprocess = Preprocessor.load(engine_dir_from_args(args))
@@ -24,7 +16,7 @@ class TritonPythonModel:
 
     def _respond(self, request):
         try:
-            outputs = self.preprocess(_inputs(request, protocol.PREPROCESSING_INPUTS))
+            outputs = self.preprocess(protocol.read_request(pb_utils, request, protocol.PREPROCESSING_INPUTS))
         except protocol.RequestValidationError as e:  # this request fails, the batch goes on
             return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG))
         return pb_utils.InferenceResponse([pb_utils.Tensor(name, array) for name, array in outputs.items()])
