@@ -134,6 +134,7 @@ def _token_ids(f: _Fields, key: str) -> tuple[int, ...]:
 class TargetConfig:
     """A Qwen3 dense target (HF `model_type` "qwen3")."""
 
+    model_type = "qwen3"  # a class attribute, not a field: picks the model class
     dims: LayerDims
     vocab_size: int
     tie_word_embeddings: bool

@@ -18,6 +18,7 @@ import torch
 from dflash_trt.config import DraftConfig, TargetConfig, check_pair
 from dflash_trt.errors import PairError, RequestError
 from dflash_trt.kv_cache import Batch
+from dflash_trt.models import target_class
 from dflash_trt.models.dflash import DFlashDrafter
 from dflash_trt.models.qwen3 import Qwen3ForCausalLM
 from dflash_trt.sampling import SamplingParams, sample, target_probs
@@ -147,6 +148,7 @@ class Engine:
         batch = Batch.make([s.slot for s in seqs], [0] * len(seqs), lengths, width, self.device)
         dflash = self.mode == "dflash"
         hidden, taps = self.target(ids.to(self.device), batch, self.target_cache, self.taps if dflash else ())
+        self.target.commit(self.target_cache, batch, batch.num_tokens)
         last = hidden[torch.arange(len(seqs), device=self.device), batch.num_tokens - 1]
         if dflash:
             self.drafter.append_context(taps, batch, self.draft_cache)
@@ -160,6 +162,7 @@ class Engine:
             batch = Batch.make([s.slot for s in seqs], [s.num_cached for s in seqs], [1] * len(seqs), 1, self.device)
             ids = torch.tensor([[s.last_token] for s in seqs], device=self.device)
             hidden, _ = self.target(ids, batch, self.target_cache)
+            self.target.commit(self.target_cache, batch, batch.num_tokens)
             tokens = [[t] for t in self._pick(self.target.logits(hidden[:, 0]), seqs)]
         else:
             out = speculative_step(self.target, self.drafter, self.target_cache, self.draft_cache, seqs, self.taps,
@@ -219,7 +222,7 @@ def _build(model_cls, config, checkpoint: Checkpoint, device, dtype, prefixes=("
 
 def load_target(directory: Path, device="cpu", dtype=torch.float32) -> Qwen3ForCausalLM:
     config = TargetConfig.from_dir(directory)
-    return _build(Qwen3ForCausalLM, config, Checkpoint(directory), device, dtype)
+    return _build(target_class(config.model_type), config, Checkpoint(directory), device, dtype)
 
 
 def load_drafter(directory: Path, target: Qwen3ForCausalLM, device="cpu", dtype=torch.float32) -> DFlashDrafter:

@@ -102,9 +102,12 @@ def speculative_step(target, drafter, target_cache: KVCache, draft_cache: KVCach
     accepted, bonus = accept(logits, block[:, 1:], seqs)
 
     # commit: the drafter caches the committed rows' context K/V; the target keeps its
-    # rows by length alone (the engine advances num_cached), rejected rows get overwritten
+    # rows by length (the engine advances num_cached; rejected rows get overwritten), and
+    # a target with recurrent state restores that state to the committed prefix
     committed = [a + 1 for a in accepted]
     max_end = max(s.num_cached + c for s, c in zip(seqs, committed))
-    drafter.append_context(tapped, batch.with_num_tokens(torch.tensor(committed, device=device), max_end), draft_cache)
+    kept = batch.with_num_tokens(torch.tensor(committed, device=device), max_end)
+    target.commit(target_cache, batch, kept.num_tokens)
+    drafter.append_context(tapped, kept, draft_cache)
     drafts = block[:, 1:].tolist()
     return StepOutput([drafts[i][:a] + [bonus[i]] for i, a in enumerate(accepted)], accepted)

@@ -1,0 +1,17 @@
+"""Target model classes by HF `model_type`; the engine needs nothing else to pick one.
+
+A target class takes its config and offers `forward(input_ids, batch, cache, taps)`,
+`logits(hidden)`, `new_cache(num_slots, capacity)`, `commit(cache, batch, num_committed)`
+and `tie_weights()`. `commit` is called after every target pass with the number of tokens
+of each row that stay (all of them for prefill and AR, the accepted prefix + 1 after a
+verify); attention-only targets roll back by length and have nothing to do there.
+"""
+
+from __future__ import annotations
+
+
+def target_class(model_type: str):
+    from dflash_trt.models.qwen3 import Qwen3ForCausalLM
+
+    classes = {"qwen3": Qwen3ForCausalLM}
+    return classes[model_type]

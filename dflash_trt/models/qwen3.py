@@ -76,6 +76,9 @@ class Qwen3ForCausalLM(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
+    def commit(self, cache: KVCache, batch: Batch, num_committed: torch.Tensor) -> None:
+        """Rows past a sequence's committed length are ignored and overwritten later."""
+
     def new_cache(self, num_slots: int, capacity: int) -> KVCache:
         d = self.config.dims
         w = self.lm_head.weight
