@@ -155,8 +155,12 @@ def _write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n")
 
 
-def write_tiny_pair(directory: Path, spec: TinyPairSpec = TinyPairSpec()) -> PairPaths:
-    """Write `directory/target` and `directory/drafter`; returns their paths."""
+def write_tiny_pair(directory: Path, spec: TinyPairSpec = TinyPairSpec(), *, weights: bool = True) -> PairPaths:
+    """Write `directory/target` and `directory/drafter`; returns their paths.
+
+    `weights=False` writes only the configs and the tokenizer (random_weights.py fills
+    real-size models directly on the GPU instead of writing gigabytes of noise).
+    """
     directory = Path(directory)
     target_dir, drafter_dir = directory / "target", directory / "drafter"
     target_dir.mkdir(parents=True, exist_ok=True)
@@ -187,7 +191,8 @@ def write_tiny_pair(directory: Path, spec: TinyPairSpec = TinyPairSpec()) -> Pai
     _write_json(target_dir / "generation_config.json",
                 {"bos_token_id": bos, "eos_token_id": [eos, pad], "pad_token_id": pad, "do_sample": False})
     dtype = getattr(torch, spec.dtype)
-    write_safetensors(target_dir, target_tensors(spec, vocab_size), spec.num_shards, dtype)
+    if weights:
+        write_safetensors(target_dir, target_tensors(spec, vocab_size), spec.num_shards, dtype)
 
     taps = spec.target_layer_ids or default_target_layer_ids(spec.draft_layers, spec.num_layers)
     dflash_config = {"mask_token_id": mask_id}
@@ -210,7 +215,8 @@ def write_tiny_pair(directory: Path, spec: TinyPairSpec = TinyPairSpec()) -> Pai
         draft_config["block_size"] = spec.block_size
     draft_config.update(spec.extra_draft_config)
     _write_json(drafter_dir / "config.json", draft_config)
-    write_safetensors(drafter_dir, drafter_tensors(spec, len(taps), vocab_size), dtype=dtype)
+    if weights:
+        write_safetensors(drafter_dir, drafter_tensors(spec, len(taps), vocab_size), dtype=dtype)
     _write_json(directory / "fixture.json", {k: v for k, v in asdict(spec).items() if k != "extra_draft_config"})
     return PairPaths(target_dir, drafter_dir)
 

@@ -1,0 +1,55 @@
+"""Random-weights presets have the released models' shapes and give a working engine."""
+
+import pytest
+import torch
+
+from dflash_trt import random_weights as rw
+from dflash_trt.config import DraftConfig, TargetConfig
+from dflash_trt.engine import Engine
+from dflash_trt.errors import ConfigError
+from dflash_trt.fixtures import TinyPairSpec, write_tiny_pair
+from dflash_trt.models.dflash import DFlashDrafter
+from dflash_trt.models.qwen3 import Qwen3ForCausalLM
+from dflash_trt.sampling import SamplingParams
+
+# Parameter counts of Qwen/Qwen3-8B and Qwen/Qwen3-4B (safetensors totals) and of Qwen3-1.7B
+# with its tied embedding counted once; the Qwen3-8B drafter is about 1.05 B parameters.
+PUBLISHED = {"qwen3-8b": 8_190_735_360, "qwen3-4b": 4_022_468_096, "qwen3-1.7b": 1_720_574_976}
+
+
+@pytest.mark.parametrize("name", sorted(rw.PRESETS))
+def test_presets_have_the_released_shapes(tmp_path, name):
+    sources = rw.write_configs(tmp_path, name)
+    target_config = TargetConfig.from_dir(sources.target)
+    draft_config = DraftConfig.from_dir(sources.drafter, target_config.dims.num_hidden_layers)
+    with torch.device("meta"):
+        target, drafter = Qwen3ForCausalLM(target_config), DFlashDrafter(draft_config)
+    target.tie_weights()
+    assert sum(p.numel() for p in target.parameters()) == PUBLISHED[name]
+    assert draft_config.block_size == 16 and draft_config.mask_token_id == 151669
+    assert len(drafter.layers) == 5 and target_config.vocab_size == 151936
+    if name == "qwen3-8b":
+        assert draft_config.target_layer_ids == (1, 9, 17, 25, 33)
+        assert sum(p.numel() for p in drafter.parameters()) == pytest.approx(1.05e9, rel=0.01)
+    assert not list(sources.target.glob("*.safetensors")), "configs only: weights are made on the device"
+
+
+def test_unknown_preset_is_named():
+    with pytest.raises(ConfigError, match="'qwen3-9b'.*qwen3-8b"):
+        rw.preset_spec("qwen3-9b")
+
+
+def test_random_pair_runs_greedy_dflash_like_ar(tmp_path):
+    spec = TinyPairSpec(tokenizer_tokens=None, vocab_size=96)
+    sources = write_tiny_pair(tmp_path, spec, weights=False)
+    target, drafter = rw.random_pair(sources, "cpu", torch.float32, seed=3)
+    params = [p for p in target.parameters()]
+    assert all(torch.isfinite(p).all() for p in params) and params[0].std() > 0.5
+    engine = Engine(target, drafter, max_batch_size=2, max_seq_len=64)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    sp = SamplingParams(max_tokens=20, ignore_eos=True)
+    ar = [r.token_ids for r in engine.generate(prompts, sp, mode="ar")]
+    df = [r.token_ids for r in engine.generate(prompts, sp, mode="dflash")]
+    assert ar == df and all(len(t) == 20 for t in ar)
+    again = rw.random_pair(sources, "cpu", torch.float32, seed=3)[0]
+    assert torch.equal(again.lm_head.weight, target.lm_head.weight), "a seed gives the same weights"
