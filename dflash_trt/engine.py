@@ -17,6 +17,7 @@ import torch
 
 from dflash_trt.config import DraftConfig, TargetConfig, check_pair
 from dflash_trt.errors import PairError, RequestError
+from dflash_trt.graphs import DecodePasses, GraphedPasses, graphs_supported
 from dflash_trt.kv_cache import Batch
 from dflash_trt.models import target_class
 from dflash_trt.models.dflash import DFlashDrafter
@@ -53,7 +54,7 @@ class StepEvent:
 class Engine:
     def __init__(self, target: Qwen3ForCausalLM, drafter: DFlashDrafter | None = None, *,
                  max_batch_size: int = 8, max_seq_len: int = 4096, mode: str | None = None,
-                 oracle: OracleDrafts | None = None):
+                 oracle: OracleDrafts | None = None, cuda_graphs: bool = True):
         self.target, self.drafter, self.oracle = target, drafter, oracle
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         self.block_size = drafter.config.block_size if drafter else 1
@@ -61,9 +62,13 @@ class Engine:
         self.mode = mode or ("dflash" if drafter else "ar")
         self._check_mode(self.mode)
         capacity = max_seq_len + self.block_size  # a verify block may run past the last kept token
-        self.target_cache = target.new_cache(max_batch_size, capacity)
-        self.draft_cache = drafter.new_cache(max_batch_size, capacity) if drafter else None
+        # One slot more than requests: CUDA graphs point their padding rows at it.
+        self.target_cache = target.new_cache(max_batch_size + 1, capacity)
+        self.draft_cache = drafter.new_cache(max_batch_size + 1, capacity) if drafter else None
         self.device = target.lm_head.weight.device
+        passes = (self.target, self.drafter, self.target_cache, self.draft_cache, self.taps)
+        use_graphs = cuda_graphs and graphs_supported(target, self.device)
+        self.passes = GraphedPasses(*passes, max_batch_size=max_batch_size) if use_graphs else DecodePasses(*passes)
         self.eos_token_ids = frozenset(target.config.eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -152,21 +157,19 @@ class Engine:
         last = hidden[torch.arange(len(seqs), device=self.device), batch.num_tokens - 1]
         if dflash:
             self.drafter.append_context(taps, batch, self.draft_cache)
-        tokens = self._pick(self.target.logits(last), seqs)
+        tokens = self._pick(self.target.lm_head(last).argmax(dim=-1), last, seqs)
         for s in seqs:
             s.num_cached = len(s.prompt_ids)
         return [StepEvent(s, s.emit([t])) for s, t in zip(seqs, tokens)]
 
     def _decode(self, seqs: list[Sequence]) -> list[StepEvent]:
         if self.mode == "ar":
-            batch = Batch.make([s.slot for s in seqs], [s.num_cached for s in seqs], [1] * len(seqs), 1, self.device)
-            ids = torch.tensor([[s.last_token] for s in seqs], device=self.device)
-            hidden, _ = self.target(ids, batch, self.target_cache)
-            self.target.commit(self.target_cache, batch, batch.num_tokens)
-            tokens = [[t] for t in self._pick(self.target.logits(hidden[:, 0]), seqs)]
+            inputs = self.passes.inputs(seqs)
+            hidden, greedy = self.passes.ar(inputs)
+            tokens = [[t] for t in self._pick(greedy, hidden[:, 0], seqs)]
+            self.passes.commit(inputs, 1, [1] * len(seqs))
         else:
-            out = speculative_step(self.target, self.drafter, self.target_cache, self.draft_cache, seqs, self.taps,
-                                   self.oracle)
+            out = speculative_step(self.passes, seqs, self.oracle)
             tokens = out.tokens
             for s, a in zip(seqs, out.accepted):
                 s.stats.verify_steps += 1
@@ -177,12 +180,11 @@ class Engine:
             events.append(StepEvent(s, s.emit(new)))
         return events
 
-    @staticmethod
-    def _pick(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        """Next token per row of logits [bs, V], greedy or sampled per request."""
-        greedy = logits.argmax(dim=-1).tolist()
-        return [g if s.params.greedy else sample(target_probs(row, s.params), s.generator)
-                for g, s, row in zip(greedy, seqs, logits)]
+    def _pick(self, greedy: torch.Tensor, hidden: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        """Next token per row: the greedy choice [bs] (one host sync), or a sample from the
+        logits of the final hidden state [bs, H] for requests that sample."""
+        return [g if s.params.greedy else sample(target_probs(self.target.logits(h), s.params), s.generator)
+                for g, s, h in zip(greedy.tolist(), seqs, hidden)]
 
     def _release(self, seq: Sequence) -> None:
         if seq in self.running:

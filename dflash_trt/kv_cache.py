@@ -4,6 +4,12 @@ Each sequence owns a *slot*; position p of a slot holds the K/V of the token at 
 position p. A sequence's committed length lives in the engine, so rolling back rejected
 draft tokens means keeping the old length: the stale rows are masked out and overwritten
 by the next step. Nothing is ever cropped or copied.
+
+Writes never look at which rows are real: a pass writes all `width` rows of each batch
+row (padding and rejected drafts included) at positions from its committed length on.
+Attention reads only rows below the committed length (plus the pass's own), and the next
+pass overwrites from the committed length on, so stale rows are never seen. That keeps a
+write free of data-dependent indexing, which CUDA graphs need.
 """
 
 from __future__ import annotations
@@ -18,34 +24,31 @@ class Batch:
     """Which slots a forward pass touches and where its tokens sit.
 
     Row i carries `num_tokens[i]` real tokens (the rest is padding up to `width`) at
-    positions `start[i] .. start[i] + num_tokens[i] - 1`.
+    positions `start[i] .. start[i] + num_tokens[i] - 1`. `max_end` is a host-side upper
+    bound on start + num_tokens (how many cache rows a pass may read); it only tunes how
+    the attention kernel splits long contexts.
     """
 
     slots: torch.Tensor  # [bs] long
     start: torch.Tensor  # [bs] long, committed length before this pass
     num_tokens: torch.Tensor  # [bs] long
     positions: torch.Tensor  # [bs, width] long
-    valid: torch.Tensor  # [bs, width] bool
     width: int
-    max_start: int
-    max_end: int  # max(start + num_tokens): how many cache rows a pass reads
+    max_end: int
 
     @classmethod
     def make(cls, slots: list[int], start: list[int], num_tokens: list[int], width: int, device) -> "Batch":
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
-        s, n = as_tensor(start), as_tensor(num_tokens)
-        offsets = torch.arange(width, device=device)
-        return cls(
-            slots=as_tensor(slots), start=s, num_tokens=n,
-            positions=s[:, None] + offsets, valid=offsets < n[:, None], width=width,
-            max_start=max(start), max_end=max(a + b for a, b in zip(start, num_tokens)),
-        )
+        s = as_tensor(start)
+        return cls(slots=as_tensor(slots), start=s, num_tokens=as_tensor(num_tokens),
+                   positions=s[:, None] + torch.arange(width, device=device), width=width,
+                   max_end=max(a + b for a, b in zip(start, num_tokens)))
 
-    def with_num_tokens(self, num_tokens: torch.Tensor, max_end: int) -> "Batch":
-        """The same rows keeping only their first `num_tokens` tokens (the accepted prefix)."""
-        offsets = torch.arange(self.width, device=num_tokens.device)
-        return Batch(self.slots, self.start, num_tokens, self.positions, offsets < num_tokens[:, None],
-                     self.width, self.max_start, max_end)
+    @classmethod
+    def full(cls, slots: torch.Tensor, start: torch.Tensor, width: int, max_end: int) -> "Batch":
+        """Every row carries `width` tokens; built from device tensors without a host sync."""
+        return cls(slots=slots, start=start, num_tokens=torch.full_like(start, width),
+                   positions=start[:, None] + torch.arange(width, device=start.device), width=width, max_end=max_end)
 
     @property
     def size(self) -> int:
@@ -61,8 +64,6 @@ class KVCache:
         self.capacity = capacity
 
     def write(self, layer: int, batch: Batch, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store the valid rows of k/v [bs, width, Hkv, d] at their positions."""
-        rows = batch.slots[:, None].expand_as(batch.positions)[batch.valid]
-        cols = batch.positions[batch.valid]
-        self.k[layer, rows, cols] = k[batch.valid]
-        self.v[layer, rows, cols] = v[batch.valid]
+        """Store k/v [bs, width, Hkv, d] at their positions, every row (see the module doc)."""
+        self.k[layer, batch.slots[:, None], batch.positions] = k
+        self.v[layer, batch.slots[:, None], batch.positions] = v

@@ -41,18 +41,6 @@ def speculative_sample(probs: torch.Tensor, draft: torch.Tensor, generator) -> t
     return len(draft), sample(probs[-1], generator)
 
 
-def accept(logits: torch.Tensor, draft: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[int]]:
-    """logits [bs, B, V] (row j predicts position start+j+1), draft [bs, B-1] -> (accepted, bonus)."""
-    choice = logits.argmax(dim=-1)
-    accepted = accepted_length(draft, choice[:, :-1])
-    bonus = choice.gather(1, accepted[:, None])[:, 0]
-    accepted, bonus = accepted.tolist(), bonus.tolist()  # the step's one host sync
-    for i, seq in enumerate(seqs):
-        if not seq.params.greedy:
-            accepted[i], bonus[i] = speculative_sample(target_probs(logits[i], seq.params), draft[i], seq.generator)
-    return accepted, bonus
-
-
 class OracleDrafts:
     """Acceptance driven from outside: the oracle mode of benchmarks, and tests.
 
@@ -74,40 +62,60 @@ class OracleDrafts:
                 drafts[row, :k] = torch.tensor(known[:k], device=drafts.device)
 
 
+def draft(drafter, cache: KVCache, batch: Batch, last_tokens: torch.Tensor) -> torch.Tensor:
+    """One drafter pass over [bonus, MASK x (B-1)] per row -> the block [bs, B] with the
+    B-1 proposals filled in (argmax over the LM head at the B-1 mask slots only)."""
+    block = torch.full((batch.size, batch.width), drafter.config.mask_token_id, dtype=torch.long,
+                       device=last_tokens.device)
+    block[:, 0] = last_tokens
+    hidden = drafter(block, batch, cache)
+    block[:, 1:] = drafter.lm_head(hidden[:, 1:]).argmax(dim=-1)
+    return block
+
+
+def verify(target, drafter, target_cache: KVCache, draft_cache: KVCache, batch: Batch, block: torch.Tensor,
+           taps: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One causal target pass over the block -> (hidden [bs, B, H], accepted [bs], bonus [bs]),
+    greedy; the drafter's context K/V of all B rows is cached on the way.
+
+    Rows past the accepted prefix land beyond the committed length in both caches and are
+    overwritten by the next step before anything reads them (see kv_cache.py).
+    """
+    hidden, tapped = target(block, batch, target_cache, taps)
+    choice = target.lm_head(hidden).argmax(dim=-1)  # argmax needs no fp32 copy of the logits
+    accepted = accepted_length(block[:, 1:], choice[:, :-1])
+    bonus = choice.gather(1, accepted[:, None])[:, 0]
+    drafter.append_context(tapped, batch, draft_cache)
+    return hidden, accepted, bonus
+
+
 @dataclass(frozen=True)
 class StepOutput:
     tokens: list[list[int]]  # per row: the accepted drafts, then the bonus token
     accepted: list[int]  # drafts accepted per row (the acceptance length is this + 1)
 
 
-def speculative_step(target, drafter, target_cache: KVCache, draft_cache: KVCache,
-                     seqs: list[Sequence], taps: tuple[int, ...], oracle: OracleDrafts | None = None) -> StepOutput:
-    B = drafter.config.block_size
-    device = target_cache.k.device
-    batch = Batch.make([s.slot for s in seqs], [s.num_cached for s in seqs], [B] * len(seqs), B, device)
+def speculative_step(passes, seqs: list[Sequence], oracle: OracleDrafts | None = None) -> StepOutput:
+    """draft -> verify -> accept -> commit for the running sequences (`passes`: graphs.DecodePasses)."""
+    inputs = passes.inputs(seqs)
 
-    # draft: one drafter pass over [bonus, MASK x (B-1)] proposes B-1 tokens at once
-    block = torch.full((len(seqs), B), drafter.config.mask_token_id, dtype=torch.long, device=device)
-    block[:, 0] = torch.tensor([s.last_token for s in seqs], device=device)
-    hidden = drafter(block, batch, draft_cache)
-    block[:, 1:] = drafter.logits(hidden[:, 1:]).argmax(dim=-1)
+    # draft
+    block = passes.draft(inputs)
     if oracle is not None:
         oracle.apply(seqs, block[:, 1:])
 
-    # verify: one causal target pass over the block writes its K/V at start..start+B-1
-    hidden, tapped = target(block, batch, target_cache, taps)
-    logits = target.logits(hidden)
+    # verify
+    hidden, accepted, bonus = passes.verify(inputs, block)
 
-    # accept
-    accepted, bonus = accept(logits, block[:, 1:], seqs)
+    # accept: the step's one host sync; sampled rows redo acceptance with the lossless rule
+    rows = torch.cat([block[:, 1:], accepted[:, None], bonus[:, None]], dim=1).tolist()
+    drafts, accepted, bonus = [r[:-2] for r in rows], [r[-2] for r in rows], [r[-1] for r in rows]
+    for i, seq in enumerate(seqs):
+        if not seq.params.greedy:
+            probs = target_probs(passes.target.logits(hidden[i]), seq.params)
+            accepted[i], bonus[i] = speculative_sample(probs, block[i, 1:], seq.generator)
 
-    # commit: the drafter caches the committed rows' context K/V; the target keeps its
-    # rows by length (the engine advances num_cached; rejected rows get overwritten), and
-    # a target with recurrent state restores that state to the committed prefix
-    committed = [a + 1 for a in accepted]
-    max_end = max(s.num_cached + c for s, c in zip(seqs, committed))
-    kept = batch.with_num_tokens(torch.tensor(committed, device=device), max_end)
-    target.commit(target_cache, batch, kept.num_tokens)
-    drafter.append_context(tapped, kept, draft_cache)
-    drafts = block[:, 1:].tolist()
+    # commit: the target keeps the accepted prefix + bonus row (by length; a target with
+    # recurrent state also restores that state); the engine advances num_cached
+    passes.commit(inputs, block.shape[1], [a + 1 for a in accepted])
     return StepOutput([drafts[i][:a] + [bonus[i]] for i, a in enumerate(accepted)], accepted)

@@ -38,7 +38,7 @@ class DFlashAttention(AttentionProjections):
         slots, start = lengths
         out = paged_block_attention(q, cache.k[self.layer_idx], cache.v[self.layer_idx], slots, start, start, k, v,
                                     causal=self.window is not None, window=self.window, scale=self.scale,
-                                    max_keys=batch.max_start + batch.width)
+                                    max_keys=batch.max_end)
         return self.o_proj(out.flatten(2))
 
 

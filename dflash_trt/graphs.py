@@ -1,0 +1,154 @@
+"""The decode-time passes (AR step, draft, verify), eager or replayed as CUDA graphs.
+
+Prefill has a new shape every time and runs eagerly. The decode passes have a fixed shape
+per batch size, so on CUDA each is captured once per batch-size bucket and replayed: a
+replay is one launch instead of thousands, which is most of the step time at small batch.
+Rows past the real batch size are padding: they point at a scratch cache slot (the last
+one, never given to a request) at position 0.
+
+Nothing inside a pass reads device values on the host: lengths travel as device tensors,
+and the attention kernel gets the cache capacity as its bound on the keys a row may read.
+The engine reads results once per step (speculate.speculative_step, Engine._decode).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dflash_trt.kv_cache import Batch, KVCache
+from dflash_trt.sequence import Sequence
+from dflash_trt.speculate import draft, verify
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """Per running sequence, on the device: its slot, committed length and last token."""
+
+    slots: torch.Tensor  # [n] long
+    start: torch.Tensor  # [n] long
+    last_tokens: torch.Tensor  # [n] long
+
+    @property
+    def size(self) -> int:
+        return self.slots.shape[0]
+
+
+class DecodePasses:
+    """Eager decode passes over the engine's models and caches."""
+
+    def __init__(self, target, drafter, target_cache: KVCache, draft_cache: KVCache | None, taps: tuple[int, ...]):
+        self.target, self.drafter = target, drafter
+        self.target_cache, self.draft_cache, self.taps = target_cache, draft_cache, taps
+        self.block_size = drafter.config.block_size if drafter else 1
+        self.device = target_cache.k.device
+        # One pinned staging buffer: the step's inputs go to the device in one async copy.
+        self._staging = torch.zeros((3, target_cache.k.shape[1]), dtype=torch.long,
+                                    pin_memory=self.device.type == "cuda")
+
+    def inputs(self, seqs: list[Sequence]) -> StepInputs:
+        n = len(seqs)
+        host = self._staging[:, :n]
+        host[0] = torch.tensor([s.slot for s in seqs])
+        host[1] = torch.tensor([s.num_cached for s in seqs])
+        host[2] = torch.tensor([s.last_token for s in seqs])
+        dev = host.to(self.device, non_blocking=True)
+        return StepInputs(dev[0], dev[1], dev[2])
+
+    def _batch(self, x: StepInputs, width: int, max_end: int | None = None) -> Batch:
+        return Batch.full(x.slots, x.start, width, max_end or self.target_cache.capacity)
+
+    def ar(self, x: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """One target step -> (final hidden [n, 1, H], greedy next token [n])."""
+        hidden, _ = self.target(x.last_tokens[:, None], self._batch(x, 1), self.target_cache)
+        return hidden, self.target.lm_head(hidden[:, 0]).argmax(dim=-1)
+
+    def draft(self, x: StepInputs) -> torch.Tensor:
+        return draft(self.drafter, self.draft_cache, self._batch(x, self.block_size), x.last_tokens)
+
+    def verify(self, x: StepInputs, block: torch.Tensor):
+        return verify(self.target, self.drafter, self.target_cache, self.draft_cache,
+                      self._batch(x, self.block_size), block, self.taps)
+
+    def commit(self, x: StepInputs, width: int, num_committed: list[int]) -> None:
+        """After a pass of `width` tokens per row, keep the first num_committed[i] of row i."""
+        kept = torch.tensor(num_committed, device=self.device)
+        self.target.commit(self.target_cache, self._batch(x, width), kept)
+
+
+class GraphedPasses(DecodePasses):
+    """The same passes captured as CUDA graphs, one per pass and batch-size bucket.
+
+    Captured lazily on first use of a bucket. All graphs share one memory pool; each keeps
+    references to its static inputs and outputs, so no capture reuses another's buffers.
+    The draft graph's output block is the verify graph's input (an oracle edits it in
+    between). Outputs are views of static buffers, valid until the same graph replays.
+    """
+
+    def __init__(self, *args, max_batch_size: int):
+        super().__init__(*args)
+        self.buckets = [b for b in (1, 2, 4, 8, 16, 24, 32, 48) if b < max_batch_size] + [max_batch_size]
+        self.scratch_slot = self.target_cache.k.shape[1] - 1
+        self._pool = torch.cuda.graph_pool_handle()
+        self._graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, StepInputs, object]] = {}
+
+    def bucket(self, n: int) -> int:
+        return next(b for b in self.buckets if b >= n)
+
+    def ar(self, x: StepInputs):
+        hidden, token = self._replay("ar", x, lambda s: DecodePasses.ar(self, s))
+        return hidden[: x.size], token[: x.size]
+
+    def draft(self, x: StepInputs) -> torch.Tensor:
+        return self._replay("draft", x, lambda s: DecodePasses.draft(self, s))[: x.size]
+
+    def verify(self, x: StepInputs, block: torch.Tensor):
+        # The block is the draft graph's output buffer: verify reads it in place.
+        b = self.bucket(x.size)
+        static_block = self._graphs[("draft", b)][2]
+        assert block.data_ptr() == static_block.data_ptr(), "verify expects the draft graph's block"
+        hidden, accepted, bonus = self._replay("verify", x, lambda s: DecodePasses.verify(self, s, static_block))
+        return hidden[: x.size], accepted[: x.size], bonus[: x.size]
+
+    def _replay(self, name: str, x: StepInputs, fn):
+        key = (name, self.bucket(x.size))
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(key[1], fn)
+        graph, static_in, outputs = self._graphs[key]
+        n = x.size
+        static_in.slots[:n].copy_(x.slots)
+        static_in.start[:n].copy_(x.start)
+        static_in.last_tokens[:n].copy_(x.last_tokens)
+        static_in.slots[n:].fill_(self.scratch_slot)
+        static_in.start[n:].zero_()
+        static_in.last_tokens[n:].zero_()
+        graph.replay()
+        return outputs
+
+    def _capture(self, size: int, fn):
+        dev = self.device
+        static_in = StepInputs(torch.full((size,), self.scratch_slot, dtype=torch.long, device=dev),
+                               torch.zeros(size, dtype=torch.long, device=dev),
+                               torch.zeros(size, dtype=torch.long, device=dev))
+        # Warm up on a side stream (lazy initialisation, cuBLAS workspaces) before capturing.
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            fn(static_in)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            outputs = fn(static_in)
+        return graph, static_in, outputs
+
+
+def graphs_supported(target, device: torch.device) -> bool:
+    """CUDA graphs need the CUDA attention kernel (the reference reads lengths on the host)."""
+    if device.type != "cuda" or target.lm_head.weight.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if target.config.dims.head_dim not in (64, 128):
+        return False
+    from dflash_trt import plugins
+
+    return plugins.load() is not None
