@@ -1,0 +1,149 @@
+"""Where a decode step's time goes, and how close AR at batch 1 is to the bandwidth roofline.
+
+    python bench/profile_step.py --preset qwen3-8b --json out.json
+
+Random weights of a real shape (dflash_trt.random_weights), greedy, on the GPU:
+1. the device-to-device copy bandwidth (bytes read + written per second, best of 20 copies
+   of 1 GiB), and the roofline: weight bytes / copy bandwidth per AR token at batch 1;
+2. the steady-state time of one AR step, one draft pass and one verify pass (CUDA events
+   around many replays) at batch sizes 1 and 32;
+3. a torch.profiler trace of a few AR and DFlash steps at batch 1, summed per kernel family.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+
+import torch
+
+from dflash_trt.graphs import DecodePasses
+from dflash_trt.random_weights import random_engine
+from dflash_trt.sequence import Sequence
+from dflash_trt.sampling import SamplingParams
+
+
+def copy_bandwidth(device="cuda", nbytes=1 << 30, reps=20) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return 2 * nbytes / best
+
+
+def weight_bytes(module: torch.nn.Module) -> int:
+    seen, total = set(), 0
+    for p in module.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def fake_running(engine, n: int, context: int) -> list[Sequence]:
+    """n sequences with `context` committed rows of noise in the caches: timing only."""
+    seqs = []
+    for i in range(n):
+        seq = Sequence(i, [1] * context, SamplingParams(max_tokens=1 << 20, ignore_eos=True), frozenset())
+        seq.slot, seq.num_cached, seq.output_ids = i, context, [1]
+        seqs.append(seq)
+    return seqs
+
+
+def time_ms(fn, reps=50) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+FAMILIES = (("attention", ("block_attention",)), ("gemm", ("gemm", "gemv", "cutlass", "sm90", "xmma", "cublas", "nvjet")),
+            ("norm+rope", ("rms", "norm_rope", "rope")), ("silu*mul", ("silu",)), ("argmax/reduce", ("argmax", "reduce")),
+            ("copy/index", ("copy", "index", "scatter", "gather", "fill")))
+
+
+def family(name: str) -> str:
+    low = name.lower()
+    for fam, keys in FAMILIES:
+        if any(k in low for k in keys):
+            return fam
+    return "other elementwise"
+
+
+def profile(fn, steps=5) -> dict[str, float]:
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    fn()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    per = defaultdict(float)
+    for event in prof.key_averages():
+        if event.device_time_total > 0 and event.device_type.name == "CUDA":
+            per[family(event.key)] += event.device_time_total / steps / 1e3  # ms per step
+    return dict(sorted(per.items(), key=lambda kv: -kv[1]))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="qwen3-8b")
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--batch", default="1,32")
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    batches = [int(b) for b in args.batch.split(",")]
+    loaded = random_engine(args.preset, max_batch_size=max(batches), max_seq_len=args.context + 512)
+    engine, passes = loaded.engine, loaded.engine.passes
+    result = {"gpu": torch.cuda.get_device_name(), "preset": args.preset, "context": args.context,
+              "passes": type(passes).__name__}
+    bw = copy_bandwidth()
+    wb = weight_bytes(engine.target)
+    result.update(copy_bandwidth_gb_s=bw / 1e9, target_weight_gb=wb / 1e9, roofline_tok_s=bw / wb,
+                  drafter_weight_gb=weight_bytes(engine.drafter) / 1e9)
+    print(f"copy bandwidth {bw / 1e9:.0f} GB/s; target weights {wb / 1e9:.2f} GB -> roofline {bw / wb:.1f} tok/s",
+          file=sys.stderr)
+    with torch.inference_mode():
+        for n in batches:
+            x = passes.inputs(fake_running(engine, n, args.context))
+            ar = time_ms(lambda: passes.ar(x))
+            dr = time_ms(lambda: passes.draft(x))
+            block = passes.draft(x)
+            ve = time_ms(lambda: passes.verify(x, block))
+            result[f"batch{n}"] = {"ar_step_ms": ar, "draft_ms": dr, "verify_ms": ve, "ar_tok_s": n * 1e3 / ar,
+                                   "dflash_step_over_ar": (dr + ve) / ar}
+            print(f"batch {n}: AR step {ar:.3f} ms ({n * 1e3 / ar:.1f} tok/s), draft {dr:.3f} ms, verify {ve:.3f} ms, "
+                  f"(draft+verify)/AR {(dr + ve) / ar:.2f}", file=sys.stderr)
+        # Kernel time per family from the eager passes (the same kernels the graphs replay;
+        # the graphs remove the launch gaps between them).
+        x = passes.inputs(fake_running(engine, 1, args.context))
+        result["profile_ar_ms"] = profile(lambda: DecodePasses.ar(passes, x))
+        block = DecodePasses.draft(passes, x)
+        result["profile_draft_ms"] = profile(lambda: DecodePasses.draft(passes, x))
+        result["profile_verify_ms"] = profile(lambda: DecodePasses.verify(passes, x, block))
+    result["batch1_roofline_share"] = result["batch1"]["ar_tok_s"] / result["roofline_tok_s"] if 1 in batches else None
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
