@@ -14,7 +14,6 @@ import torch
 from dflash_trt.engine import Engine, load_pair
 from dflash_trt.graphs import DecodePasses, GraphedPasses
 from dflash_trt.sampling import SamplingParams
-from dflash_trt.speculate import OracleDrafts
 
 pytestmark = pytest.mark.cuda
 
@@ -51,18 +50,16 @@ def test_graphed_engine_outputs_equal_eager_engine_at_bucket_sizes(loaded, n, mo
     assert a == b
 
 
-def test_padding_rows_do_not_change_real_rows(loaded):
-    """3 requests run in the 4-row bucket: the padding row must not leak into real rows."""
-    prompts = _prompts(3, seed=7)
+@pytest.mark.parametrize("mode", ["ar", "dflash"])
+def test_padding_rows_do_not_change_real_rows(loaded, mode):
+    """3 requests run in the 4-row bucket: their outputs are those they get when the 4th
+    row is a real request (same graph, same shapes), so the padding row leaks nothing."""
+    prompts = _prompts(4, seed=7)
     sp = SamplingParams(max_tokens=48, ignore_eos=True)
     engine = Engine(loaded.target, loaded.drafter, max_batch_size=4, max_seq_len=256)
-    ar = [r.token_ids for r in engine.generate(prompts, sp, mode="ar")]
-    full = OracleDrafts({tuple(p): o for p, o in zip(prompts, ar)}, lambda seq: 7)
-    engine.oracle = full
-    df = engine.generate(prompts, sp, mode="dflash")
-    matched = sum(x == y for r, o in zip(df, ar) for x, y in zip(r.token_ids, o))
-    assert matched / sum(map(len, ar)) >= 0.95
-    assert all(r.stats.mean_acceptance_length > 4 for r in df)
+    padded = [r.token_ids for r in engine.generate(prompts[:3], sp, mode=mode)]
+    full = [r.token_ids for r in engine.generate(prompts, sp, mode=mode)]
+    assert padded == full[:3]
 
 
 def test_sampling_requests_run_through_graphs(loaded):
