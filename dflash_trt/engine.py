@@ -15,7 +15,7 @@ from typing import Iterable
 
 import torch
 
-from dflash_trt.config import DraftConfig, TargetConfig, check_pair
+from dflash_trt.config import DraftConfig, check_pair, load_target_config
 from dflash_trt.errors import PairError, RequestError
 from dflash_trt.graphs import DecodePasses, GraphedPasses, graphs_supported
 from dflash_trt.kv_cache import Batch
@@ -74,6 +74,11 @@ class Engine:
         self.running: list[Sequence] = []
         self.free_slots = list(range(max_batch_size - 1, -1, -1))
         self._next_id = 0
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Capture the CUDA graphs of every batch-size bucket (no-op on the eager path)."""
+        self.passes.capture_all()
 
     # -- requests -------------------------------------------------------------------------
 
@@ -223,7 +228,7 @@ def _build(model_cls, config, checkpoint: Checkpoint, device, dtype, prefixes=("
 
 
 def load_target(directory: Path, device="cpu", dtype=torch.float32) -> Qwen3ForCausalLM:
-    config = TargetConfig.from_dir(directory)
+    config = load_target_config(directory)
     return _build(target_class(config.model_type), config, Checkpoint(directory), device, dtype)
 
 

@@ -71,6 +71,9 @@ class DecodePasses:
         return verify(self.target, self.drafter, self.target_cache, self.draft_cache,
                       self._batch(x, self.block_size), block, self.taps)
 
+    def capture_all(self) -> None:
+        """Nothing to prepare for eager passes."""
+
     def commit(self, x: StepInputs, width: int, num_committed: list[int]) -> None:
         """After a pass of `width` tokens per row, keep the first num_committed[i] of row i."""
         kept = torch.tensor(num_committed, device=self.device)
@@ -95,6 +98,16 @@ class GraphedPasses(DecodePasses):
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
+
+    def capture_all(self) -> None:
+        """Capture every bucket's graphs now (a capture costs about one eager pass), so no
+        request waits for one later. Padding rows write only the scratch slot."""
+        for size in self.buckets:
+            zeros = torch.zeros(size, dtype=torch.long, device=self.device)
+            x = StepInputs(torch.full_like(zeros, self.scratch_slot), zeros, zeros)
+            self.ar(x)
+            if self.drafter is not None:
+                self.verify(x, self.draft(x))
 
     def ar(self, x: StepInputs):
         hidden, token = self._replay("ar", x, lambda s: DecodePasses.ar(self, s))

@@ -77,3 +77,14 @@ def test_sampling_requests_run_through_graphs(loaded):
     first = [r.token_ids for r in engine.generate(_prompts(2), sp, mode="dflash")]
     again = [r.token_ids for r in engine.generate(_prompts(2), sp, mode="dflash")]
     assert first == again and all(len(t) == 30 for t in first)
+
+
+def test_warm_up_captures_every_bucket_and_leaves_outputs_unchanged(loaded):
+    engine = Engine(loaded.target, loaded.drafter, max_batch_size=3, max_seq_len=256)
+    prompts = _prompts(3, seed=11)
+    sp = SamplingParams(max_tokens=20, ignore_eos=True)
+    before = [r.token_ids for r in engine.generate(prompts, sp, mode="dflash")]
+    cold = Engine(loaded.target, loaded.drafter, max_batch_size=3, max_seq_len=256)
+    cold.warm_up()
+    assert sorted(cold.passes._graphs) == sorted((name, b) for name in ("ar", "draft", "verify") for b in (1, 2, 3))
+    assert [r.token_ids for r in cold.generate(prompts, sp, mode="dflash")] == before
