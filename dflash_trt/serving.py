@@ -250,6 +250,7 @@ class EngineWorker:
         from dflash_trt.build import load_engine
 
         loaded = load_engine(engine_dir, device)
+        loaded.engine.warm_up()  # CUDA graphs captured before the first request, not during it
         return cls(loaded.engine, loaded.tokenizer, read_limits(engine_dir))
 
     def submit(self, request: p.Request, sink: Sink) -> None:
