@@ -114,9 +114,44 @@ def flashinfer_fn(fi, k_pages, v_pages, q, batch, T, kv_len, causal, pages_per_s
     return lambda: run(q_flat, (k_pages, v_pages))
 
 
+def layer_ops_rows(dtype=torch.bfloat16) -> list[dict]:
+    """The fused layer ops (plugins/layer_ops.cu) against their PyTorch references, which are
+    today's model code, on Qwen3-8B shapes (hidden 4096, 32/8 heads of 128, intermediate
+    12288) for N = bs x T rows; qk_norm_rope includes the K/V cache write (16 slots)."""
+    from dflash_trt import ops
+
+    H, inter, eps = 4096, 12288, 1e-6
+    rand = lambda *shape, dt=dtype: torch.randn(*shape, device="cuda").to(dt)  # noqa: E731
+    rows = []
+    for n in (16, 256, 2048):
+        x, delta, w = rand(n, H, dt=torch.float32), rand(n, H), rand(H)
+        qkv, qw, kw, cos, sin = rand(n, (HQ + 2 * HKV) * D), rand(D), rand(D), rand(n, D), rand(n, D)
+        width = -(-n // 16)
+        slots = (torch.arange(n, device="cuda") // width).int()
+        positions = (torch.arange(n, device="cuda") % width + 100).int()
+        k_cache, v_cache = rand(16, width + 100, HKV, D), rand(16, width + 100, HKV, D)
+        gate_up = rand(n, 2 * inter)
+        qk = (qkv, HQ, HKV, qw, kw, eps, cos, sin, k_cache, v_cache, slots, positions)
+        cases = {
+            "rms_norm": (lambda: ops.rms_norm(x, w, eps), lambda: ops.rms_norm_reference(x, w, eps)),
+            "add_rms_norm": (lambda: ops.add_rms_norm(x, delta, w, eps),
+                             lambda: ops.add_rms_norm_reference(x, delta, w, eps)),
+            "qk_norm_rope+cache": (lambda: ops.qk_norm_rope(*qk), lambda: ops.qk_norm_rope_reference(*qk)),
+            "silu_mul": (lambda: ops.silu_mul(gate_up), lambda: ops.silu_mul_reference(gate_up)),
+        }
+        for name, (kernel, reference) in cases.items():
+            k_us, _ = time_us(kernel)
+            t_us, _ = time_us(reference)
+            rows.append(dict(op=name, rows=n, kernel_us=k_us, torch_us=t_us, speedup=t_us / k_us))
+            print(f"{name:>18} N={n:<5} kernel {k_us:7.1f} us  torch {t_us:7.1f} us  x{t_us / k_us:.1f}",
+                  file=sys.stderr)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--layer-ops", action="store_true", help="time only the fused layer ops (layer_ops.cu)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/kernels.py needs a CUDA GPU")
@@ -129,6 +164,17 @@ def main() -> None:
         print("FlashInfer is absent: its column stays empty", file=sys.stderr)
 
     torch.manual_seed(0)
+    if args.layer_ops:
+        rows = layer_ops_rows()
+        print("| op | N | kernel us | torch us | torch / kernel |")
+        print("|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['op']} | {r['rows']} | {r['kernel_us']:.1f} | {r['torch_us']:.1f} | {r['speedup']:.1f} |")
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                                                 layer_ops=rows), indent=1))
+        return
     copy_gbps = copy_bandwidth_gbps()
     print(f"{torch.cuda.get_device_name()}: device-to-device copy {copy_gbps:,.0f} GB/s", file=sys.stderr)
 

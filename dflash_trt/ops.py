@@ -83,3 +83,149 @@ def paged_block_attention(q, k_cache, v_cache, slots, ctx_len, q_start, k_blk=No
                                                 bool(causal), int(window), float(scale), int(max_keys or 0))
     return paged_block_attention_reference(q, k_cache, v_cache, slots, ctx_len, q_start, k_blk, v_blk, causal,
                                            window, scale)
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-layer fused ops (plugins/layer_ops.cu). Each reference repeats the model code's torch ops
+# one for one (layers.RMSNorm, AttentionProjections.qkv + apply_rope, MLP), so the CPU path
+# rounds exactly as the model did; the kernels keep that rounding order too.
+
+
+def _layer_kernel_ready(t: torch.Tensor) -> bool:
+    if not t.is_cuda or t.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    from dflash_trt import plugins
+
+    return plugins.load() is not None
+
+
+def rms_norm_reference(x, weight, eps):
+    """layers.RMSNorm: normalise in fp32, round to weight's dtype, scale in weight's dtype."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(weight.dtype)
+
+
+def add_rms_norm_reference(x, delta, weight, eps):
+    """(s, y): s = x.float() + delta (fp32, the residual stream), y = rms_norm(s)."""
+    s = x.float() + delta
+    return s, rms_norm_reference(s, weight, eps)
+
+
+def _rope_reference(x, cos, sin):
+    """layers.apply_rope on x [N, heads, d] with cos/sin [N, 1, d]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def qk_norm_rope_reference(qkv, num_q_heads, num_kv_heads, q_weight, k_weight, eps, cos, sin, k_cache=None,
+                           v_cache=None, slots=None, positions=None):
+    """AttentionProjections.qkv after the projection, on qkv [N, (Hq + 2 Hkv) d] and cos/sin [N, d].
+
+    Returns (q [N, Hq, d] or None when Hq == 0, k, v [N, Hkv, d]); with the caches, k and v
+    of row r go to cache[slots[r], positions[r]] instead and come back as None.
+    """
+    d = cos.shape[-1]
+    q, k, v = qkv.split([num_q_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)
+    cos, sin = cos[:, None], sin[:, None]
+    if num_q_heads:
+        q = _rope_reference(rms_norm_reference(q.unflatten(-1, (num_q_heads, d)), q_weight, eps), cos, sin)
+    else:
+        q = None
+    k = _rope_reference(rms_norm_reference(k.unflatten(-1, (num_kv_heads, d)), k_weight, eps), cos, sin)
+    v = v.unflatten(-1, (num_kv_heads, d)).clone(memory_format=torch.contiguous_format)
+    if k_cache is None:
+        return q, k, v
+    index = (slots.long(), positions.long())
+    k_cache[index] = k
+    v_cache[index] = v
+    return q, None, None
+
+
+def silu_mul_reference(gate_up):
+    """MLP's activation: gate_up [..., 2I] (gate first) -> silu(gate) * up [..., I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _check_rms_args(x, delta, weight):
+    assert weight.dim() == 1 and weight.is_contiguous(), f"weight must be a contiguous [H] tensor, got {weight.shape}"
+    assert x.dim() >= 1 and x.shape[-1] == weight.shape[0], f"x must be [..., {weight.shape[0]}], got {x.shape}"
+    assert x.dtype in (torch.float32, weight.dtype), f"x must be fp32 or weight's {weight.dtype}, got {x.dtype}"
+    assert x.device == weight.device, f"x on {x.device}, weight on {weight.device}"
+    assert x.is_contiguous(), "x must be contiguous"
+    if delta is not None:
+        assert delta.shape == x.shape, f"delta must have x's shape {x.shape}, got {delta.shape}"
+        assert delta.dtype == weight.dtype, f"delta must have weight's {weight.dtype}, got {delta.dtype}"
+        assert delta.device == x.device and delta.is_contiguous(), "delta must be contiguous on x's device"
+
+
+def rms_norm(x, weight, eps: float):
+    """RMSNorm of x [..., H] (fp32 or weight's dtype) -> [..., H] in weight's dtype (layers.RMSNorm)."""
+    _check_rms_args(x, None, weight)
+    if _layer_kernel_ready(weight):
+        return torch.ops.dflash.rms_norm(x, weight, float(eps))
+    return rms_norm_reference(x, weight, eps)
+
+
+def add_rms_norm(x, delta, weight, eps: float):
+    """(s, y): s = x.float() + delta [..., H] fp32, y = rms_norm(s) in weight's dtype; delta in weight's dtype."""
+    _check_rms_args(x, delta, weight)
+    if _layer_kernel_ready(weight):
+        return torch.ops.dflash.add_rms_norm(x, delta, weight, float(eps))
+    return add_rms_norm_reference(x, delta, weight, eps)
+
+
+def qk_norm_rope(qkv, num_q_heads: int, num_kv_heads: int, q_weight, k_weight, eps: float, cos, sin, k_cache=None,
+                 v_cache=None, slots=None, positions=None):
+    """Per-head q/k RMSNorm + RoPE of the packed qkv [N, (Hq + 2 Hkv) d] -> (q, k, v).
+
+    Semantics of qk_norm_rope_reference. cos/sin [N, d] in qkv's dtype. With k_cache/v_cache
+    [num_slots, capacity, Hkv, d] (a layer view is fine) and slots/positions [N] int32, k and v
+    are written to cache[slots[r], positions[r]] for every row (positions must be below the
+    capacity) and returned as None. Runs the CUDA kernel (one launch) for bf16/fp16 with
+    head_dim 64 or 128 once the plugins are built, else the reference.
+    """
+    assert qkv.dim() == 2 and qkv.stride(-1) == 1, f"qkv must be [N, W] with a contiguous last dim, got {qkv.shape}"
+    assert cos.dim() == 2 and cos.shape == sin.shape, f"cos/sin must be [N, d], got {cos.shape}, {sin.shape}"
+    N, d = cos.shape
+    assert num_q_heads >= 0 and num_kv_heads >= 1, (num_q_heads, num_kv_heads)
+    assert qkv.shape == (N, (num_q_heads + 2 * num_kv_heads) * d), \
+        f"qkv must be [{N}, (Hq + 2 Hkv) * {d}] = [{N}, {(num_q_heads + 2 * num_kv_heads) * d}], got {qkv.shape}"
+    assert d % 2 == 0, f"head_dim must be even, got {d}"
+    for name, t in (("cos", cos), ("sin", sin), ("k_weight", k_weight), ("q_weight", q_weight)):
+        if t is not None:
+            assert t.dtype == qkv.dtype and t.device == qkv.device, f"{name}: {t.dtype} on {t.device}, qkv: {qkv.dtype}"
+            assert t.stride(-1) == 1, f"{name} must have a contiguous last dim"
+    assert k_weight.shape == (d,), f"k_weight must be [{d}], got {k_weight.shape}"
+    assert (q_weight is None) == (num_q_heads == 0), "q_weight goes with num_q_heads > 0"
+    assert q_weight is None or q_weight.shape == (d,), f"q_weight must be [{d}], got {q_weight.shape}"
+    cache_args = (k_cache, v_cache, slots, positions)
+    assert all(t is None for t in cache_args) or all(t is not None for t in cache_args), \
+        "k_cache, v_cache, slots and positions go together"
+    if k_cache is not None:
+        for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+            assert c.dim() == 4 and c.shape[2:] == (num_kv_heads, d), \
+                f"{name} must be [num_slots, capacity, {num_kv_heads}, {d}], got {c.shape}"
+            assert c.dtype == qkv.dtype and c.device == qkv.device and c.stride(-1) == 1, \
+                f"{name} must have qkv's dtype and device and a contiguous last dim"
+        for name, t in (("slots", slots), ("positions", positions)):
+            assert t.dtype == torch.int32 and t.shape == (N,) and t.device == qkv.device and t.is_contiguous(), \
+                f"{name} must be contiguous int32 [{N}] on qkv's device, got {t.dtype} {tuple(t.shape)} {t.device}"
+    if d in (64, 128) and _layer_kernel_ready(qkv):
+        q, k, v = torch.ops.dflash.qk_norm_rope(qkv, num_q_heads, num_kv_heads, q_weight, k_weight, float(eps), cos,
+                                                sin, k_cache, v_cache, slots, positions)
+        q = q if num_q_heads else None
+        return (q, None, None) if k_cache is not None else (q, k, v)
+    return qk_norm_rope_reference(qkv, num_q_heads, num_kv_heads, q_weight, k_weight, eps, cos, sin, k_cache,
+                                  v_cache, slots, positions)
+
+
+def silu_mul(gate_up):
+    """silu(gate) * up for gate_up [..., 2I] (gate first, as MLP chunks it) -> [..., I]."""
+    assert gate_up.dim() >= 1 and gate_up.shape[-1] % 2 == 0, f"gate_up must be [..., 2I], got {gate_up.shape}"
+    assert gate_up.is_contiguous(), "gate_up must be contiguous"
+    if _layer_kernel_ready(gate_up):
+        return torch.ops.dflash.silu_mul(gate_up)
+    return silu_mul_reference(gate_up)

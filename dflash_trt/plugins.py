@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib.resources
 import os
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
-SOURCES = ("ops.cpp", "block_attention.cu")  # one library; ops.cpp holds the registrations
+SOURCES = ("ops.cpp", "block_attention.cu", "layer_ops.cu")  # one library; ops.cpp holds the registrations
 NAME = "dflash_trt_plugins"
 
 
@@ -26,9 +25,9 @@ def plugin_dir() -> Path:
     checkout = Path(__file__).resolve().parent.parent / "plugins"
     if (checkout / SOURCES[0]).is_file():
         return checkout
-    installed = importlib.resources.files("dflash_trt") / "plugins"
-    if installed.is_dir():
-        return Path(str(installed))
+    installed = Path(__file__).resolve().parent / "plugin_sources"  # a wheel install (see pyproject.toml)
+    if (installed / SOURCES[0]).is_file():
+        return installed
     raise FileNotFoundError("plugins/ sources not found in the checkout or the installed package")
 
 

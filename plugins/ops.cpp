@@ -3,6 +3,7 @@
 // live in dflash_trt/ops.py (see README.md here).
 
 #include <optional>
+#include <tuple>
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAStream.h>
@@ -10,6 +11,7 @@
 #include <torch/library.h>
 
 #include "block_attention.h"
+#include "layer_ops.h"
 
 namespace {
 
@@ -106,6 +108,203 @@ at::Tensor block_attention_meta(const at::Tensor& q, const at::Tensor&, const at
   return at::empty(q.sizes(), q.options());
 }
 
+// ---------------------------------------------------------------------------------------------
+// Layer ops (layer_ops.h). Outputs are new contiguous tensors from the caching allocator.
+
+dflash::DType model_dtype(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf, name, " must be bf16 or fp16");
+  return t.scalar_type() == at::kBFloat16 ? dflash::DType::kBFloat16 : dflash::DType::kFloat16;
+}
+
+void check_launch(cudaError_t err, const char* op) {
+  TORCH_CHECK(err == cudaSuccess, op, " launch failed: ", cudaGetErrorString(err));
+}
+
+// x [..., H] fp32 or weight's dtype, contiguous; weight [H]; delta (add_rms_norm) like x in
+// weight's dtype. Returns (sum, y); sum is undefined without delta.
+std::tuple<at::Tensor, at::Tensor> rms_norm_common(const at::Tensor& x, const at::Tensor* delta,
+                                                   const at::Tensor& weight, double eps) {
+  TORCH_CHECK(weight.is_cuda() && weight.dim() == 1 && weight.size(0) > 0 && weight.is_contiguous(),
+              "weight must be a contiguous non-empty [H] CUDA tensor");
+  const dflash::DType dtype = model_dtype(weight, "weight");
+  TORCH_CHECK(x.is_cuda() && x.device() == weight.device(), "x must be on weight's CUDA device");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == weight.scalar_type(),
+              "x must be fp32 or weight's dtype");
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == weight.size(0) && x.is_contiguous(),
+              "x must be a contiguous [..., H] tensor, H = ", weight.size(0), ", got ", x.sizes());
+  if (delta) {
+    TORCH_CHECK(delta->is_cuda() && delta->device() == x.device(), "delta must be on x's CUDA device");
+    TORCH_CHECK(delta->scalar_type() == weight.scalar_type(), "delta must have weight's dtype");
+    TORCH_CHECK(delta->sizes() == x.sizes() && delta->is_contiguous(), "delta must be contiguous with x's shape");
+  }
+
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto y = at::empty(x.sizes(), weight.options());
+  at::Tensor sum;
+  if (delta) sum = at::empty(x.sizes(), x.options().dtype(at::kFloat));
+  if (x.numel() == 0) return {sum, y};
+
+  dflash::RmsNormParams p;
+  p.dtype = dtype;
+  p.x_fp32 = x.scalar_type() == at::kFloat;
+  p.hidden = static_cast<int>(weight.size(0));
+  p.rows = x.numel() / p.hidden;
+  p.x = x.data_ptr();
+  p.delta = delta ? delta->data_ptr() : nullptr;
+  p.weight = weight.data_ptr();
+  p.eps = static_cast<float>(eps);
+  p.sum = delta ? sum.data_ptr<float>() : nullptr;
+  p.out = y.data_ptr();
+  if (const char* why = dflash::rms_norm_check(p)) TORCH_CHECK(false, "rms_norm: ", why);
+  check_launch(dflash::rms_norm_launch(p, c10::cuda::getCurrentCUDAStream().stream()), "rms_norm");
+  return {sum, y};
+}
+
+at::Tensor rms_norm_cuda(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return std::get<1>(rms_norm_common(x, nullptr, weight, eps));
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_cuda(const at::Tensor& x, const at::Tensor& delta,
+                                                     const at::Tensor& weight, double eps) {
+  return rms_norm_common(x, &delta, weight, eps);
+}
+
+void check_rows(const at::Tensor& t, const char* name, const at::Tensor& qkv, int64_t width) {
+  TORCH_CHECK(t.is_cuda() && t.device() == qkv.device(), name, " must be on qkv's CUDA device");
+  TORCH_CHECK(t.scalar_type() == qkv.scalar_type(), name, " must have qkv's dtype");
+  TORCH_CHECK(t.dim() == 2 && t.size(0) == qkv.size(0) && t.size(1) == width && t.stride(1) == 1, name,
+              " must be [N, ", width, "] with a contiguous last dim, got ", t.sizes());
+}
+
+void check_weight(const at::Tensor& t, const char* name, const at::Tensor& qkv, int64_t d) {
+  TORCH_CHECK(t.is_cuda() && t.device() == qkv.device(), name, " must be on qkv's CUDA device");
+  TORCH_CHECK(t.scalar_type() == qkv.scalar_type(), name, " must have qkv's dtype");
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == d && t.is_contiguous(), name, " must be a contiguous [", d, "] tensor");
+}
+
+// qkv [N, (Hq + 2 Hkv) d]; cos/sin [N, d]; caches [num_slots, capacity, Hkv, d] with slots and
+// positions [N] int32, or none. Returns (q [N, Hq, d], k, v [N, Hkv, d]); k and v are empty
+// ([0, Hkv, d]) when they went to the cache.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> qk_norm_rope_cuda(
+    const at::Tensor& qkv, int64_t num_q_heads, int64_t num_kv_heads, const std::optional<at::Tensor>& q_weight,
+    const at::Tensor& k_weight, double eps, const at::Tensor& cos, const at::Tensor& sin,
+    const std::optional<at::Tensor>& k_cache, const std::optional<at::Tensor>& v_cache,
+    const std::optional<at::Tensor>& slots, const std::optional<at::Tensor>& positions) {
+  TORCH_CHECK(qkv.is_cuda(), "qkv must be a CUDA tensor");
+  const dflash::DType dtype = model_dtype(qkv, "qkv");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "qkv must be [N, (Hq + 2 Hkv) d] with a contiguous last dim");
+  TORCH_CHECK(num_q_heads >= 0 && num_kv_heads >= 1, "need num_q_heads >= 0 and num_kv_heads >= 1");
+  TORCH_CHECK(cos.dim() == 2, "cos must be [N, d]");
+  const int64_t N = qkv.size(0), d = cos.size(1), Hq = num_q_heads, Hkv = num_kv_heads;
+  TORCH_CHECK(qkv.size(1) == (Hq + 2 * Hkv) * d, "qkv width ", qkv.size(1), " != (Hq + 2 Hkv) d = ",
+              (Hq + 2 * Hkv) * d);
+  check_rows(cos, "cos", qkv, d);
+  check_rows(sin, "sin", qkv, d);
+  check_weight(k_weight, "k_weight", qkv, d);
+  TORCH_CHECK(q_weight.has_value() == (Hq > 0), "q_weight must be given exactly when num_q_heads > 0");
+  if (q_weight) check_weight(*q_weight, "q_weight", qkv, d);
+  const bool to_cache = k_cache.has_value();
+  TORCH_CHECK(v_cache.has_value() == to_cache && slots.has_value() == to_cache && positions.has_value() == to_cache,
+              "k_cache, v_cache, slots and positions must be given together");
+  if (to_cache) {
+    for (const auto* c : {&*k_cache, &*v_cache}) {
+      TORCH_CHECK(c->is_cuda() && c->device() == qkv.device(), "caches must be on qkv's CUDA device");
+      TORCH_CHECK(c->scalar_type() == qkv.scalar_type(), "caches must have qkv's dtype");
+      TORCH_CHECK(c->dim() == 4 && c->size(2) == Hkv && c->size(3) == d && c->stride(3) == 1,
+                  "caches must be [num_slots, capacity, Hkv, d] with a contiguous last dim, got ", c->sizes());
+    }
+    for (const auto* t : {&*slots, &*positions}) {
+      TORCH_CHECK(t->is_cuda() && t->device() == qkv.device(), "slots and positions must be on qkv's CUDA device");
+      TORCH_CHECK(t->scalar_type() == at::kInt && t->dim() == 1 && t->size(0) == N && t->is_contiguous(),
+                  "slots and positions must be contiguous [N] int32 tensors");
+    }
+  }
+
+  const c10::cuda::CUDAGuard guard(qkv.device());
+  auto q = at::empty({N, Hq, d}, qkv.options());
+  auto k = at::empty({to_cache ? 0 : N, Hkv, d}, qkv.options());
+  auto v = at::empty({to_cache ? 0 : N, Hkv, d}, qkv.options());
+  if (N == 0) return {q, k, v};
+
+  dflash::QkNormRopeParams p;
+  p.dtype = dtype;
+  p.rows = N;
+  p.num_q_heads = static_cast<int>(Hq);
+  p.num_kv_heads = static_cast<int>(Hkv);
+  p.head_dim = static_cast<int>(d);
+  p.eps = static_cast<float>(eps);
+  p.qkv = qkv.data_ptr();
+  p.qkv_stride = qkv.stride(0);
+  p.q_weight = q_weight ? q_weight->data_ptr() : nullptr;
+  p.k_weight = k_weight.data_ptr();
+  p.cos = cos.data_ptr();
+  p.cos_stride = cos.stride(0);
+  p.sin = sin.data_ptr();
+  p.sin_stride = sin.stride(0);
+  p.q_out = Hq > 0 ? q.data_ptr() : nullptr;
+  if (to_cache) {
+    p.k_cache = k_cache->data_ptr();
+    fill_strides3(p.k_cache_stride, *k_cache);
+    p.v_cache = v_cache->data_ptr();
+    fill_strides3(p.v_cache_stride, *v_cache);
+    p.slots = slots->data_ptr<int32_t>();
+    p.positions = positions->data_ptr<int32_t>();
+  } else {
+    p.k_out = k.data_ptr();
+    p.v_out = v.data_ptr();
+  }
+  if (const char* why = dflash::qk_norm_rope_check(p)) TORCH_CHECK(false, "qk_norm_rope: ", why);
+  check_launch(dflash::qk_norm_rope_launch(p, c10::cuda::getCurrentCUDAStream().stream()), "qk_norm_rope");
+  return {q, k, v};
+}
+
+// gate_up [..., 2I] contiguous -> silu(gate) * up [..., I].
+at::Tensor silu_mul_cuda(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.is_cuda(), "gate_up must be a CUDA tensor");
+  const dflash::DType dtype = model_dtype(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0 && gate_up.is_contiguous(),
+              "gate_up must be a contiguous [..., 2I] tensor, got ", gate_up.sizes());
+  auto sizes = gate_up.sizes().vec();
+  sizes.back() /= 2;
+  const c10::cuda::CUDAGuard guard(gate_up.device());
+  auto out = at::empty(sizes, gate_up.options());
+  if (out.numel() == 0) return out;
+  dflash::SiluMulParams p;
+  p.dtype = dtype;
+  p.inter = sizes.back();
+  p.rows = out.numel() / p.inter;
+  p.gate_up = gate_up.data_ptr();
+  p.out = out.data_ptr();
+  if (const char* why = dflash::silu_mul_check(p)) TORCH_CHECK(false, "silu_mul: ", why);
+  check_launch(dflash::silu_mul_launch(p, c10::cuda::getCurrentCUDAStream().stream()), "silu_mul");
+  return out;
+}
+
+// Shape-only versions for tracing (torch.compile, fake tensors).
+at::Tensor rms_norm_meta(const at::Tensor& x, const at::Tensor& weight, double) {
+  return at::empty(x.sizes(), weight.options());
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_meta(const at::Tensor& x, const at::Tensor&, const at::Tensor& weight,
+                                                     double) {
+  return {at::empty(x.sizes(), x.options().dtype(at::kFloat)), at::empty(x.sizes(), weight.options())};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> qk_norm_rope_meta(
+    const at::Tensor& qkv, int64_t num_q_heads, int64_t num_kv_heads, const std::optional<at::Tensor>&,
+    const at::Tensor&, double, const at::Tensor& cos, const at::Tensor&, const std::optional<at::Tensor>& k_cache,
+    const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&) {
+  const int64_t N = qkv.size(0), d = cos.size(1), rows = k_cache ? 0 : N;
+  return {at::empty({N, num_q_heads, d}, qkv.options()), at::empty({rows, num_kv_heads, d}, qkv.options()),
+          at::empty({rows, num_kv_heads, d}, qkv.options())};
+}
+
+at::Tensor silu_mul_meta(const at::Tensor& gate_up) {
+  auto sizes = gate_up.sizes().vec();
+  sizes.back() /= 2;
+  return at::empty(sizes, gate_up.options());
+}
+
 }  // namespace
 
 TORCH_LIBRARY(dflash, m) {
@@ -113,8 +312,27 @@ TORCH_LIBRARY(dflash, m) {
       "block_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor ctx_len, Tensor q_start, "
       "Tensor? k_blk, Tensor? v_blk, bool causal, int window, float scale, int max_keys=0, int num_splits=0) "
       "-> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def(
+      "qk_norm_rope(Tensor qkv, int num_q_heads, int num_kv_heads, Tensor? q_weight, Tensor k_weight, float eps, "
+      "Tensor cos, Tensor sin, Tensor(a!)? k_cache=None, Tensor(b!)? v_cache=None, Tensor? slots=None, "
+      "Tensor? positions=None) -> (Tensor, Tensor, Tensor)");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(dflash, CUDA, m) { m.impl("block_attention", &block_attention_cuda); }
+TORCH_LIBRARY_IMPL(dflash, CUDA, m) {
+  m.impl("block_attention", &block_attention_cuda);
+  m.impl("rms_norm", &rms_norm_cuda);
+  m.impl("add_rms_norm", &add_rms_norm_cuda);
+  m.impl("qk_norm_rope", &qk_norm_rope_cuda);
+  m.impl("silu_mul", &silu_mul_cuda);
+}
 
-TORCH_LIBRARY_IMPL(dflash, Meta, m) { m.impl("block_attention", &block_attention_meta); }
+TORCH_LIBRARY_IMPL(dflash, Meta, m) {
+  m.impl("block_attention", &block_attention_meta);
+  m.impl("rms_norm", &rms_norm_meta);
+  m.impl("add_rms_norm", &add_rms_norm_meta);
+  m.impl("qk_norm_rope", &qk_norm_rope_meta);
+  m.impl("silu_mul", &silu_mul_meta);
+}

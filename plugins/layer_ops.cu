@@ -1,0 +1,368 @@
+// Fused per-layer ops (semantics in layer_ops.h): each replaces a chain of small torch kernels.
+//
+// Rounding. The reference is eager PyTorch on bf16/fp16 tensors, which computes every
+// elementwise op in fp32 and rounds the result to the dtype. The kernels keep that order
+// step by step (round<T> after each op that torch runs as its own kernel), and use the
+// _rn intrinsics where nvcc could otherwise contract a multiply and an add into one FMA
+// (torch rounds between the two). Products of two bf16/fp16 values are exact in fp32, so
+// those steps match torch bit for bit; the only step that can differ is the fp32 sum of
+// squares of an RMSNorm, whose order is not torch's; that moves the normalised value by one
+// unit in its last place, and only where it lands next to a rounding boundary.
+//
+// This file has no torch dependency: it compiles alone with
+//   nvcc -std=c++17 -arch=sm_90 -c layer_ops.cu
+
+#include "layer_ops.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+namespace dflash {
+namespace {
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+
+// x rounded to T (nearest even, as torch's .to(dtype)) and back: the value a torch op
+// producing a T tensor hands to the next op.
+template <typename T>
+__device__ __forceinline__ float rounded(float x) { return to_float(from_float<T>(x)); }
+
+// N consecutive elements at src (N * sizeof(T) a multiple of 16: 16-byte loads; N == 1: one
+// plain load) -> fp32.
+template <int N, typename T>
+__device__ __forceinline__ void load(const T* src, float (&dst)[N]) {
+  if constexpr (N * sizeof(T) % 16 == 0) {
+    constexpr int kPer = 16 / sizeof(T);
+#pragma unroll
+    for (int c = 0; c < N / kPer; ++c) {
+      const uint4 raw = reinterpret_cast<const uint4*>(src)[c];
+      const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) dst[c * kPer + i] = to_float(e[i]);
+    }
+  } else {
+    static_assert(N == 1, "vector loads must be whole 16-byte chunks");
+    dst[0] = to_float(src[0]);
+  }
+}
+
+// fp32 -> N consecutive elements at dst, each rounded to T (a float T stores as is).
+template <int N, typename T>
+__device__ __forceinline__ void store(T* dst, const float (&src)[N]) {
+  if constexpr (N * sizeof(T) % 16 == 0) {
+    constexpr int kPer = 16 / sizeof(T);
+#pragma unroll
+    for (int c = 0; c < N / kPer; ++c) {
+      uint4 raw;
+      T* e = reinterpret_cast<T*>(&raw);
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) {
+        if constexpr (std::is_same_v<T, float>) e[i] = src[c * kPer + i];
+        else e[i] = from_float<T>(src[c * kPer + i]);
+      }
+      reinterpret_cast<uint4*>(dst)[c] = raw;
+    }
+  } else {
+    static_assert(N == 1, "vector stores must be whole 16-byte chunks");
+    if constexpr (std::is_same_v<T, float>) dst[0] = src[0];
+    else dst[0] = from_float<T>(src[0]);
+  }
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = __fadd_rn(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;  // the xor butterfly leaves the same bits in every lane
+}
+
+bool aligned(const void* ptr, size_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
+
+template <typename T>
+struct Type {
+  using type = T;
+};
+template <int N>
+struct Int {
+  static constexpr int value = N;
+};
+
+template <typename F>
+auto by_dtype(DType dtype, F&& f) {
+  return dtype == DType::kBFloat16 ? f(Type<__nv_bfloat16>{}) : f(Type<__half>{});
+}
+
+// ---------------------------------------------------------------------------------------------
+// rms_norm / add_rms_norm: one CTA per row. A thread owns up to kIters vectors of V elements
+// (vector i of the row is thread i % blockDim's, pass i / blockDim) and keeps their fp32 sums
+// in registers between the two passes, so the row is read from memory once. Rows of up to 1024
+// vectors take one pass (a warp for small rows, 512 threads for 4096 bf16 elements); only
+// rows over 32768 elements (kIters = 8 with V = 8) spill a few registers.
+
+constexpr int kNormMaxThreads = 1024;
+constexpr int kNormMaxIters = 8;
+
+template <typename T, typename X, bool kDelta, int V, int kIters>
+__global__ void __launch_bounds__(kNormMaxThreads) rms_norm_kernel(RmsNormParams p) {
+  __shared__ float warp_sums[kNormMaxThreads / 32];
+  const int H = p.hidden;
+  const int64_t base = static_cast<int64_t>(blockIdx.x) * H;
+  const X* x = static_cast<const X*>(p.x) + base;
+  const T* delta = kDelta ? static_cast<const T*>(p.delta) + base : nullptr;
+  float s[kIters][V];
+  float sq = 0.0f;
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) {
+    const int i = (it * blockDim.x + threadIdx.x) * V;
+    if (i < H) {
+      load<V>(x + i, s[it]);
+      if constexpr (kDelta) {
+        float d[V];
+        load<V>(delta + i, d);
+#pragma unroll
+        for (int k = 0; k < V; ++k) s[it][k] = __fadd_rn(s[it][k], d[k]);
+        store<V>(p.sum + base + i, s[it]);
+      }
+#pragma unroll
+      for (int k = 0; k < V; ++k) sq = __fadd_rn(sq, __fmul_rn(s[it][k], s[it][k]));
+    }
+  }
+  // Block sum: warps, then the first warp over the warp sums; every thread reads the total.
+  sq = warp_sum(sq);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  if (lane == 0) warp_sums[warp] = sq;
+  __syncthreads();
+  if (warp == 0) {
+    sq = warp_sum(lane < warps ? warp_sums[lane] : 0.0f);
+    if (lane == 0) warp_sums[0] = sq;
+  }
+  __syncthreads();
+  // torch: mean = sum * (1 / H), then + eps, then rsqrt (CUDA's rsqrtf, as torch.rsqrt).
+  const float inv = rsqrtf(__fadd_rn(__fmul_rn(warp_sums[0], 1.0f / H), p.eps));
+  const T* weight = static_cast<const T*>(p.weight);
+  T* out = static_cast<T*>(p.out) + base;
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) {
+    const int i = (it * blockDim.x + threadIdx.x) * V;
+    if (i < H) {
+      float w[V], y[V];
+      load<V>(weight + i, w);
+#pragma unroll
+      for (int k = 0; k < V; ++k) y[k] = __fmul_rn(w[k], rounded<T>(__fmul_rn(s[it][k], inv)));
+      store<V>(out + i, y);
+    }
+  }
+}
+
+// The vector width: 16-byte loads of T (8 elements) when every row and pointer allows it.
+int norm_vec(const RmsNormParams& p) {
+  const bool ok = p.hidden % 8 == 0 && aligned(p.x, 16) && aligned(p.weight, 16) && aligned(p.out, 16) &&
+                  (p.delta == nullptr || (aligned(p.delta, 16) && aligned(p.sum, 16)));
+  return ok ? 8 : 1;
+}
+
+// ---------------------------------------------------------------------------------------------
+// qk_norm_rope: one warp per (row, head) of the packed qkv output. Lane l owns elements
+// l + 32 j (j < D / 32): each warp load is 64 contiguous bytes, no alignment beyond the
+// element's is needed, and the RoPE partner of element i (i +- D/2) is chunk j ^ (D / 64)
+// of the same lane, so the rotation needs no shuffle.
+
+constexpr int kQkWarps = 8;
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kQkWarps * 32) qk_norm_rope_kernel(QkNormRopeParams p) {
+  constexpr int kChunks = D / 32;
+  constexpr int kHalf = kChunks / 2;  // chunks [0, kHalf) are the first half of the head
+  const int heads = p.num_q_heads + 2 * p.num_kv_heads;
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * kQkWarps + threadIdx.x / 32;
+  if (item >= p.rows * heads) return;  // whole warps: the shuffles below see all 32 lanes
+  const int64_t r = item / heads;
+  const int head = static_cast<int>(item % heads);
+  const int lane = threadIdx.x % 32;
+  const T* src = static_cast<const T*>(p.qkv) + r * p.qkv_stride + static_cast<int64_t>(head) * D + lane;
+  const bool to_cache = p.k_cache != nullptr;
+  const int64_t slot = to_cache ? p.slots[r] : 0, pos = to_cache ? p.positions[r] : 0;
+
+  if (head >= p.num_q_heads + p.num_kv_heads) {  // v: copied as is
+    const int vh = head - p.num_q_heads - p.num_kv_heads;
+    T* dst = to_cache ? static_cast<T*>(p.v_cache) + slot * p.v_cache_stride[0] + pos * p.v_cache_stride[1] +
+                            vh * p.v_cache_stride[2]
+                      : static_cast<T*>(p.v_out) + (r * p.num_kv_heads + vh) * D;
+#pragma unroll
+    for (int j = 0; j < kChunks; ++j) dst[lane + 32 * j] = src[32 * j];
+    return;
+  }
+
+  const bool is_q = head < p.num_q_heads;
+  float x[kChunks];
+  float sq = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kChunks; ++j) {
+    x[j] = to_float(src[32 * j]);
+    sq = __fadd_rn(sq, __fmul_rn(x[j], x[j]));
+  }
+  const float inv = rsqrtf(__fadd_rn(__fmul_rn(warp_sum(sq), 1.0f / D), p.eps));
+  const T* weight = static_cast<const T*>(is_q ? p.q_weight : p.k_weight) + lane;
+  float h[kChunks];
+#pragma unroll
+  for (int j = 0; j < kChunks; ++j)
+    h[j] = rounded<T>(__fmul_rn(to_float(weight[32 * j]), rounded<T>(__fmul_rn(x[j], inv))));
+
+  const T* cos = static_cast<const T*>(p.cos) + r * p.cos_stride + lane;
+  const T* sin = static_cast<const T*>(p.sin) + r * p.sin_stride + lane;
+  T* dst;
+  if (is_q) {
+    dst = static_cast<T*>(p.q_out) + (r * p.num_q_heads + head) * D;
+  } else {
+    const int kh = head - p.num_q_heads;
+    dst = to_cache ? static_cast<T*>(p.k_cache) + slot * p.k_cache_stride[0] + pos * p.k_cache_stride[1] +
+                         kh * p.k_cache_stride[2]
+                   : static_cast<T*>(p.k_out) + (r * p.num_kv_heads + kh) * D;
+  }
+#pragma unroll
+  for (int j = 0; j < kChunks; ++j) {
+    // rotated = cat(-h[D/2:], h[:D/2]); out = round(round(h * cos) + round(rotated * sin))
+    const float rot = j < kHalf ? -h[j ^ kHalf] : h[j ^ kHalf];
+    const float a = rounded<T>(__fmul_rn(h[j], to_float(cos[32 * j])));
+    const float b = rounded<T>(__fmul_rn(rot, to_float(sin[32 * j])));
+    dst[lane + 32 * j] = from_float<T>(__fadd_rn(a, b));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// silu_mul: a grid-stride loop over vectors of V outputs.
+
+constexpr int kSiluThreads = 256;
+constexpr int kSiluMaxBlocks = 8192;
+
+template <typename T, int V>
+__global__ void __launch_bounds__(kSiluThreads) silu_mul_kernel(SiluMulParams p) {
+  const int64_t per_row = p.inter / V;
+  const int64_t total = p.rows * per_row;
+  const T* gate_up = static_cast<const T*>(p.gate_up);
+  T* out = static_cast<T*>(p.out);
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / per_row, c = (i % per_row) * V;
+    float g[V], u[V], y[V];
+    load<V>(gate_up + r * 2 * p.inter + c, g);
+    load<V>(gate_up + r * 2 * p.inter + p.inter + c, u);
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      // torch's silu: x / (1 + exp(-x)) in fp32, rounded; then the product, rounded.
+      const float silu = rounded<T>(g[k] / (1.0f + expf(-g[k])));
+      y[k] = __fmul_rn(silu, u[k]);
+    }
+    store<V>(out + r * p.inter + c, y);
+  }
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Launchers
+
+const char* rms_norm_check(const RmsNormParams& p) {
+  if (p.rows < 0 || p.rows > 0x7fffffff) return "rows must be in [0, 2^31)";
+  if (p.hidden < 1) return "hidden must be positive";
+  if (p.rows > 0 && (!p.x || !p.weight || !p.out)) return "null pointer";
+  if (p.rows > 0 && p.delta && !p.sum) return "add_rms_norm needs the sum output";
+  if (p.hidden > kNormMaxIters * kNormMaxThreads * norm_vec(p))
+    return "hidden too large (at most 65536, or 8192 when rows are not 16-byte aligned)";
+  return nullptr;
+}
+
+cudaError_t rms_norm_launch(const RmsNormParams& p, cudaStream_t stream) {
+  if (rms_norm_check(p) != nullptr) return cudaErrorInvalidValue;
+  if (p.rows == 0) return cudaSuccess;
+  const int vec = norm_vec(p);
+  const int vectors = (p.hidden + vec - 1) / vec;
+  // Enough threads for one vector each up to the maximum, then more passes: small rows get
+  // one warp, Qwen3-8B's 4096 (bf16, 8 per vector) 512 threads.
+  const int iters_needed = (vectors + kNormMaxThreads - 1) / kNormMaxThreads;
+  const int iters = iters_needed <= 1 ? 1 : iters_needed <= 2 ? 2 : iters_needed <= 4 ? 4 : 8;
+  const int threads = std::max(32, ((vectors + iters - 1) / iters + 31) / 32 * 32);
+  const dim3 grid(static_cast<unsigned>(p.rows));
+  auto launch = [&](auto t, auto x_fp32, auto v, auto n) {
+    using T = typename decltype(t)::type;
+    using X = std::conditional_t<decltype(x_fp32)::value != 0, float, T>;
+    constexpr int V = decltype(v)::value, N = decltype(n)::value;
+    if (p.delta) rms_norm_kernel<T, X, true, V, N><<<grid, threads, 0, stream>>>(p);
+    else rms_norm_kernel<T, X, false, V, N><<<grid, threads, 0, stream>>>(p);
+    return cudaGetLastError();
+  };
+  auto by_iters = [&](auto t, auto x_fp32, auto v) {
+    switch (iters) {
+      case 1: return launch(t, x_fp32, v, Int<1>{});
+      case 2: return launch(t, x_fp32, v, Int<2>{});
+      case 4: return launch(t, x_fp32, v, Int<4>{});
+      default: return launch(t, x_fp32, v, Int<8>{});
+    }
+  };
+  auto by_vec = [&](auto t, auto x_fp32) {
+    return vec == 8 ? by_iters(t, x_fp32, Int<8>{}) : by_iters(t, x_fp32, Int<1>{});
+  };
+  return by_dtype(p.dtype, [&](auto t) { return p.x_fp32 ? by_vec(t, Int<1>{}) : by_vec(t, Int<0>{}); });
+}
+
+const char* qk_norm_rope_check(const QkNormRopeParams& p) {
+  if (p.head_dim != 64 && p.head_dim != 128) return "head_dim must be 64 or 128";
+  if (p.rows < 0 || p.num_q_heads < 0 || p.num_kv_heads < 1) return "bad rows or head counts";
+  if ((p.rows * (p.num_q_heads + 2 * p.num_kv_heads) + kQkWarps - 1) / kQkWarps > 0x7fffffff)
+    return "too many rows";
+  if ((p.k_cache == nullptr) != (p.v_cache == nullptr)) return "k_cache and v_cache must be given together";
+  if (p.rows == 0) return nullptr;  // empty tensors may have null data
+  if (!p.qkv || !p.k_weight || !p.cos || !p.sin) return "null pointer";
+  if (p.num_q_heads > 0 && (!p.q_weight || !p.q_out)) return "q heads need q_weight and q_out";
+  if (p.k_cache && (!p.slots || !p.positions)) return "the cache write needs slots and positions";
+  if (!p.k_cache && (!p.k_out || !p.v_out)) return "k_out and v_out are needed without a cache";
+  return nullptr;
+}
+
+cudaError_t qk_norm_rope_launch(const QkNormRopeParams& p, cudaStream_t stream) {
+  if (qk_norm_rope_check(p) != nullptr) return cudaErrorInvalidValue;
+  if (p.rows == 0) return cudaSuccess;
+  const int64_t items = p.rows * (p.num_q_heads + 2 * p.num_kv_heads);
+  const dim3 grid(static_cast<unsigned>((items + kQkWarps - 1) / kQkWarps));
+  return by_dtype(p.dtype, [&](auto t) {
+    using T = typename decltype(t)::type;
+    if (p.head_dim == 64) qk_norm_rope_kernel<T, 64><<<grid, kQkWarps * 32, 0, stream>>>(p);
+    else qk_norm_rope_kernel<T, 128><<<grid, kQkWarps * 32, 0, stream>>>(p);
+    return cudaGetLastError();
+  });
+}
+
+const char* silu_mul_check(const SiluMulParams& p) {
+  if (p.rows < 0 || p.inter < 0) return "negative rows or inter";
+  if ((p.rows > 0 && p.inter > 0) && (!p.gate_up || !p.out)) return "null pointer";
+  return nullptr;
+}
+
+cudaError_t silu_mul_launch(const SiluMulParams& p, cudaStream_t stream) {
+  if (silu_mul_check(p) != nullptr) return cudaErrorInvalidValue;
+  if (p.rows == 0 || p.inter == 0) return cudaSuccess;
+  const bool vec8 = p.inter % 8 == 0 && aligned(p.gate_up, 16) && aligned(p.out, 16);
+  const int64_t vectors = p.rows * (vec8 ? p.inter / 8 : p.inter);
+  const int blocks = static_cast<int>(std::min<int64_t>((vectors + kSiluThreads - 1) / kSiluThreads, kSiluMaxBlocks));
+  return by_dtype(p.dtype, [&](auto t) {
+    using T = typename decltype(t)::type;
+    if (vec8) silu_mul_kernel<T, 8><<<blocks, kSiluThreads, 0, stream>>>(p);
+    else silu_mul_kernel<T, 1><<<blocks, kSiluThreads, 0, stream>>>(p);
+    return cudaGetLastError();
+  });
+}
+
+}  // namespace dflash

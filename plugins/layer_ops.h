@@ -1,0 +1,100 @@
+// Fused per-layer ops of a Qwen3 decoder layer: the plain C++ launcher API (no torch types),
+// so a torch op (ops.cpp) and a TensorRT IPluginV3 can both wrap it.
+//
+//   rms_norm / add_rms_norm  RMSNorm of a row, optionally after adding a residual delta
+//   qk_norm_rope             per-head q/k RMSNorm + neox RoPE on the packed qkv output, and
+//                            optionally the K/V cache write, in one launch
+//   silu_mul                 silu(gate) * up of the packed gate_up output
+//
+// Every op rounds exactly where the PyTorch model code does (bf16/fp16 elementwise ops
+// compute in fp32 and round after each op); the only difference from torch is the order
+// of an RMSNorm's fp32 sum of squares, which rarely (about 1e-5 of bf16 outputs, 1e-4 of
+// fp16) moves a normalised value by one unit in its last place.
+// The Python references with exactly these semantics are dflash_trt.ops.rms_norm_reference,
+// add_rms_norm_reference, qk_norm_rope_reference and silu_mul_reference.
+
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+#include "block_attention.h"  // dflash::DType
+
+namespace dflash {
+
+// Row r (of `rows` rows of `hidden` elements, all contiguous):
+//   s = float(x) + float(delta)                     (fp32; s = float(x) without delta)
+//   n = s * rsqrt(sum(s * s) / hidden + eps)        (fp32)
+//   y = round(float(weight) * float(round(n)))      (round: to dtype, nearest even)
+struct RmsNormParams {
+  DType dtype = DType::kBFloat16;  // of weight, delta and y
+  bool x_fp32 = false;             // x is fp32 (the residual stream); else `dtype`
+  int64_t rows = 0;
+  int hidden = 0;                  // H, >= 1
+  const void* x = nullptr;         // [rows, H]
+  const void* delta = nullptr;     // [rows, H] or null (plain rms_norm)
+  const void* weight = nullptr;    // [H]
+  float eps = 1e-6f;
+  float* sum = nullptr;            // [rows, H] fp32: x + delta; required with delta, else ignored
+  void* out = nullptr;             // [rows, H]: y
+};
+
+// Non-null when the parameters are unsupported (the message says why).
+const char* rms_norm_check(const RmsNormParams& p);
+cudaError_t rms_norm_launch(const RmsNormParams& p, cudaStream_t stream);
+
+// Row r of qkv holds Hq query heads, then Hkv key heads, then Hkv value heads of d elements.
+// Each q (k) head: h = RMSNorm over d with q_weight (k_weight), rounded as above; then
+//   rotated = cat(-h[d/2:], h[:d/2]);  out = round(round(h * cos[r]) + round(rotated * sin[r])).
+// v heads are copied unchanged. q goes to q_out [rows, Hq, d]. With k_cache/v_cache, k and v
+// of row r go to cache[slots[r], positions[r]] (every row; the caller keeps positions below
+// the capacity) and k_out/v_out are unused; without, to k_out/v_out [rows, Hkv, d].
+struct QkNormRopeParams {
+  DType dtype = DType::kBFloat16;  // of everything but slots/positions
+  int64_t rows = 0;
+  int num_q_heads = 0;             // Hq; 0: no queries (the drafter's context K/V)
+  int num_kv_heads = 0;            // Hkv >= 1
+  int head_dim = 0;                // d: 64 or 128
+  float eps = 1e-6f;
+
+  // Strides are in elements; the last dimension is contiguous everywhere.
+  const void* qkv = nullptr;       // [rows, (Hq + 2 Hkv) d]
+  int64_t qkv_stride = 0;          //   row
+  const void* q_weight = nullptr;  // [d]; null when Hq == 0
+  const void* k_weight = nullptr;  // [d]
+  const void* cos = nullptr;       // [rows, d]
+  int64_t cos_stride = 0;
+  const void* sin = nullptr;       // [rows, d]
+  int64_t sin_stride = 0;
+
+  void* q_out = nullptr;           // [rows, Hq, d] contiguous
+  void* k_out = nullptr;           // [rows, Hkv, d] contiguous, when there is no cache
+  void* v_out = nullptr;
+
+  void* k_cache = nullptr;         // [num_slots, capacity, Hkv, d], e.g. one layer of a 5-D cache
+  int64_t k_cache_stride[3] = {};  //   slot, row, head
+  void* v_cache = nullptr;
+  int64_t v_cache_stride[3] = {};
+  const int32_t* slots = nullptr;      // [rows] device, with the caches
+  const int32_t* positions = nullptr;  // [rows] device, with the caches
+};
+
+const char* qk_norm_rope_check(const QkNormRopeParams& p);
+cudaError_t qk_norm_rope_launch(const QkNormRopeParams& p, cudaStream_t stream);
+
+// out[r, i] = round(round(silu(g)) * float(up)) with g = gate_up[r, i], up = gate_up[r, I + i],
+// silu(g) = g / (1 + exp(-g)) in fp32 (torch's formula).
+struct SiluMulParams {
+  DType dtype = DType::kBFloat16;
+  int64_t rows = 0;
+  int64_t inter = 0;               // I
+  const void* gate_up = nullptr;   // [rows, 2 I] contiguous
+  void* out = nullptr;             // [rows, I] contiguous
+};
+
+const char* silu_mul_check(const SiluMulParams& p);
+cudaError_t silu_mul_launch(const SiluMulParams& p, cudaStream_t stream);
+
+}  // namespace dflash

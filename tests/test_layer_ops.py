@@ -1,0 +1,443 @@
+"""Fused layer ops (plugins/layer_ops.cu): each reference equals today's model code bit for bit
+(CPU, fp32 and bf16), the wrappers reject bad arguments, and the CUDA kernels agree with the
+references to within a unit in the last place (cuda marker)."""
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_trt import plugins
+from dflash_trt.config import LayerDims
+from dflash_trt.models.layers import MLP, AttentionProjections, RMSNorm, Rotary
+from dflash_trt.ops import (add_rms_norm, add_rms_norm_reference, qk_norm_rope, qk_norm_rope_reference, rms_norm,
+                            rms_norm_reference, silu_mul, silu_mul_reference)
+
+EPS = 1e-6
+
+
+def dims_for(Hq, Hkv, d, hidden=64, inter=96):
+    return LayerDims(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=1, num_attention_heads=max(Hq, 1),
+                     num_key_value_heads=Hkv, head_dim=d, rms_norm_eps=EPS, rope_theta=1e6, attention_bias=False,
+                     max_position_embeddings=4096)
+
+
+def randomise(module, seed=0):
+    """Random weights; norm weights around 1 (as trained ones are), some far from it."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in module.named_parameters():
+        noise = torch.randn(p.shape, generator=g)
+        p.data = (1 + 0.5 * noise if p.dim() == 1 else noise / p.shape[-1] ** 0.5).to(p.dtype)
+    return module
+
+
+def rand(*shape, dtype=torch.float32, device="cpu", seed=0, scale=1.0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    return (scale * torch.randn(*shape, generator=g, device=device)).to(dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU: the references are today's model code.
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@pytest.mark.parametrize("x_kind", ["fp32 residual", "model dtype"])
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@torch.no_grad()
+def test_rms_norm_reference_is_the_model_rmsnorm(dtype, x_kind):
+    norm = randomise(RMSNorm(96, EPS).to(dtype))
+    x = rand(2, 5, 96, dtype=torch.float32 if x_kind == "fp32 residual" else dtype, scale=3.0)
+    y = rms_norm(x, norm.weight, EPS)
+    assert y.dtype == dtype and y.is_contiguous()
+    assert torch.equal(y, norm(x))
+    assert torch.equal(rms_norm_reference(x, norm.weight, EPS), norm(x))
+
+
+@pytest.mark.parametrize("x_kind", ["fp32 residual", "model dtype"])
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@torch.no_grad()
+def test_add_rms_norm_reference_is_the_residual_add_then_rmsnorm(dtype, x_kind):
+    norm = randomise(RMSNorm(96, EPS).to(dtype))
+    x = rand(3, 96, dtype=torch.float32 if x_kind == "fp32 residual" else dtype, scale=3.0)
+    delta = rand(3, 96, dtype=dtype, seed=1)
+    s, y = add_rms_norm(x, delta, norm.weight, EPS)
+    expected_s = x.float() + delta  # DecoderLayer: `x + self.self_attn(...)` with x fp32
+    if x.dtype == torch.float32:
+        assert torch.equal(expected_s, x + delta)
+    assert s.dtype == torch.float32 and torch.equal(s, expected_s)
+    assert y.dtype == dtype and torch.equal(y, norm(expected_s))
+    s_ref, y_ref = add_rms_norm_reference(x, delta, norm.weight, EPS)
+    assert torch.equal(s_ref, s) and torch.equal(y_ref, y)
+
+
+# (Hq, Hkv, d)
+QKV_SHAPES = {"GQA 2:1 d=16": (4, 2, 16), "MHA d=8": (3, 3, 8), "GQA 4:1 d=64": (8, 2, 64), "d=128": (2, 1, 128)}
+
+
+def projections_case(Hq, Hkv, d, dtype, bs=2, T=5, seed=0):
+    """A random AttentionProjections, its input x [bs, T, H] and cos/sin at ragged positions."""
+    attn = randomise(AttentionProjections(dims_for(Hq, Hkv, d)).to(dtype), seed)
+    x = rand(bs, T, 64, dtype=dtype, seed=seed + 1)
+    positions = torch.tensor([3, 1000])[:bs, None] + torch.arange(T)
+    cos, sin = Rotary(d, 1e6)(positions, dtype)
+    return attn, x, cos, sin
+
+
+@pytest.mark.parametrize("shape", QKV_SHAPES.values(), ids=QKV_SHAPES.keys())
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@torch.no_grad()
+def test_qk_norm_rope_reference_is_the_model_qkv(dtype, shape):
+    Hq, Hkv, d = shape
+    attn, x, cos, sin = projections_case(Hq, Hkv, d, dtype)
+    q_ref, k_ref, v_ref = attn.qkv(x, cos, sin)
+    qkv = attn.qkv_proj(x).flatten(0, 1)
+    q, k, v = qk_norm_rope(qkv, Hq, Hkv, attn.q_norm.weight, attn.k_norm.weight, EPS, cos.flatten(0, 1),
+                           sin.flatten(0, 1))
+    for got, ref in ((q, q_ref), (k, k_ref), (v, v_ref)):
+        assert got.dtype == dtype and got.is_contiguous() and got.shape == ref.flatten(0, 1).shape
+        assert torch.equal(got, ref.flatten(0, 1))
+    assert v.data_ptr() != qkv.data_ptr()  # a new tensor, not a view of qkv
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@torch.no_grad()
+def test_qk_norm_rope_without_queries_is_the_drafter_context_kv(dtype):
+    """num_q_heads=0: the drafter's context path gets the K/V half of the projection."""
+    Hq, Hkv, d = 4, 2, 16
+    attn, x, cos, sin = projections_case(Hq, Hkv, d, dtype)
+    _, k_ref, v_ref = attn.qkv(x, cos, sin)
+    kv = attn.qkv_proj(x).flatten(0, 1)[:, Hq * d:]  # row stride (Hq + 2 Hkv) d
+    q, k, v = qk_norm_rope(kv, 0, Hkv, None, attn.k_norm.weight, EPS, cos.flatten(0, 1), sin.flatten(0, 1))
+    assert q is None
+    assert torch.equal(k, k_ref.flatten(0, 1)) and torch.equal(v, v_ref.flatten(0, 1))
+
+
+def ragged_rows(n, num_slots, capacity, seed=0):
+    """n distinct (slot, position) pairs in random order, including position 0 and capacity - 1."""
+    g = torch.Generator().manual_seed(seed)
+    edges = [0 * capacity + 0, (num_slots - 1) * capacity + capacity - 1][:n]
+    rest = [i for i in torch.randperm(num_slots * capacity, generator=g).tolist() if i not in edges]
+    flat = torch.tensor(edges + rest[:n - len(edges)])
+    flat = flat[torch.randperm(n, generator=g)]
+    return (flat // capacity).to(torch.int32), (flat % capacity).to(torch.int32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@torch.no_grad()
+def test_qk_norm_rope_writes_exactly_the_addressed_cache_rows(dtype):
+    Hq, Hkv, d = 4, 2, 16
+    attn, x, cos, sin = projections_case(Hq, Hkv, d, dtype)
+    q_ref, k_ref, v_ref = (t.flatten(0, 1) for t in attn.qkv(x, cos, sin))
+    num_layers, num_slots, capacity = 3, 4, 7
+    k_all = rand(num_layers, num_slots, capacity, Hkv, d, dtype=dtype, seed=5)
+    v_all = rand(num_layers, num_slots, capacity, Hkv, d, dtype=dtype, seed=6)
+    k_before, v_before = k_all.clone(), v_all.clone()
+    slots, positions = ragged_rows(q_ref.shape[0], num_slots, capacity)
+    q, k, v = qk_norm_rope(attn.qkv_proj(x).flatten(0, 1), Hq, Hkv, attn.q_norm.weight, attn.k_norm.weight, EPS,
+                           cos.flatten(0, 1), sin.flatten(0, 1), k_all[1], v_all[1], slots, positions)
+    assert k is None and v is None and torch.equal(q, q_ref)
+    k_before[1, slots.long(), positions.long()] = k_ref
+    v_before[1, slots.long(), positions.long()] = v_ref
+    assert torch.equal(k_all, k_before) and torch.equal(v_all, v_before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@torch.no_grad()
+def test_silu_mul_reference_is_the_model_mlp(dtype):
+    mlp = randomise(MLP(dims_for(4, 2, 16)).to(dtype))
+    x = rand(2, 5, 64, dtype=dtype, scale=2.0)
+    gate_up = mlp.gate_up_proj(x)
+    out = silu_mul(gate_up)
+    assert out.dtype == dtype and out.shape == (2, 5, 96) and out.is_contiguous()
+    assert torch.equal(mlp.down_proj(out), mlp(x))
+    assert torch.equal(silu_mul_reference(gate_up), out)
+
+
+def bad_calls():
+    w = torch.ones(16)
+    x = torch.randn(3, 16)
+    qkv, cs = torch.randn(3, (2 + 2 * 1) * 8), torch.randn(3, 8)
+    w8 = torch.ones(8)
+    cache = torch.zeros(2, 4, 1, 8)
+    i32 = torch.zeros(3, dtype=torch.int32)
+    return {
+        "rms_norm x width": ("x must be", lambda: rms_norm(torch.randn(3, 15), w, EPS)),
+        "rms_norm fp16 x, fp32 weight": ("x must be fp32", lambda: rms_norm(x.half(), w, EPS)),
+        "rms_norm 2-D weight": ("weight must be", lambda: rms_norm(x, w[None], EPS)),
+        "rms_norm strided x": ("x must be contiguous", lambda: rms_norm(torch.randn(16, 3).t(), torch.ones(16), EPS)),
+        "add_rms_norm delta shape": ("delta must have x's shape", lambda: add_rms_norm(x, x[:2], w, EPS)),
+        "add_rms_norm delta dtype": ("delta must have weight's", lambda: add_rms_norm(x, x.bfloat16(), w, EPS)),
+        "qk qkv width": ("qkv must be", lambda: qk_norm_rope(qkv[:, 1:], 2, 1, w8, w8, EPS, cs, cs)),
+        "qk cos dtype": ("cos", lambda: qk_norm_rope(qkv, 2, 1, w8, w8, EPS, cs.double(), cs.double())),
+        "qk k_weight size": ("k_weight must be", lambda: qk_norm_rope(qkv, 2, 1, w8, w, EPS, cs, cs)),
+        "qk missing q_weight": ("q_weight", lambda: qk_norm_rope(qkv, 2, 1, None, w8, EPS, cs, cs)),
+        "qk cache without slots": ("go together", lambda: qk_norm_rope(qkv, 2, 1, w8, w8, EPS, cs, cs, cache, cache)),
+        "qk int64 positions": ("positions must be", lambda: qk_norm_rope(qkv, 2, 1, w8, w8, EPS, cs, cs, cache, cache,
+                                                                         i32, i32.long())),
+        "qk cache heads": ("k_cache must be", lambda: qk_norm_rope(qkv, 2, 1, w8, w8, EPS, cs, cs, cache[..., None, :],
+                                                                   cache, i32, i32)),
+        "silu_mul odd width": ("gate_up must be", lambda: silu_mul(torch.randn(3, 7))),
+        "silu_mul strided": ("gate_up must be contiguous", lambda: silu_mul(torch.randn(8, 3).t())),
+    }
+
+
+@pytest.mark.parametrize("case", bad_calls().values(), ids=bad_calls().keys())
+def test_wrappers_reject_bad_arguments_naming_them(case):
+    message, call = case
+    with pytest.raises(AssertionError, match=message):
+        call()
+
+
+def test_layer_ops_are_part_of_the_plugin_library():
+    # The nvcc compile check (tests/test_ops.py) covers every plugins/*.cu, this one included.
+    assert "layer_ops.cu" in plugins.SOURCES
+    assert (plugins.plugin_dir() / "layer_ops.cu").is_file()
+
+
+# ----------------------------------------------------------------------------------------------
+# CUDA kernels against the references run on the same CUDA tensors (torch's own kernels).
+#
+# Every rounding step of the kernels is torch's (fp32 op, then round to the dtype), and the
+# products of two bf16/fp16 values are exact in fp32, so all steps but one are bit-exact. The
+# exception is an RMSNorm's fp32 sum of squares, summed in another order than torch's: its
+# last bits, and so rsqrt's, may differ, which flips the rounding of n = s * rsqrt(.) to the
+# dtype where n sits next to a rounding boundary (about 2^-16 of bf16 elements, 2^-13 of
+# fp16). One flip moves n by ulp(n), so y = round(w * n) by |w| ulp(n) plus its own rounding:
+# at most 2 ulp(y). RoPE mixes two normalised values h_i, h_j (|cos|, |sin| <= 1) and rounds
+# three times, so there a flip moves the output by at most 4 ulp of the head's largest |h|.
+# Besides that bound, flips must stay rare: a wrong rounding order would change a large share
+# of the elements, so at most 1e-3 of them may differ at all. silu_mul has no reduction and
+# must be within 1 ulp. The totals (elements that differ, the worst error in ulps) are printed
+# at the end of the module.
+
+MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10}
+MIN_EXPONENT = {torch.bfloat16: -133, torch.float16: -24}  # the smallest subnormal
+MAX_DIFFERING = 1e-3
+STATS = {}  # (op, dtype name) -> [elements, differing, over 1 ulp, worst ulps, worst abs]
+CUDA_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def ulp(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One unit in the last place of `dtype` at |t|, in fp32."""
+    _, e = torch.frexp(t.float())  # |t| = m 2^e, 0.5 <= m < 1
+    step = torch.ldexp(torch.ones_like(e, dtype=torch.float32), (e - 1 - MANTISSA_BITS[dtype]).clamp(
+        min=MIN_EXPONENT[dtype]))
+    return torch.where(t == 0, 2.0 ** MIN_EXPONENT[dtype], step)
+
+
+def check_close(op: str, got: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor):
+    """got within `bound` of ref everywhere, and rarely different at all; records the totals."""
+    dtype = ref.dtype
+    assert got.dtype == dtype and got.shape == ref.shape, (got.dtype, got.shape, ref.shape)
+    err = (got.float() - ref.float()).abs()
+    unit = ulp(ref, dtype)
+    differing = int((err > 0).sum())
+    stats = STATS.setdefault((op, str(dtype).removeprefix("torch.")), [0, 0, 0, 0.0, 0.0])
+    stats[0] += ref.numel()
+    stats[1] += differing
+    stats[2] += int((err > unit).sum())
+    stats[3] = max(stats[3], float((err / unit).max()) if ref.numel() else 0.0)
+    stats[4] = max(stats[4], float(err.max()) if ref.numel() else 0.0)
+    worst = (err - bound).argmax() if ref.numel() else 0
+    assert bool((err <= bound).all()), \
+        f"{op}: error {err.flatten()[worst]} > bound {bound.flatten()[worst]} at {worst} (ref {ref.flatten()[worst]})"
+    assert differing <= MAX_DIFFERING * ref.numel() + 2, f"{op}: {differing} of {ref.numel()} elements differ"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report_stats(request):
+    yield
+    if not STATS:
+        return
+    lines = ["layer ops, kernel vs reference: op dtype elements differing >1ulp worst-ulps worst-abs"]
+    for (op, dtype), (n, differing, over, worst_ulp, worst_abs) in sorted(STATS.items()):
+        lines.append(f"  {op:<14} {dtype:<9} {n:>10} {differing:>8} {over:>6} {worst_ulp:>8.2f} {worst_abs:.3g}")
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    for line in lines:
+        if reporter is not None:
+            reporter.write_line(line)
+    if os.environ.get("DFLASH_LAYER_OPS_STATS"):
+        Path(os.environ["DFLASH_LAYER_OPS_STATS"]).write_text("\n".join(lines) + "\n")
+
+
+def cuda_norm_weight(H, dtype, seed):
+    return (1 + 0.5 * rand(H, device="cuda", seed=seed)).to(dtype)
+
+
+ROWS = [1, 7, 33, 513]
+HIDDEN = [256, 1004, 4096, 8192]  # 1004: not a multiple of 8, the scalar path
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("x_kind", ["fp32", "model"])
+@pytest.mark.parametrize("H", HIDDEN)
+@pytest.mark.parametrize("N", ROWS)
+@pytest.mark.parametrize("dtype", CUDA_DTYPES.values(), ids=CUDA_DTYPES.keys())
+def test_cuda_rms_norms_match_the_reference(dtype, N, H, x_kind):
+    assert plugins.load() is not None
+    w = cuda_norm_weight(H, dtype, seed=H)
+    x = rand(N, H, dtype=torch.float32 if x_kind == "fp32" else dtype, device="cuda", seed=N, scale=4.0)
+    delta = rand(N, H, dtype=dtype, device="cuda", seed=N + 1)
+    two_ulp = lambda ref: 2 * ulp(ref, dtype)  # noqa: E731
+    y_ref = rms_norm_reference(x, w, EPS)
+    check_close("rms_norm", rms_norm(x, w, EPS), y_ref, two_ulp(y_ref))
+    s, y = add_rms_norm(x, delta, w, EPS)
+    s_ref, y_ref = add_rms_norm_reference(x, delta, w, EPS)
+    assert s.dtype == torch.float32 and torch.equal(s, s_ref)
+    check_close("add_rms_norm", y, y_ref, two_ulp(y_ref))
+
+
+@pytest.mark.cuda
+def test_cuda_rms_norm_reads_rows_that_are_not_16_byte_aligned():
+    N, H, dtype = 5, 4096, torch.bfloat16
+    w = cuda_norm_weight(H, dtype, seed=1)
+    x = rand(N * H + 1, device="cuda")[1:].view(N, H)  # contiguous, 4 bytes off
+    delta = rand(N * H + 1, dtype=dtype, device="cuda", seed=2)[1:].view(N, H)
+    y_ref = rms_norm_reference(x, w, EPS)
+    check_close("rms_norm", rms_norm(x, w, EPS), y_ref, 2 * ulp(y_ref, dtype))
+    s, y = add_rms_norm(x, delta, w, EPS)
+    s_ref, y_ref = add_rms_norm_reference(x, delta, w, EPS)
+    assert torch.equal(s, s_ref)
+    check_close("add_rms_norm", y, y_ref, 2 * ulp(y_ref, dtype))
+
+
+def qkv_case(N, Hq, Hkv, d, dtype, seed=0):
+    qkv = rand(N, (Hq + 2 * Hkv) * d, dtype=dtype, device="cuda", seed=seed, scale=2.0)
+    q_w = cuda_norm_weight(d, dtype, seed=seed + 1) if Hq else None
+    k_w = cuda_norm_weight(d, dtype, seed=seed + 2)
+    positions = torch.randint(0, 40000, (N,), generator=torch.Generator().manual_seed(seed)).cuda()
+    cos, sin = Rotary(d, 1e6)(positions, dtype)
+    return qkv, q_w, k_w, cos, sin
+
+
+def rope_bound(qkv, first_head, heads, weight, ref, d):
+    """4 ulp of the largest normalised |h| of each head (see the note above), at least 1 ulp(ref)."""
+    h = rms_norm_reference(qkv[:, first_head * d:(first_head + heads) * d].unflatten(-1, (heads, d)), weight, EPS)
+    scale = h.float().abs().amax(-1, keepdim=True)
+    return torch.maximum(4 * ulp(scale, ref.dtype), ulp(ref, ref.dtype))
+
+
+def check_qk(N, Hq, Hkv, d, qkv, q_w, k_w, q, k, q_ref, k_ref):
+    if Hq:
+        check_close("qk_norm_rope q", q, q_ref, rope_bound(qkv, 0, Hq, q_w, q_ref, d))
+    else:
+        assert q is None and q_ref is None
+    check_close("qk_norm_rope k", k, k_ref, rope_bound(qkv, Hq, Hkv, k_w, k_ref, d))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("to_cache", [False, True], ids=["returned", "cache write"])
+@pytest.mark.parametrize("heads", [(0, 8), (32, 8), (16, 8), (4, 2)], ids=lambda h: f"Hq{h[0]}-Hkv{h[1]}")
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("N", ROWS)
+@pytest.mark.parametrize("dtype", CUDA_DTYPES.values(), ids=CUDA_DTYPES.keys())
+def test_cuda_qk_norm_rope_matches_the_reference(dtype, N, d, heads, to_cache):
+    assert plugins.load() is not None
+    Hq, Hkv = heads
+    qkv, q_w, k_w, cos, sin = qkv_case(N, Hq, Hkv, d, dtype, seed=N + d)
+    if not to_cache:
+        q, k, v = qk_norm_rope(qkv, Hq, Hkv, q_w, k_w, EPS, cos, sin)
+        q_ref, k_ref, v_ref = qk_norm_rope_reference(qkv, Hq, Hkv, q_w, k_w, EPS, cos, sin)
+        assert k.is_contiguous() and v.is_contiguous() and (q is None or q.is_contiguous())
+        assert torch.equal(v, v_ref)
+        check_qk(N, Hq, Hkv, d, qkv, q_w, k_w, q, k, q_ref, k_ref)
+        return
+    # A layer view of 5-D caches; rows of other layers, slots and positions must stay as they are.
+    num_slots, capacity = 6, 100
+    k_all = rand(3, num_slots, capacity, Hkv, d, dtype=dtype, device="cuda", seed=7)
+    v_all = rand(3, num_slots, capacity, Hkv, d, dtype=dtype, device="cuda", seed=8)
+    k_ref_all, v_ref_all = k_all.clone(), v_all.clone()
+    slots, positions = (t.cuda() for t in ragged_rows(N, num_slots, capacity, seed=N))
+    q, k, v = qk_norm_rope(qkv, Hq, Hkv, q_w, k_w, EPS, cos, sin, k_all[1], v_all[1], slots, positions)
+    assert k is None and v is None
+    q_ref, _, _ = qk_norm_rope_reference(qkv, Hq, Hkv, q_w, k_w, EPS, cos, sin, k_ref_all[1], v_ref_all[1], slots,
+                                         positions)
+    written = torch.zeros(3, num_slots, capacity, dtype=torch.bool, device="cuda")
+    written[1, slots.long(), positions.long()] = True
+    assert torch.equal(k_all[~written], k_ref_all[~written]) and torch.equal(v_all, v_ref_all)
+    index = (1, slots.long(), positions.long())
+    check_qk(N, Hq, Hkv, d, qkv, q_w, k_w, q, k_all[index], q_ref, k_ref_all[index])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("inter", [256, 100, 4096, 12288])  # 100: not a multiple of 8, the scalar path
+@pytest.mark.parametrize("N", ROWS)
+@pytest.mark.parametrize("dtype", CUDA_DTYPES.values(), ids=CUDA_DTYPES.keys())
+def test_cuda_silu_mul_matches_the_reference(dtype, N, inter):
+    assert plugins.load() is not None
+    gate_up = rand(N, 2 * inter, dtype=dtype, device="cuda", seed=N, scale=3.0)
+    ref = silu_mul_reference(gate_up)
+    check_close("silu_mul", silu_mul(gate_up), ref, ulp(ref, dtype))
+
+
+# ----------------------------------------------------------------------------------------------
+# CUDA graphs: capture once, change the inputs in place, replay.
+
+
+def replay_after(run, update):
+    """Capture run() in a CUDA graph, call update() to change its inputs in place, replay."""
+    run()  # build and first launches outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    update()
+    graph.replay()
+    torch.cuda.synchronize()
+    return out
+
+
+def refill(*tensors, seed):
+    for i, t in enumerate(tensors):
+        t.copy_(rand(*t.shape, dtype=t.dtype, device="cuda", seed=seed + i, scale=2.0))
+
+
+@pytest.mark.cuda
+def test_cuda_rms_norms_replay_in_a_cuda_graph():
+    dtype = torch.bfloat16
+    w = cuda_norm_weight(4096, dtype, seed=3)
+    x = rand(16, 4096, device="cuda")
+    delta = rand(16, 4096, dtype=dtype, device="cuda", seed=1)
+    y, (s, y2) = replay_after(lambda: (rms_norm(x, w, EPS), add_rms_norm(x, delta, w, EPS)),
+                              lambda: refill(x, delta, seed=10))
+    y_ref = rms_norm_reference(x, w, EPS)
+    s_ref, y2_ref = add_rms_norm_reference(x, delta, w, EPS)
+    check_close("rms_norm", y, y_ref, 2 * ulp(y_ref, dtype))
+    assert torch.equal(s, s_ref)
+    check_close("add_rms_norm", y2, y2_ref, 2 * ulp(y2_ref, dtype))
+
+
+@pytest.mark.cuda
+def test_cuda_qk_norm_rope_replays_in_a_cuda_graph_with_new_slots_and_positions():
+    dtype, N, Hq, Hkv, d = torch.bfloat16, 16, 32, 8, 128
+    qkv, q_w, k_w, cos, sin = qkv_case(N, Hq, Hkv, d, dtype)
+    k_cache = torch.zeros(2, 4, 64, Hkv, d, dtype=dtype, device="cuda")
+    v_cache = torch.zeros_like(k_cache)
+    slots, positions = (t.cuda() for t in ragged_rows(N, 4, 64, seed=1))
+
+    def update():
+        refill(qkv, cos, sin, seed=20)
+        new_slots, new_positions = ragged_rows(N, 4, 64, seed=2)
+        slots.copy_(new_slots)
+        positions.copy_(new_positions)
+        k_cache.zero_()
+        v_cache.zero_()
+
+    q, _, _ = replay_after(
+        lambda: qk_norm_rope(qkv, Hq, Hkv, q_w, k_w, EPS, cos, sin, k_cache[1], v_cache[1], slots, positions), update)
+    k_ref, v_ref = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    q_ref, _, _ = qk_norm_rope_reference(qkv, Hq, Hkv, q_w, k_w, EPS, cos, sin, k_ref[1], v_ref[1], slots, positions)
+    check_close("qk_norm_rope q", q, q_ref, rope_bound(qkv, 0, Hq, q_w, q_ref, d))
+    index = (1, slots.long(), positions.long())
+    check_close("qk_norm_rope k", k_cache[index], k_ref[index], rope_bound(qkv, Hq, Hkv, k_w, k_ref[index], d))
+    k_cache[index] = k_ref[index]  # the rest must be untouched (zero)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+@pytest.mark.cuda
+def test_cuda_silu_mul_replays_in_a_cuda_graph():
+    gate_up = rand(16, 2 * 12288, dtype=torch.bfloat16, device="cuda")
+    out = replay_after(lambda: silu_mul(gate_up), lambda: refill(gate_up, seed=30))
+    ref = silu_mul_reference(gate_up)
+    check_close("silu_mul", out, ref, ulp(ref, torch.bfloat16))
