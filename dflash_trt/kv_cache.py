@@ -54,6 +54,10 @@ class Batch:
     def size(self) -> int:
         return self.slots.shape[0]
 
+    def token_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cache slot and position of every token, flattened to [bs * width] int32."""
+        return (self.slots[:, None].expand_as(self.positions).flatten().int(), self.positions.flatten().int())
+
 
 class KVCache:
     def __init__(self, num_layers: int, num_slots: int, capacity: int, num_kv_heads: int, head_dim: int,
@@ -62,6 +66,10 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.capacity = capacity
+
+    def layer(self, layer: int, rows: tuple[torch.Tensor, torch.Tensor]):
+        """(k_cache, v_cache, slot, position): what AttentionProjections.qkv writes through."""
+        return self.k[layer], self.v[layer], *rows
 
     def write(self, layer: int, batch: Batch, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k/v [bs, width, Hkv, d] at their positions, every row (see the module doc)."""

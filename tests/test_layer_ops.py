@@ -10,7 +10,7 @@ import torch
 
 from dflash_trt import plugins
 from dflash_trt.config import LayerDims
-from dflash_trt.models.layers import MLP, AttentionProjections, RMSNorm, Rotary
+from dflash_trt.models.layers import MLP, AttentionProjections, RMSNorm, Rotary, apply_rope
 from dflash_trt.ops import (add_rms_norm, add_rms_norm_reference, qk_norm_rope, qk_norm_rope_reference, rms_norm,
                             rms_norm_reference, silu_mul, silu_mul_reference)
 
@@ -38,7 +38,29 @@ def rand(*shape, dtype=torch.float32, device="cpu", seed=0, scale=1.0):
 
 
 # ----------------------------------------------------------------------------------------------
-# CPU: the references are today's model code.
+# CPU: the references round exactly like the plain PyTorch formulas the model code used before
+# it went through these ops (written out here, so the check does not go through dflash_trt.ops).
+
+
+def plain_rms_norm(x, weight, eps):
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(weight.dtype)
+
+
+def plain_qkv(attn, x, cos, sin):
+    d = attn.dims
+    q, k, v = attn.qkv_proj(x).split([d.q_size, d.kv_size, d.kv_size], dim=-1)
+    q = apply_rope(plain_rms_norm(q.unflatten(-1, (d.num_attention_heads, d.head_dim)), attn.q_norm.weight, EPS),
+                   cos, sin)
+    k = apply_rope(plain_rms_norm(k.unflatten(-1, (d.num_key_value_heads, d.head_dim)), attn.k_norm.weight, EPS),
+                   cos, sin)
+    return q, k, v.unflatten(-1, (d.num_key_value_heads, d.head_dim))
+
+
+def plain_mlp(mlp, x):
+    gate, up = mlp.gate_up_proj(x).chunk(2, dim=-1)
+    return mlp.down_proj(torch.nn.functional.silu(gate) * up)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -51,8 +73,8 @@ def test_rms_norm_reference_is_the_model_rmsnorm(dtype, x_kind):
     x = rand(2, 5, 96, dtype=torch.float32 if x_kind == "fp32 residual" else dtype, scale=3.0)
     y = rms_norm(x, norm.weight, EPS)
     assert y.dtype == dtype and y.is_contiguous()
-    assert torch.equal(y, norm(x))
-    assert torch.equal(rms_norm_reference(x, norm.weight, EPS), norm(x))
+    assert torch.equal(y, plain_rms_norm(x, norm.weight, EPS)) and torch.equal(norm(x), y)
+    assert torch.equal(rms_norm_reference(x, norm.weight, EPS), y)
 
 
 @pytest.mark.parametrize("x_kind", ["fp32 residual", "model dtype"])
@@ -67,7 +89,7 @@ def test_add_rms_norm_reference_is_the_residual_add_then_rmsnorm(dtype, x_kind):
     if x.dtype == torch.float32:
         assert torch.equal(expected_s, x + delta)
     assert s.dtype == torch.float32 and torch.equal(s, expected_s)
-    assert y.dtype == dtype and torch.equal(y, norm(expected_s))
+    assert y.dtype == dtype and torch.equal(y, plain_rms_norm(expected_s, norm.weight, EPS))
     s_ref, y_ref = add_rms_norm_reference(x, delta, norm.weight, EPS)
     assert torch.equal(s_ref, s) and torch.equal(y_ref, y)
 
@@ -91,7 +113,7 @@ def projections_case(Hq, Hkv, d, dtype, bs=2, T=5, seed=0):
 def test_qk_norm_rope_reference_is_the_model_qkv(dtype, shape):
     Hq, Hkv, d = shape
     attn, x, cos, sin = projections_case(Hq, Hkv, d, dtype)
-    q_ref, k_ref, v_ref = attn.qkv(x, cos, sin)
+    q_ref, k_ref, v_ref = plain_qkv(attn, x, cos, sin)
     qkv = attn.qkv_proj(x).flatten(0, 1)
     q, k, v = qk_norm_rope(qkv, Hq, Hkv, attn.q_norm.weight, attn.k_norm.weight, EPS, cos.flatten(0, 1),
                            sin.flatten(0, 1))
@@ -99,6 +121,8 @@ def test_qk_norm_rope_reference_is_the_model_qkv(dtype, shape):
         assert got.dtype == dtype and got.is_contiguous() and got.shape == ref.flatten(0, 1).shape
         assert torch.equal(got, ref.flatten(0, 1))
     assert v.data_ptr() != qkv.data_ptr()  # a new tensor, not a view of qkv
+    for got, ref in zip(attn.qkv(x, cos, sin), (q_ref, k_ref, v_ref)):  # the model's path through the op
+        assert torch.equal(got, ref)
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
@@ -107,7 +131,7 @@ def test_qk_norm_rope_without_queries_is_the_drafter_context_kv(dtype):
     """num_q_heads=0: the drafter's context path gets the K/V half of the projection."""
     Hq, Hkv, d = 4, 2, 16
     attn, x, cos, sin = projections_case(Hq, Hkv, d, dtype)
-    _, k_ref, v_ref = attn.qkv(x, cos, sin)
+    _, k_ref, v_ref = plain_qkv(attn, x, cos, sin)
     kv = attn.qkv_proj(x).flatten(0, 1)[:, Hq * d:]  # row stride (Hq + 2 Hkv) d
     q, k, v = qk_norm_rope(kv, 0, Hkv, None, attn.k_norm.weight, EPS, cos.flatten(0, 1), sin.flatten(0, 1))
     assert q is None
@@ -129,7 +153,7 @@ def ragged_rows(n, num_slots, capacity, seed=0):
 def test_qk_norm_rope_writes_exactly_the_addressed_cache_rows(dtype):
     Hq, Hkv, d = 4, 2, 16
     attn, x, cos, sin = projections_case(Hq, Hkv, d, dtype)
-    q_ref, k_ref, v_ref = (t.flatten(0, 1) for t in attn.qkv(x, cos, sin))
+    q_ref, k_ref, v_ref = (t.flatten(0, 1) for t in plain_qkv(attn, x, cos, sin))
     num_layers, num_slots, capacity = 3, 4, 7
     k_all = rand(num_layers, num_slots, capacity, Hkv, d, dtype=dtype, seed=5)
     v_all = rand(num_layers, num_slots, capacity, Hkv, d, dtype=dtype, seed=6)
@@ -151,7 +175,7 @@ def test_silu_mul_reference_is_the_model_mlp(dtype):
     gate_up = mlp.gate_up_proj(x)
     out = silu_mul(gate_up)
     assert out.dtype == dtype and out.shape == (2, 5, 96) and out.is_contiguous()
-    assert torch.equal(mlp.down_proj(out), mlp(x))
+    assert torch.equal(mlp.down_proj(out), plain_mlp(mlp, x)) and torch.equal(mlp(x), plain_mlp(mlp, x))
     assert torch.equal(silu_mul_reference(gate_up), out)
 
 

@@ -13,7 +13,8 @@ from torch import nn
 
 from dflash_trt.config import DraftConfig, LayerDims
 from dflash_trt.kv_cache import Batch, KVCache
-from dflash_trt.models.layers import AttentionProjections, DecoderLayer, RMSNorm, Rotary, apply_rope
+from dflash_trt import ops
+from dflash_trt.models.layers import AttentionProjections, DecoderLayer, RMSNorm, Rotary
 from dflash_trt.ops import paged_block_attention
 
 
@@ -23,13 +24,14 @@ class DFlashAttention(AttentionProjections):
         self.layer_idx = layer_idx
         self.window = window  # sliding layers: causal in the block and `window` positions back
 
-    def context_kv(self, c, cos, sin):
-        """Context features c [bs, T, H] -> K (k_norm, RoPE) and V [bs, T, Hkv, d]."""
+    def write_context(self, c, cos, sin, cache: KVCache, rows) -> None:
+        """Context features c [bs, T, H] -> K (k_norm, RoPE) and V, written into this layer's
+        draft cache at every token's slot/position (`rows`, see Batch.token_rows)."""
         d = self.dims
         bias = None if self.qkv_proj.bias is None else self.qkv_proj.bias[d.q_size:]
-        k, v = nn.functional.linear(c, self.qkv_proj.weight[d.q_size:], bias).split(d.kv_size, dim=-1)
-        k = apply_rope(self.k_norm(k.unflatten(-1, (d.num_key_value_heads, d.head_dim))), cos, sin)
-        return k, v.unflatten(-1, (d.num_key_value_heads, d.head_dim))
+        kv = nn.functional.linear(c, self.qkv_proj.weight[d.q_size:], bias)  # one GEMM for K and V
+        ops.qk_norm_rope(kv.flatten(0, 1), 0, d.num_key_value_heads, None, self.k_norm.weight, d.rms_norm_eps,
+                         cos.flatten(0, 1), sin.flatten(0, 1), *cache.layer(self.layer_idx, rows))
 
     def forward(self, h, cos, sin, lengths, batch: Batch, cache: KVCache):
         q, k, v = self.qkv(h, cos, sin)
@@ -69,9 +71,9 @@ class DFlashDrafter(nn.Module):
         """Project committed rows' taps [bs, width, K*H] into every layer's draft cache."""
         c = self.hidden_norm(self.fc(taps.to(self.fc.weight.dtype)))
         cos, sin = self.rotary(batch.positions, c.dtype)
+        rows = batch.token_rows()
         for layer in self.layers:
-            k, v = layer.self_attn.context_kv(c, cos, sin)
-            cache.write(layer.self_attn.layer_idx, batch, k, v)
+            layer.self_attn.write_context(c, cos, sin, cache, rows)
 
     def forward(self, block_ids: torch.Tensor, batch: Batch, cache: KVCache) -> torch.Tensor:
         """block_ids [bs, B] at positions start..start+B-1 -> final hidden [bs, B, H]."""

@@ -1,11 +1,16 @@
-"""Pieces shared by the target and the drafter: norms, RoPE, fused linears, the MLP."""
+"""Pieces shared by the target and the drafter: norms, RoPE, fused linears, the MLP.
+
+The elementwise work runs through the fused ops of dflash_trt.ops (one CUDA kernel each:
+RMSNorm with the residual add, q/k norm + RoPE + the KV-cache write, SiLU * up); their
+PyTorch references are the CPU path and round exactly like the plain code they replace.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-import torch.nn.functional as F
 
+from dflash_trt import ops
 from dflash_trt.config import LayerDims
 
 
@@ -18,9 +23,11 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32, scale in the weights' dtype: the order Qwen3 was trained with.
         # The input may be the fp32 residual stream; the output is always in the model dtype.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(self.weight.dtype)
+        return ops.rms_norm(x, self.weight, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta in fp32, its norm): a residual add fused into the norm that follows it."""
+        return ops.add_rms_norm(x, delta, self.weight, self.eps)
 
 
 class Rotary(nn.Module):
@@ -75,13 +82,19 @@ class AttentionProjections(nn.Module):
         self.k_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps)
         self.o_proj = nn.Linear(dims.q_size, dims.hidden_size, bias=False)
 
-    def qkv(self, x, cos, sin):
-        """x [bs, T, H] -> q [bs, T, Hq, d], k and v [bs, T, Hkv, d], RoPE applied."""
+    def qkv(self, x, cos, sin, cache_rows=None):
+        """x [bs, T, H] -> q [bs, T, Hq, d], k and v [bs, T, Hkv, d], q/k normed, RoPE applied.
+
+        With cache_rows = (k_cache, v_cache, slot, position) (one layer's cache views and
+        the [bs * T] int32 slot/position of every token), k and v go straight into the
+        cache and come back as None.
+        """
         d = self.dims
-        q, k, v = self.qkv_proj(x).split([d.q_size, d.kv_size, d.kv_size], dim=-1)
-        q = apply_rope(self.q_norm(q.unflatten(-1, (d.num_attention_heads, d.head_dim))), cos, sin)
-        k = apply_rope(self.k_norm(k.unflatten(-1, (d.num_key_value_heads, d.head_dim))), cos, sin)
-        return q, k, v.unflatten(-1, (d.num_key_value_heads, d.head_dim))
+        bs, T = x.shape[:2]
+        q, k, v = ops.qk_norm_rope(self.qkv_proj(x).flatten(0, 1), d.num_attention_heads, d.num_key_value_heads,
+                                   self.q_norm.weight, self.k_norm.weight, d.rms_norm_eps, cos.flatten(0, 1),
+                                   sin.flatten(0, 1), *(cache_rows or ()))
+        return tuple(None if t is None else t.unflatten(0, (bs, T)) for t in (q, k, v))
 
 
 class MLP(nn.Module):
@@ -93,8 +106,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(dims.intermediate_size, dims.hidden_size, bias=False)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -109,5 +121,6 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(dims)
 
     def forward(self, x, *attention_args):
-        x = x + self.self_attn(self.input_layernorm(x), *attention_args)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        """x: the fp32 residual stream [bs, T, H]."""
+        x, h = self.post_attention_layernorm.add_and_norm(x, self.self_attn(self.input_layernorm(x), *attention_args))
+        return x + self.mlp(h)

@@ -22,10 +22,9 @@ class Qwen3Attention(AttentionProjections):
         self.layer_idx = layer_idx
 
     def forward(self, x, cos, sin, lengths, batch: Batch, cache: KVCache):
-        q, k, v = self.qkv(x, cos, sin)
-        cache.write(self.layer_idx, batch, k, v)
+        slots, end, start, rows = lengths
+        q, _, _ = self.qkv(x, cos, sin, cache.layer(self.layer_idx, rows))  # k, v go to the cache
         # keys: the slot's cache rows [0, start + num_tokens), the new ones included; causal
-        slots, end, start = lengths
         out = paged_block_attention(q, cache.k[self.layer_idx], cache.v[self.layer_idx], slots, end, start,
                                     causal=True, scale=self.scale, max_keys=batch.max_end)
         return self.o_proj(out.flatten(2))
@@ -47,7 +46,8 @@ class Qwen3Model(nn.Module):
         # near-ties differently for a verify block than for one-token AR steps.
         x = self.embed_tokens(input_ids).float()
         cos, sin = self.rotary(batch.positions, self.embed_tokens.weight.dtype)
-        lengths = (batch.slots.int(), (batch.start + batch.num_tokens).int(), batch.start.int())  # once per pass
+        # once per pass: lengths for attention, slot/position of each token for cache writes
+        lengths = (batch.slots.int(), (batch.start + batch.num_tokens).int(), batch.start.int(), batch.token_rows())
         tapped = []
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, lengths, batch, cache)
