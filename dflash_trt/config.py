@@ -31,29 +31,30 @@ def read_json(path: Path) -> dict:
 class _Fields:
     """Typed access to one config.json, so every error names the file and the key."""
 
-    def __init__(self, data: dict, path: Path):
-        self.data, self.path = data, path
+    def __init__(self, data: dict, path: Path, prefix: str = ""):
+        # prefix: where `data` sits in the file, e.g. "text_config." for a nested config
+        self.data, self.path, self.prefix = data, path, prefix
 
     def get(self, key, kind, default=...):
         value = self.data.get(key, default)
         if value is ...:
-            raise ConfigError(f"{self.path}: required key '{key}' is missing")
+            raise ConfigError(f"{self.path}: required key '{self.prefix}{key}' is missing")
         if value is None and default is None:
             return None
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
-            raise ConfigError(f"{self.path}: key '{key}' must be {kind.__name__}, got {value!r}")
+            raise ConfigError(f"{self.path}: key '{self.prefix}{key}' must be {kind.__name__}, got {value!r}")
         return value
 
     def positive(self, key, default=...):
         value = self.get(key, int, default)
         if value is not None and value <= 0:
-            raise ConfigError(f"{self.path}: key '{key}' must be > 0, got {value}")
+            raise ConfigError(f"{self.path}: key '{self.prefix}{key}' must be > 0, got {value}")
         return value
 
     def error(self, key, message):
-        return ConfigError(f"{self.path}: key '{key}' {message}")
+        return ConfigError(f"{self.path}: key '{self.prefix}{key}' {message}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +160,164 @@ class TargetConfig:
             tie_word_embeddings=f.get("tie_word_embeddings", bool, False),
             eos_token_ids=eos,
         )
+
+
+HYBRID_LAYER_KINDS = ("linear_attention", "full_attention")
+
+
+@dataclass(frozen=True, slots=True)
+class LinearAttentionDims:
+    """A Gated DeltaNet layer: q/k heads share `key_head_dim`, v heads `value_head_dim`."""
+
+    num_key_heads: int
+    num_value_heads: int  # a multiple of num_key_heads: each q/k head serves a group of v heads
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel_size: int
+
+    @property
+    def key_size(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_size(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_size(self) -> int:
+        """Channels of the causal conv: q, k and v side by side."""
+        return 2 * self.key_size + self.value_size
+
+
+@dataclass(frozen=True, slots=True)
+class HybridTargetConfig:
+    """A Qwen3.5 / Qwen3.6 dense hybrid target (HF `model_type` "qwen3_5", text part
+    "qwen3_5_text"): Gated DeltaNet layers and gated full-attention layers.
+
+    `dims` holds the full-attention and MLP sizes; `dims.num_hidden_layers` counts all layers.
+    """
+
+    model_type = "qwen3_5"  # a class attribute, not a field: picks the model class
+    dims: LayerDims
+    linear: LinearAttentionDims
+    layer_types: tuple[str, ...]  # per layer: "linear_attention" or "full_attention"
+    partial_rotary_factor: float  # RoPE turns only the first head_dim * factor channels
+    vocab_size: int
+    tie_word_embeddings: bool
+    eos_token_ids: tuple[int, ...]
+    has_vision: bool  # a multimodal checkpoint: its vision tower is not loaded, images are not served
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.dims.head_dim * self.partial_rotary_factor)
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, kind in enumerate(self.layer_types) if kind == "linear_attention")
+
+    @property
+    def full_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, kind in enumerate(self.layer_types) if kind == "full_attention")
+
+    @classmethod
+    def from_dir(cls, directory: Path) -> "HybridTargetConfig":
+        path = Path(directory) / "config.json"
+        top = _Fields(read_json(path), path)
+        model_type = top.data.get("model_type")
+        if model_type not in ("qwen3_5", "qwen3_5_text"):
+            raise top.error("model_type", f"is {model_type!r}; expected 'qwen3_5' or 'qwen3_5_text'")
+        # The released checkpoints are multimodal ("qwen3_5"): the text model's keys sit under
+        # text_config. A text-only export ("qwen3_5_text") has them at the top level.
+        nested = model_type == "qwen3_5"
+        if nested:
+            text = top.get("text_config", dict)
+            f = _Fields(text, path, "text_config.")
+            if text.get("model_type", "qwen3_5_text") != "qwen3_5_text":
+                raise f.error("model_type", f"is {text['model_type']!r}; expected 'qwen3_5_text'")
+        else:
+            f = top
+        _check_activation(f)
+        if f.data.get("attn_output_gate", True) is not True:
+            raise f.error("attn_output_gate", "must be true: Qwen3.5 full attention always has an output gate")
+        dims = _layer_dims(f)
+        return cls(
+            dims=dims,
+            linear=_linear_dims(f),
+            layer_types=_hybrid_layer_types(f, dims.num_hidden_layers),
+            partial_rotary_factor=_partial_rotary_factor(f, dims.head_dim),
+            vocab_size=f.positive("vocab_size"),
+            tie_word_embeddings=f.get("tie_word_embeddings", bool, top.get("tie_word_embeddings", bool, False)),
+            # the multimodal config's top-level eos (<|im_end|>) differs from text_config's
+            eos_token_ids=_eos_token_ids(f, Path(directory), top if nested else None),
+            has_vision=nested and top.data.get("vision_config") is not None,
+        )
+
+
+def _linear_dims(f: _Fields) -> LinearAttentionDims:
+    # Defaults are transformers' Qwen3_5TextConfig defaults (the Qwen3.5-9B shapes).
+    k_heads = f.positive("linear_num_key_heads", 16)
+    v_heads = f.positive("linear_num_value_heads", 32)
+    if v_heads % k_heads:
+        raise f.error("linear_num_value_heads", f"= {v_heads} must be a multiple of linear_num_key_heads = {k_heads}")
+    kernel = f.positive("linear_conv_kernel_dim", 4)
+    if kernel < 2:
+        raise f.error("linear_conv_kernel_dim", f"must be >= 2, got {kernel}")
+    return LinearAttentionDims(
+        num_key_heads=k_heads,
+        num_value_heads=v_heads,
+        key_head_dim=f.positive("linear_key_head_dim", 128),
+        value_head_dim=f.positive("linear_value_head_dim", 128),
+        conv_kernel_size=kernel,
+    )
+
+
+def _hybrid_layer_types(f: _Fields, num_layers: int) -> tuple[str, ...]:
+    types = f.data.get("layer_types")
+    if types is None:
+        # transformers' rule for configs without layer_types: every n-th layer is full attention
+        n = f.positive("full_attention_interval", 4)
+        types = ["linear_attention" if (i + 1) % n else "full_attention" for i in range(num_layers)]
+    if not isinstance(types, list) or len(types) != num_layers:
+        raise f.error("layer_types", f"must list {num_layers} layer kinds (num_hidden_layers), got {types!r}")
+    for kind in types:
+        if kind not in HYBRID_LAYER_KINDS:
+            raise f.error("layer_types", f"has unknown kind {kind!r}; known: {', '.join(HYBRID_LAYER_KINDS)}")
+    return tuple(types)
+
+
+def _partial_rotary_factor(f: _Fields, head_dim: int) -> float:
+    params = f.data.get("rope_parameters") or f.data.get("rope_scaling") or {}
+    factor = f.data.get("partial_rotary_factor", params.get("partial_rotary_factor", 0.25))  # transformers' default
+    if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not 0 < factor <= 1:
+        raise f.error("partial_rotary_factor", f"must be a number in (0, 1], got {factor!r}")
+    rotary = int(head_dim * factor)
+    if rotary < 2 or rotary % 2:
+        raise f.error("partial_rotary_factor", f"= {factor} turns {rotary} of head_dim {head_dim} channels; "
+                                               "that must be an even number >= 2")
+    return float(factor)
+
+
+def _eos_token_ids(f: _Fields, directory: Path, top: _Fields | None = None) -> tuple[int, ...]:
+    """Every eos id the checkpoint names, in order: config.json's, then generation_config.json's."""
+    eos = _token_ids(f, "eos_token_id") + (_token_ids(top, "eos_token_id") if top else ())
+    gen_path = directory / "generation_config.json"
+    if gen_path.exists():
+        eos += _token_ids(_Fields(read_json(gen_path), gen_path), "eos_token_id")
+    return tuple(dict.fromkeys(eos))  # without repeats
+
+
+# Target configs by the HF `model_type` at the top of config.json.
+TARGET_CONFIGS = {"qwen3": TargetConfig, "qwen3_5": HybridTargetConfig, "qwen3_5_text": HybridTargetConfig}
+
+
+def load_target_config(directory: Path) -> TargetConfig | HybridTargetConfig:
+    """The target config of a checkpoint directory, of the class its `model_type` names."""
+    path = Path(directory) / "config.json"
+    f = _Fields(read_json(path), path)
+    model_type = f.data.get("model_type")
+    if model_type not in TARGET_CONFIGS:
+        raise f.error("model_type", f"is {model_type!r}; supported targets: {', '.join(TARGET_CONFIGS)}")
+    return TARGET_CONFIGS[model_type].from_dir(directory)
 
 
 def default_target_layer_ids(num_draft_layers: int, num_target_layers: int) -> tuple[int, ...]:

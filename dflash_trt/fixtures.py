@@ -28,6 +28,14 @@ class TinyPairSpec:
     tie_word_embeddings: bool = False
     num_shards: int = 1
     rope_theta: float = 1e6
+    # "qwen3_5": a Qwen3.5 hybrid target (Gated DeltaNet + gated attention) instead of Qwen3
+    target_type: str = "qwen3"
+    layer_types: tuple[str, ...] | None = None  # hybrid layer kinds; None: every 4th layer full attention
+    linear_heads: tuple[int, int] = (2, 4)  # Gated DeltaNet (key/query heads, value heads)
+    linear_head_dims: tuple[int, int] = (16, 16)  # (key head dim, value head dim)
+    conv_kernel_size: int = 4
+    partial_rotary_factor: float = 0.25
+    multimodal: bool = True  # the released layout: text_config + model.language_model.* (+ vision, mtp)
     # drafter
     draft_layers: int = 2
     block_size: int = 8
@@ -96,6 +104,86 @@ def target_tensors(spec: TinyPairSpec, vocab_size: int) -> dict[str, torch.Tenso
     if not spec.tie_word_embeddings:
         tensors["lm_head.weight"] = _normal(gen, vocab_size, h, std=4 * spec.init_scale / h**0.5)
     return tensors
+
+
+def _hybrid_layer_types(spec: TinyPairSpec) -> list[str]:
+    return list(spec.layer_types or ["linear_attention" if (i + 1) % 4 else "full_attention"
+                                     for i in range(spec.num_layers)])
+
+
+def hybrid_target_tensors(spec: TinyPairSpec, vocab_size: int) -> dict[str, torch.Tensor]:
+    """Qwen3.5 hybrid weights under their HF names (zero-centred norms: weight ~ 0)."""
+    gen = torch.Generator().manual_seed(spec.seed)
+    h, i, d, s = spec.hidden_size, spec.intermediate_size, spec.head_dim, spec.init_scale
+    q, kv = spec.num_heads * d, spec.num_kv_heads * d
+    (hk, hv), (dk, dv) = spec.linear_heads, spec.linear_head_dims
+    conv = 2 * hk * dk + hv * dv
+    lin = lambda out, inp: _normal(gen, out, inp, std=s / inp**0.5)  # noqa: E731
+    small = lambda *shape: _normal(gen, *shape, std=0.1)  # noqa: E731
+    base = "model.language_model." if spec.multimodal else "model."
+    tensors = {f"{base}embed_tokens.weight": _normal(gen, vocab_size, h, std=s)}
+    for layer, kind in enumerate(_hybrid_layer_types(spec)):
+        p = f"{base}layers.{layer}."
+        tensors[f"{p}input_layernorm.weight"] = small(h)
+        tensors[f"{p}post_attention_layernorm.weight"] = small(h)
+        if kind == "linear_attention":
+            tensors.update({
+                f"{p}linear_attn.in_proj_qkv.weight": lin(conv, h),
+                f"{p}linear_attn.in_proj_z.weight": lin(hv * dv, h),
+                f"{p}linear_attn.in_proj_b.weight": lin(hv, h),
+                f"{p}linear_attn.in_proj_a.weight": lin(hv, h),
+                f"{p}linear_attn.conv1d.weight": _normal(gen, conv, 1, spec.conv_kernel_size,
+                                                         std=s / spec.conv_kernel_size**0.5),
+                f"{p}linear_attn.dt_bias": 1.0 + small(hv),
+                f"{p}linear_attn.A_log": torch.empty(hv).uniform_(0.5, 8.0, generator=gen).log(),
+                f"{p}linear_attn.norm.weight": _norm_weight(gen, dv),
+                f"{p}linear_attn.out_proj.weight": lin(h, hv * dv),
+            })
+        else:
+            tensors.update({
+                f"{p}self_attn.q_proj.weight": lin(2 * q, h),  # per head: query rows, then gate rows
+                f"{p}self_attn.k_proj.weight": lin(kv, h),
+                f"{p}self_attn.v_proj.weight": lin(kv, h),
+                f"{p}self_attn.o_proj.weight": lin(h, q),
+                f"{p}self_attn.q_norm.weight": small(d),
+                f"{p}self_attn.k_norm.weight": small(d),
+            })
+        tensors.update({f"{p}mlp.gate_proj.weight": lin(i, h), f"{p}mlp.up_proj.weight": lin(i, h),
+                        f"{p}mlp.down_proj.weight": lin(h, i)})
+    tensors[f"{base}norm.weight"] = small(h)
+    if not spec.tie_word_embeddings:
+        tensors["lm_head.weight"] = _normal(gen, vocab_size, h, std=4 * s / h**0.5)
+    if spec.multimodal:  # parts the text runtime must skip: a vision tower and the MTP head
+        tensors["model.visual.patch_embed.proj.weight"] = small(16, 3, 2, 4, 4)
+        tensors["mtp.fc.weight"] = lin(h, 2 * h)
+    return tensors
+
+
+def _hybrid_target_config(spec: TinyPairSpec, vocab_size: int, bos, eos) -> dict:
+    """config.json of a Qwen3.5 target, in the released multimodal layout or text-only."""
+    (hk, hv), (dk, dv) = spec.linear_heads, spec.linear_head_dims
+    text = {
+        "model_type": "qwen3_5_text",
+        **_layer_config(spec, spec.num_layers, spec.rope_theta),
+        "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta,
+                            "partial_rotary_factor": spec.partial_rotary_factor},
+        "layer_types": _hybrid_layer_types(spec),
+        "linear_num_key_heads": hk, "linear_num_value_heads": hv,
+        "linear_key_head_dim": dk, "linear_value_head_dim": dv,
+        "linear_conv_kernel_dim": spec.conv_kernel_size,
+        "attn_output_gate": True,
+        "vocab_size": vocab_size,
+        "tie_word_embeddings": spec.tie_word_embeddings,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+    }
+    del text["rope_theta"], text["rope_scaling"]  # transformers 5 keeps RoPE in rope_parameters
+    if not spec.multimodal:
+        return {"architectures": ["Qwen3_5ForCausalLM"], **text}
+    vision = {"model_type": "qwen3_5_vision", "depth": 1, "hidden_size": 16, "intermediate_size": 32,
+              "num_heads": 2, "patch_size": 4, "temporal_patch_size": 2, "out_hidden_size": spec.hidden_size}
+    return {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "text_config": text,
+            "vision_config": vision, "tie_word_embeddings": spec.tie_word_embeddings}
 
 
 def drafter_tensors(spec: TinyPairSpec, num_taps: int, vocab_size: int) -> dict[str, torch.Tensor]:
@@ -169,7 +257,8 @@ def write_tiny_pair(directory: Path, spec: TinyPairSpec = TinyPairSpec(), *, wei
     if spec.tokenizer_tokens is not None:
         from dflash_trt.tokenizer import write_qwen_tokenizer
 
-        tok = write_qwen_tokenizer(target_dir, num_regular_tokens=spec.tokenizer_tokens)
+        family = "qwen3_5" if spec.target_type == "qwen3_5" else "qwen3"
+        tok = write_qwen_tokenizer(target_dir, family=family, num_regular_tokens=spec.tokenizer_tokens)
         vocab_size = spec.vocab_size or _round_up(tok.vocab_size + 1, 64)
         mask_id, eos, pad, bos = tok.vocab_size, tok.eos_token_id, tok.pad_token_id, tok.bos_token_id
     else:
@@ -187,12 +276,15 @@ def write_tiny_pair(directory: Path, spec: TinyPairSpec = TinyPairSpec(), *, wei
         "use_sliding_window": False,
         "sliding_window": None,
     }
+    if spec.target_type == "qwen3_5":
+        target_config = _hybrid_target_config(spec, vocab_size, bos, eos)
     _write_json(target_dir / "config.json", target_config)
     _write_json(target_dir / "generation_config.json",
                 {"bos_token_id": bos, "eos_token_id": [eos, pad], "pad_token_id": pad, "do_sample": False})
     dtype = getattr(torch, spec.dtype)
     if weights:
-        write_safetensors(target_dir, target_tensors(spec, vocab_size), spec.num_shards, dtype)
+        tensors = hybrid_target_tensors if spec.target_type == "qwen3_5" else target_tensors
+        write_safetensors(target_dir, tensors(spec, vocab_size), spec.num_shards, dtype)
 
     taps = spec.target_layer_ids or default_target_layer_ids(spec.draft_layers, spec.num_layers)
     dflash_config = {"mask_token_id": mask_id}

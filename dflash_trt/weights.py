@@ -64,9 +64,16 @@ class Checkpoint:
     def resolve(self, name: str, prefixes: tuple[str, ...]) -> str:
         """The stored name of model tensor `name`, trying each allowed prefix."""
         for prefix in prefixes:
-            if prefix + name in self.files:
-                return prefix + name
+            for stored in (prefix + name, _in_language_model(prefix + name)):
+                if stored in self.files:
+                    return stored
         raise CheckpointError(f"{self.directory}: tensor '{prefixes[0] + name}' is missing from the checkpoint")
+
+
+def _in_language_model(name: str) -> str:
+    """Multimodal checkpoints (Qwen3.5/3.6) keep the text model's "model.X" as
+    "model.language_model.X"; the runtime models use the text-only names."""
+    return "model.language_model." + name.removeprefix("model.") if name.startswith("model.") else name
 
 
 def _sources(module: nn.Module, param_name: str, checkpoint: Checkpoint, prefixes: tuple[str, ...]) -> list[str]:

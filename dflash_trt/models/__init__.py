@@ -12,6 +12,7 @@ from __future__ import annotations
 
 def target_class(model_type: str):
     from dflash_trt.models.qwen3 import Qwen3ForCausalLM
+    from dflash_trt.models.qwen3_5 import Qwen3_5ForCausalLM
 
-    classes = {"qwen3": Qwen3ForCausalLM}
+    classes = {"qwen3": Qwen3ForCausalLM, "qwen3_5": Qwen3_5ForCausalLM}
     return classes[model_type]

@@ -1,0 +1,163 @@
+"""Gated DeltaNet math (the linear-attention layers of Qwen3.5/3.6), with state snapshots.
+
+Per value head the layer keeps a state matrix S [dk, dv] and, for token t,
+
+    S <- exp(g_t) * S                            decay (g_t <= 0)
+    S <- S + k_t (beta_t * (v_t - S^T k_t))^T    delta rule: write only what S mispredicts
+    o_t = S^T q_t
+
+with q, k L2-normalised and q scaled by dk^-1/2. Before that, q, k and v pass through a
+depthwise causal conv (kernel K, SiLU) whose window is the previous K-1 inputs.
+
+A pass over T tokens never overwrites the state it starts from. It returns *snapshots*: the
+state (and conv window) after each of the row's last S tokens, right-aligned, so index
+S-1-d holds the state after `num_tokens - d` tokens. Committing n tokens copies snapshot
+S-1-(num_tokens-n) into the cache; a verify block of B <= S tokens can thus be cut after
+any prefix. Rows are ragged: tokens at t >= num_tokens are padding, never snapshotted.
+
+The recurrent form below is the reference: the CPU path and the test oracle. On CUDA, a
+pass longer than S (a prefill) runs its head through flash-linear-attention's chunked
+kernel when `fla` is installed (UNTESTED: written against fla-core 0.6.0 without a GPU).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    # eps inside the root, as fla and transformers do
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+# -- causal conv ------------------------------------------------------------------------------
+
+
+def causal_conv1d(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor, num_tokens: torch.Tensor,
+                  num_snapshots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv + SiLU over a pass, continuing from `window`.
+
+    x [bs, T, C] this pass's inputs; window [bs, K-1, C] the K-1 inputs before it (zeros
+    for a new sequence); weight [C, K]; num_tokens [bs]. Returns (out [bs, T, C] in x's
+    dtype, window snapshots [bs, S, K-1, C]: the window after each of the last S tokens).
+    """
+    bs, T, C = x.shape
+    W = weight.shape[1] - 1
+    assert window.shape == (bs, W, C) and weight.shape == (C, W + 1), (x.shape, window.shape, weight.shape)
+    assert num_tokens.shape == (bs,), num_tokens.shape
+    full = torch.cat([window.to(x.dtype), x], dim=1)  # [bs, W + T, C]; input t sits at W + t
+    weight = weight.to(x.dtype)
+    # out[t] = sum_j weight[:, j] * full[t + j]: tap W (the last) meets input t itself
+    out = F.silu(sum(full[:, j: j + T] * weight[:, j] for j in range(W + 1)))
+    # The window after n tokens is full[n : n + W]; snapshot j is for n = num_tokens - S + 1 + j.
+    n = (num_tokens[:, None] - num_snapshots + 1 + torch.arange(num_snapshots, device=x.device)).clamp(min=0)
+    index = n[:, :, None] + torch.arange(W, device=x.device)  # [bs, S, W]
+    snapshots = full.gather(1, index.flatten(1)[:, :, None].expand(-1, -1, C)).unflatten(1, (num_snapshots, W))
+    return out, snapshots
+
+
+# -- the gated delta rule ---------------------------------------------------------------------
+
+
+def gated_delta_rule_reference(q, k, v, g, beta, state, num_tokens, num_snapshots):
+    """The recurrence, one token at a time, in fp32.
+
+    q, k [bs, T, Hk, dk] (normalised and scaled already); v [bs, T, Hv, dv]; g (log decay)
+    and beta [bs, T, Hv]; state [bs, Hv, dk, dv] before the pass; num_tokens [bs].
+    Returns (out [bs, T, Hv, dv] fp32, snapshots [bs, S, Hv, dk, dv] fp32).
+    """
+    bs, T, Hk, _ = q.shape
+    group = v.shape[2] // Hk
+    # grouped values: q/k head h serves value heads h*group .. (h+1)*group-1
+    q, k = q.float().repeat_interleave(group, dim=2), k.float().repeat_interleave(group, dim=2)
+    v, g, beta = v.float(), g.float(), beta.float()
+    state = state.float().clone()
+    out = torch.zeros_like(v)
+    snapshots = torch.zeros((bs, num_snapshots, *state.shape[1:]), dtype=torch.float32, device=state.device)
+    rows = torch.arange(bs, device=state.device)
+    # Padding only ever follows a row's tokens, so it may run through the recurrence: its
+    # outputs are ignored and the snapshots are taken before it.
+    for t in range(T):
+        decayed = state * g[:, t, :, None, None].exp()
+        predicted = (decayed * k[:, t, :, :, None]).sum(-2)  # S^T k: [bs, Hv, dv]
+        delta = (v[:, t] - predicted) * beta[:, t, :, None]
+        state = decayed + k[:, t, :, :, None] * delta[:, :, None, :]
+        out[:, t] = (state * q[:, t, :, :, None]).sum(-2)  # S^T q
+        slot = t + num_snapshots - num_tokens  # right-aligned: the row's last token lands at S-1
+        keep = ((slot >= 0) & (t < num_tokens))[:, None, None, None]
+        slot = slot.clamp(0, num_snapshots - 1)  # no host sync: rows that keep nothing rewrite a value
+        snapshots[rows, slot] = torch.where(keep, state, snapshots[rows, slot])
+    return out, snapshots
+
+
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     state: torch.Tensor, num_tokens: torch.Tensor, num_snapshots: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One pass of the gated delta rule -> (out [bs, T, Hv, dv] in v's dtype, snapshots).
+
+    q, k [bs, T, Hk, dk] raw (normalised and scaled here); v [bs, T, Hv, dv]; g (log decay,
+    <= 0) and beta [bs, T, Hv]; state [bs, Hv, dk, dv] fp32, read only; num_tokens [bs].
+    snapshots [bs, S, Hv, dk, dv] fp32, right-aligned as the module docstring says.
+    """
+    bs, T, Hk, dk = q.shape
+    Hv, dv = v.shape[2:]
+    assert k.shape == q.shape and v.shape[:2] == (bs, T) and Hv % Hk == 0, (q.shape, k.shape, v.shape)
+    assert g.shape == beta.shape == (bs, T, Hv), (g.shape, beta.shape)
+    assert state.shape == (bs, Hv, dk, dv) and state.dtype == torch.float32, (state.shape, state.dtype)
+    assert num_tokens.shape == (bs,) and num_snapshots >= 1, (num_tokens.shape, num_snapshots)
+    q = l2_normalize(q.float()) * dk**-0.5
+    k = l2_normalize(k.float())
+    if q.is_cuda and T > num_snapshots and _fla_chunk() is not None:
+        out, snapshots = _chunked_head_then_recurrent_tail(q, k, v, g, beta, state, num_tokens, num_snapshots)
+    else:
+        out, snapshots = gated_delta_rule_reference(q, k, v, g, beta, state, num_tokens, num_snapshots)
+    return out.to(v.dtype), snapshots
+
+
+# -- CUDA: flash-linear-attention for long passes (UNTESTED, see the module docstring) --------
+
+
+@functools.cache
+def _fla_chunk():
+    """fla's chunked gated delta rule, or None where fla (or its triton) is missing."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except Exception:  # ImportError, or triton failing to initialise
+        return None
+    return chunk_gated_delta_rule
+
+
+def _chunked_head_then_recurrent_tail(q, k, v, g, beta, state, num_tokens, num_snapshots):
+    """Each row's tokens before its last S run through fla's chunked kernel (packed varlen,
+    final state only); the last S run through the reference recurrence, which keeps the
+    snapshots. q and k come normalised and scaled."""
+    bs, T = q.shape[:2]
+    S = num_snapshots
+    head = (num_tokens - S).clamp(min=0)  # [bs] tokens before the snapshot window
+    out = torch.zeros((bs, T, *v.shape[2:]), dtype=torch.float32, device=v.device)
+    mid_state = state.clone()
+    rows = (head > 0).nonzero()[:, 0]
+    if rows.numel():
+        lengths = head[rows]
+        mask = torch.arange(T, device=q.device)[None, :] < lengths[:, None]  # [n, T]
+        pack = lambda x: x[rows][mask][None]  # noqa: E731  [1, sum(lengths), ...]
+        cu_seqlens = F.pad(lengths.cumsum(0), (1, 0)).long()
+        # scale=1 and no in-kernel l2norm: q and k are normalised and scaled already
+        o, final = _fla_chunk()(pack(q).to(v.dtype), pack(k).to(v.dtype), pack(v), pack(g).float(),
+                                pack(beta).to(v.dtype), scale=1.0, initial_state=state[rows].contiguous(),
+                                output_final_state=True, cu_seqlens=cu_seqlens)
+        head_out = out[rows]
+        head_out[mask] = o[0].float()
+        out[rows] = head_out
+        mid_state[rows] = final.float()
+    # the tail: positions head .. head + S - 1 of each row (those past num_tokens are padding)
+    index = (head[:, None] + torch.arange(S, device=q.device)).clamp(max=T - 1)  # [bs, S]
+    take = lambda x: x.gather(1, index.view(bs, S, *([1] * (x.dim() - 2))).expand(-1, -1, *x.shape[2:]))  # noqa: E731
+    tail_out, snapshots = gated_delta_rule_reference(take(q), take(k), take(v), take(g), take(beta), mid_state,
+                                                     num_tokens - head, S)
+    valid = torch.arange(S, device=q.device)[None, :] < (num_tokens - head)[:, None]
+    out[torch.arange(bs, device=q.device)[:, None].expand(-1, S)[valid], index[valid]] = tail_out[valid]
+    return out, snapshots

@@ -1,0 +1,264 @@
+"""Qwen3.5 / Qwen3.6 dense hybrid target: Gated DeltaNet layers and gated full attention.
+
+HF parameter names are kept. Released checkpoints are multimodal: the text model sits under
+`model.language_model.` (the loader maps it), and the vision tower (`model.visual.*`) and
+the multi-token-prediction head (`mtp.*`) are not loaded: this target serves text only.
+
+Two layer kinds, each followed by the usual SwiGLU MLP, all norms zero-centred (1 + w):
+- full attention: like Qwen3 (q/k RMSNorm, GQA, causal over the KV cache) plus an output
+  gate (q_proj also yields a sigmoid gate per head) and RoPE on part of each head only;
+- linear attention (Gated DeltaNet, see dflash_trt/gated_delta.py): a causal conv window and a
+  recurrent state matrix per head, kept per slot in the cache.
+
+Rollback. Full-attention rows roll back by length as for Qwen3. A recurrent state cannot
+be cropped, so a pass never overwrites the committed state: it writes *snapshots*, the
+state and conv window after each of its last S tokens, and `commit` copies the snapshot
+of each row's committed length into the state.
+
+Why snapshots rather than replay (re-running the recurrence over the accepted prefix from
+the untouched start state, spec section 4): commit is then one gather of fixed shape, the
+same work for any acceptance length, with no host sync, so it fits the CUDA-graphed decode
+step; and the committed state is exactly the one the verify pass computed its logits from,
+while a replay on GPU may run a different kernel than the pass did. The same per-token
+states are what SGLang and vLLM keep for this. The price is memory: S x (value heads x dk
+x dv) fp32 per linear layer and slot, e.g. 768 MiB per slot for Qwen3.5-9B (24 layers x
+16 x 2 MiB) and 2.3 GiB for Qwen3.5-27B. Replay would keep only the pass's inputs; as a
+pass already leaves the committed state alone, switching changes only what a pass records
+and what `commit` does.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from dflash_trt.config import HybridTargetConfig
+from dflash_trt.gated_delta import causal_conv1d, gated_delta_rule
+from dflash_trt.kv_cache import Batch, KVCache
+from dflash_trt.models.layers import MLP, PackedLinear, Rotary, apply_rope
+from dflash_trt.ops import paged_block_attention
+
+log = logging.getLogger(__name__)
+
+# How far a pass can be cut back at commit: B = 16 drafters need 16 snapshots.
+DEFAULT_SNAPSHOTS = 16
+
+
+class HybridCache(KVCache):
+    """K/V rows for the full-attention layers (`k`, `v`, indexed by full-layer number) and,
+    for the linear-attention layers (indexed by linear-layer number), per slot:
+
+    state [Ll, slots, Hv, dk, dv] fp32 and conv [Ll, slots, K-1, C]: committed;
+    state_snapshots / conv_snapshots [Ll, slots, S, ...]: after each of the last pass's
+    last S tokens, right-aligned (index S-1 = after all its tokens).
+    """
+
+    def __init__(self, config: HybridTargetConfig, num_slots: int, capacity: int, num_snapshots: int, dtype, device):
+        d, lin = config.dims, config.linear
+        super().__init__(len(config.full_layers), num_slots, capacity, d.num_key_value_heads, d.head_dim, dtype, device)
+        n, S = len(config.linear_layers), num_snapshots
+        state = (lin.num_value_heads, lin.key_head_dim, lin.value_head_dim)
+        window = (lin.conv_kernel_size - 1, lin.conv_size)
+        self.num_snapshots = S
+        self.state = torch.zeros((n, num_slots, *state), dtype=torch.float32, device=device)
+        self.conv = torch.zeros((n, num_slots, *window), dtype=dtype, device=device)
+        self.state_snapshots = torch.zeros((n, num_slots, S, *state), dtype=torch.float32, device=device)
+        self.conv_snapshots = torch.zeros((n, num_slots, S, *window), dtype=dtype, device=device)
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """RMSNorm that scales by (1 + weight): a zero weight is the identity (HF Qwen3_5RMSNorm)."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # fp32 throughout, then the model dtype (the input may be the fp32 residual stream)
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).to(self.weight.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """Per-head RMSNorm of the delta-rule output, times SiLU of the z gate (plain weight)."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * x32.to(self.weight.dtype) * F.silu(gate.float())).to(self.weight.dtype)
+
+
+def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on the first cos.shape[-1] channels of each head; the rest pass unchanged."""
+    r = cos.shape[-1]
+    return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
+
+
+class GatedAttention(nn.Module):
+    """Full attention over the KV cache (HF `self_attn`), with a sigmoid output gate."""
+
+    def __init__(self, config: HybridTargetConfig, cache_layer: int):
+        super().__init__()
+        d = self.dims = config.dims
+        self.cache_layer = cache_layer  # this layer's index among the full-attention layers
+        self.scale = d.head_dim ** -0.5
+        # q_proj rows hold, per head, head_dim query rows then head_dim gate rows
+        self.qkv_proj = PackedLinear(
+            d.hidden_size, {"q_proj": 2 * d.q_size, "k_proj": d.kv_size, "v_proj": d.kv_size}, bias=d.attention_bias
+        )
+        self.q_norm = ZeroCenteredRMSNorm(d.head_dim, d.rms_norm_eps)
+        self.k_norm = ZeroCenteredRMSNorm(d.head_dim, d.rms_norm_eps)
+        self.o_proj = nn.Linear(d.q_size, d.hidden_size, bias=d.attention_bias)
+
+    def forward(self, x, cos, sin, lengths, batch: Batch, cache: HybridCache):
+        d = self.dims
+        q_gate, k, v = self.qkv_proj(x).split([2 * d.q_size, d.kv_size, d.kv_size], dim=-1)
+        q, gate = q_gate.unflatten(-1, (d.num_attention_heads, 2 * d.head_dim)).chunk(2, dim=-1)
+        q = apply_partial_rope(self.q_norm(q), cos, sin)
+        k = apply_partial_rope(self.k_norm(k.unflatten(-1, (d.num_key_value_heads, d.head_dim))), cos, sin)
+        v = v.unflatten(-1, (d.num_key_value_heads, d.head_dim))
+        cache.write(self.cache_layer, batch, k, v)
+        slots, end, start = lengths
+        out = paged_block_attention(q, cache.k[self.cache_layer], cache.v[self.cache_layer], slots, end, start,
+                                    causal=True, scale=self.scale, max_keys=batch.max_end)
+        return self.o_proj(out.flatten(2) * torch.sigmoid(gate.flatten(2)))
+
+
+class GatedDeltaNet(nn.Module):
+    """Linear attention (HF `linear_attn`): conv window + delta-rule state per slot."""
+
+    def __init__(self, config: HybridTargetConfig, cache_layer: int):
+        super().__init__()
+        lin = self.lin = config.linear
+        self.cache_layer = cache_layer  # this layer's index among the linear-attention layers
+        H = config.dims.hidden_size
+        self.in_proj = PackedLinear(H, {"in_proj_qkv": lin.conv_size, "in_proj_z": lin.value_size,
+                                        "in_proj_b": lin.num_value_heads, "in_proj_a": lin.num_value_heads})
+        # depthwise over the q|k|v channels; only its weight [C, 1, K] is used
+        self.conv1d = nn.Conv1d(lin.conv_size, lin.conv_size, lin.conv_kernel_size, groups=lin.conv_size, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(lin.num_value_heads))
+        self.A_log = nn.Parameter(torch.zeros(lin.num_value_heads))
+        self.norm = GatedRMSNorm(lin.value_head_dim, config.dims.rms_norm_eps)
+        self.out_proj = nn.Linear(lin.value_size, H, bias=False)
+
+    def forward(self, x, batch: Batch, cache: HybridCache):
+        lin, layer, S = self.lin, self.cache_layer, cache.num_snapshots
+        qkv, z, b, a = self.in_proj(x).split(
+            [lin.conv_size, lin.value_size, lin.num_value_heads, lin.num_value_heads], dim=-1)
+        # The committed state of each row's slot; a sequence starting at 0 starts from zeros,
+        # whatever an earlier occupant of the slot left there.
+        fresh = (batch.start == 0)[:, None, None]
+        window = cache.conv[layer, batch.slots].masked_fill(fresh, 0)
+        state = cache.state[layer, batch.slots].masked_fill(fresh[..., None], 0)
+
+        qkv, windows = causal_conv1d(qkv, window, self.conv1d.weight[:, 0], batch.num_tokens, S)
+        q, k, v = qkv.split([lin.key_size, lin.key_size, lin.value_size], dim=-1)
+        q = q.unflatten(-1, (lin.num_key_heads, lin.key_head_dim))
+        k = k.unflatten(-1, (lin.num_key_heads, lin.key_head_dim))
+        v = v.unflatten(-1, (lin.num_value_heads, lin.value_head_dim))
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # log decay <= 0
+        out, states = gated_delta_rule(q, k, v, g, b.float().sigmoid(), state, batch.num_tokens, S)
+        cache.conv_snapshots[layer, batch.slots] = windows
+        cache.state_snapshots[layer, batch.slots] = states
+
+        out = self.norm(out, z.unflatten(-1, (lin.num_value_heads, lin.value_head_dim)))
+        return self.out_proj(out.flatten(2))
+
+
+class HybridDecoderLayer(nn.Module):
+    def __init__(self, config: HybridTargetConfig, kind: str, cache_layer: int):
+        super().__init__()
+        d = config.dims
+        self.is_linear = kind == "linear_attention"
+        self.input_layernorm = ZeroCenteredRMSNorm(d.hidden_size, d.rms_norm_eps)
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(config, cache_layer)
+        else:
+            self.self_attn = GatedAttention(config, cache_layer)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(d.hidden_size, d.rms_norm_eps)
+        self.mlp = MLP(d)
+
+    def forward(self, x, cos, sin, lengths, batch: Batch, cache: HybridCache):
+        h = self.input_layernorm(x)
+        if self.is_linear:
+            x = x + self.linear_attn(h, batch, cache)
+        else:
+            x = x + self.self_attn(h, cos, sin, lengths, batch, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3_5Model(nn.Module):
+    def __init__(self, config: HybridTargetConfig):
+        super().__init__()
+        d = config.dims
+        self.embed_tokens = nn.Embedding(config.vocab_size, d.hidden_size)
+        # each layer's index within its kind picks its rows of the cache
+        self.layers = nn.ModuleList(
+            HybridDecoderLayer(config, kind, config.layer_types[:i].count(kind))
+            for i, kind in enumerate(config.layer_types)
+        )
+        self.norm = ZeroCenteredRMSNorm(d.hidden_size, d.rms_norm_eps)
+        self.rotary = Rotary(config.rotary_dim, d.rope_theta)  # partial: only rotary_dim channels turn
+
+    def forward(self, input_ids, batch: Batch, cache: HybridCache, taps: tuple[int, ...] = ()):
+        """input_ids [bs, width] -> (final hidden [bs, width, H], taps [bs, width, K*H] or None)."""
+        x = self.embed_tokens(input_ids).float()  # fp32 residual stream, as in the Qwen3 target
+        cos, sin = self.rotary(batch.positions, self.embed_tokens.weight.dtype)
+        lengths = (batch.slots.int(), (batch.start + batch.num_tokens).int(), batch.start.int())
+        tapped = []
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, lengths, batch, cache)
+            if i in taps:  # the output of layer i, whatever its kind (HF hidden_states[i + 1])
+                tapped.append(x)
+        tapped = [tapped[sorted(set(taps)).index(t)] for t in taps]  # back to the config's order
+        return self.norm(x), (torch.cat(tapped, dim=-1) if taps else None)
+
+
+class Qwen3_5ForCausalLM(nn.Module):
+    def __init__(self, config: HybridTargetConfig):
+        super().__init__()
+        self.config = config
+        self.model = Qwen3_5Model(config)
+        self.lm_head = nn.Linear(config.dims.hidden_size, config.vocab_size, bias=False)
+        if config.has_vision:
+            log.warning("this Qwen3.5 checkpoint has a vision tower; dflash-trt serves text only, "
+                        "so images and videos are not served and the vision weights are not loaded")
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids, batch: Batch, cache: HybridCache, taps: tuple[int, ...] = ()):
+        return self.model(input_ids, batch, cache, taps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def commit(self, cache: HybridCache, batch: Batch, num_committed: torch.Tensor) -> None:
+        """Set each row's linear-attention state to the state after its first num_committed[i]
+        tokens of the last pass; attention rows past that are ignored and overwritten later."""
+        S = cache.num_snapshots
+        dropped = batch.num_tokens - num_committed  # 0 <= dropped < num_tokens, by the engine
+        if batch.width > S:  # only then can a cut reach past the snapshots (checked on the host:
+            # wide passes are prefills, which run eagerly; decode passes stay sync-free)
+            assert torch.equal(dropped, torch.zeros_like(dropped)), (
+                f"commit can drop 0..{S - 1} tokens of a pass (the cache keeps {S} snapshots), "
+                f"asked to drop {dropped.tolist()}")
+        slots, index = batch.slots, S - 1 - dropped
+        cache.state[:, slots] = cache.state_snapshots[:, slots, index]
+        cache.conv[:, slots] = cache.conv_snapshots[:, slots, index]
+
+    def new_cache(self, num_slots: int, capacity: int, num_snapshots: int = DEFAULT_SNAPSHOTS) -> HybridCache:
+        """`num_snapshots` bounds how far commit can cut a pass back: at least the block size."""
+        w = self.lm_head.weight
+        return HybridCache(self.config, num_slots, capacity, num_snapshots, w.dtype, w.device)

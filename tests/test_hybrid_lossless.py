@@ -1,0 +1,142 @@
+"""Qwen3.5 hybrid targets: greedy DFlash equals greedy AR token for token, and rolling the
+linear-attention state back to an accepted prefix equals never having run the rest."""
+
+import random
+
+import pytest
+import torch
+
+from dflash_trt.engine import load_pair, load_target
+from dflash_trt.kv_cache import Batch
+from dflash_trt.sampling import SamplingParams
+from dflash_trt.speculate import OracleDrafts
+
+# Qwen3.5-family drafter settings (spec 1.2): Qwen3 layers, RoPE theta 1e7, explicit taps.
+HYBRID = dict(target_type="qwen3_5", tokenizer_tokens=None, vocab_size=512, head_dim=32, rope_theta=1e7,
+              draft_rope_theta=1e7)
+PAIRS = {
+    # 3 linear + 1 full target layers, 2 full drafter layers, taps on a linear and a full layer
+    "qwen3.5-like": dict(target_layer_ids=(1, 3)),
+    # Qwen3.6-27B-like drafter: sliding + full layers with a window; taps over 6 target layers
+    "qwen3.6-like-sliding": dict(num_layers=6, target_layer_ids=(1, 3, 4),
+                                 draft_layer_types=("sliding_attention", "full_attention"), sliding_window=4,
+                                 linear_heads=(1, 2), multimodal=False),
+}
+PROMPTS = [[7], [3, 1, 4], [10, 20, 30, 40, 50, 60, 70], list(range(100, 119))]
+PARAMS = SamplingParams(max_tokens=19, ignore_eos=True)
+ORACLES = {
+    "full-acceptance": lambda rng: 99,  # every block accepted whole
+    "bonus-only": lambda rng: 0,  # every draft rejected: only the bonus token is kept
+    "random-acceptance": lambda rng: rng.randint(0, 16),
+}
+
+
+def engine_for(make_pair, pair_name, block_size, max_batch_size=8):
+    pair = make_pair(**PAIRS[pair_name], **HYBRID, block_size=block_size)
+    return load_pair(pair.target, pair.drafter, max_seq_len=96, max_batch_size=max_batch_size)
+
+
+@pytest.fixture(scope="module")
+def ar_engine(make_pair):
+    """(engine, its greedy AR results for PROMPTS), one per pair layout and block size."""
+    made = {}
+
+    def get(pair_name, block_size):
+        if (pair_name, block_size) not in made:
+            engine = engine_for(make_pair, pair_name, block_size)
+            made[pair_name, block_size] = engine, engine.generate(PROMPTS, PARAMS, mode="ar")
+        return made[pair_name, block_size]
+
+    return get
+
+
+def dflash_with_oracle(engine, prompts, params, refs, oracle, seed=0):
+    rng = random.Random(seed)
+    engine.oracle = OracleDrafts({tuple(p): r.token_ids for p, r in zip(prompts, refs)}, lambda seq: oracle(rng))
+    try:
+        return engine.generate(prompts, params, mode="dflash")
+    finally:
+        engine.oracle = None
+
+
+@pytest.mark.parametrize("oracle", ORACLES)
+@pytest.mark.parametrize("pair_name, block_size", [
+    ("qwen3.5-like", 4),
+    ("qwen3.5-like", 16),  # B = the cache's 16 snapshots: cuts of 0..15 tokens
+    ("qwen3.6-like-sliding", 8),
+])
+def test_greedy_dflash_equals_ar_on_a_hybrid_target(ar_engine, pair_name, block_size, oracle):
+    engine, ar = ar_engine(pair_name, block_size)
+    dflash = dflash_with_oracle(engine, PROMPTS, PARAMS, ar, ORACLES[oracle])
+    assert [d.token_ids for d in dflash] == [a.token_ids for a in ar]
+    lengths = [n for d in dflash for n in d.stats.acceptance_lengths[:-1]]  # the last may be cut by max_tokens
+    if oracle == "full-acceptance":
+        assert set(lengths) == {block_size}
+    if oracle == "bonus-only":
+        assert set(lengths) == {1}
+
+
+def test_requests_join_and_leave_and_reused_slots_start_from_zero_state(make_pair, ar_engine):
+    """Two slots for four requests of mixed lengths: slots are reused while others run.
+    The reference is an engine with a slot per request, so state leaking from a slot's
+    previous occupant shows up even though AR and DFlash would leak alike."""
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (5, 19, 2, 11)]
+    _, wide = ar_engine("qwen3.5-like", 4)
+    reference = [r.token_ids[:p.max_tokens] for r, p in zip(wide, params)]
+    narrow = engine_for(make_pair, "qwen3.5-like", 4, max_batch_size=2)
+    ar = narrow.generate(PROMPTS, params, mode="ar")
+    dflash = dflash_with_oracle(narrow, PROMPTS, params, wide, ORACLES["random-acceptance"])
+    assert [a.token_ids for a in ar] == reference
+    assert [d.token_ids for d in dflash] == reference
+    assert [len(t) for t in reference] == [5, 19, 2, 11]
+
+
+@pytest.mark.parametrize("block", [1, 4, 16])
+def test_commit_k_equals_running_only_the_first_k_tokens(make_pair, block):
+    """After a pass of `block` tokens, commit(k) per row leaves exactly the state (and the
+    next logits) of a cache that only ever saw the first k of them."""
+    pair = make_pair(**PAIRS["qwen3.5-like"], **HYBRID, block_size=4)
+    target = load_target(pair.target)
+    gen = torch.Generator().manual_seed(block)
+    prefixes = [7, 2, 11]  # committed lengths before the pass, ragged
+    keep = [block, 1, max(1, block // 2)]  # tokens committed per row: all, the bonus only, half
+    tokens = torch.randint(0, 500, (3, max(prefixes) + block), generator=gen)
+    slots = [2, 0, 1]
+
+    def prefill(cache, lengths):
+        batch = Batch.make(slots, [0, 0, 0], lengths, max(lengths), "cpu")
+        target(tokens[:, : max(lengths)], batch, cache)
+        target.commit(cache, batch, batch.num_tokens)
+
+    with torch.no_grad():
+        spec = target.new_cache(3, 64)
+        prefill(spec, prefixes)
+        verify = Batch.make(slots, prefixes, [block] * 3, block, "cpu")
+        ids = torch.stack([tokens[i, p: p + block] for i, p in enumerate(prefixes)])
+        target(ids, verify, spec)
+        target.commit(spec, verify, torch.tensor(keep))
+
+        plain = target.new_cache(3, 64)
+        prefill(plain, prefixes)
+        only = Batch.make(slots, prefixes, keep, max(keep), "cpu")
+        target(torch.stack([tokens[i, p: p + max(keep)] for i, p in enumerate(prefixes)]), only, plain)
+        target.commit(plain, only, only.num_tokens)
+
+        torch.testing.assert_close(spec.state[:, slots], plain.state[:, slots], rtol=0, atol=1e-6)
+        torch.testing.assert_close(spec.conv[:, slots], plain.conv[:, slots], rtol=0, atol=0)
+        # and the next token sees the same history through both caches
+        nxt = Batch.make(slots, [p + k for p, k in zip(prefixes, keep)], [1] * 3, 1, "cpu")
+        a, _ = target(torch.tensor([[5], [6], [7]]), nxt, spec)
+        b, _ = target(torch.tensor([[5], [6], [7]]), nxt, plain)
+        torch.testing.assert_close(target.logits(a), target.logits(b), rtol=0, atol=1e-5)
+
+
+def test_commit_cannot_cut_back_further_than_the_snapshots_reach(make_pair):
+    pair = make_pair(**PAIRS["qwen3.5-like"], **HYBRID, block_size=4)
+    target = load_target(pair.target)
+    cache = target.new_cache(1, 32, num_snapshots=4)
+    batch = Batch.make([0], [0], [6], 6, "cpu")
+    with torch.no_grad():
+        target(torch.arange(6)[None], batch, cache)
+    with pytest.raises(AssertionError, match="commit can drop 0..3 tokens"):
+        target.commit(cache, batch, torch.tensor([2]))
