@@ -20,6 +20,11 @@ its proposals are replaced by the AR output (the target's own greedy continuatio
 k drawn from a seeded two-point distribution over floor(τ-1) and floor(τ-1)+1 whose mean is
 τ-1, so the expected acceptance length is about τ (more where the drafter guesses further
 by itself, less where the output's end caps k). Every row says which mode produced it.
+
+`run_report` adds, per dataset, the same prompts measured through a running Triton server
+(loadgen.py: a client-side closed loop at the same concurrencies, so serving overhead shows
+next to the in-process numbers) and a `transformers` generate baseline at concurrency 1
+(hf_baseline.py). The engine may be a built OUTPUT_DIR or real-shape random weights.
 """
 
 from __future__ import annotations
@@ -28,14 +33,11 @@ import json
 import math
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
-import torch
-
 from dflash_trt.errors import ConfigError
-from dflash_trt.sampling import SamplingParams
-from dflash_trt.speculate import OracleDrafts
+from dflash_trt.loadgen import TritonRow, format_triton_table, percentile
 
 DEFAULT_CONCURRENCIES = (1, 8, 16, 32)
 
@@ -57,7 +59,7 @@ class BenchRow:
     dflash_decode_tok_s: float
     ttft_p50_s: float  # DFlash run
     ttft_p99_s: float
-    identical_share: float  # requests whose DFlash output equals the AR output
+    identical_share: float | None  # requests whose DFlash output equals AR's (None: forced oracle)
     num_prompts: int
 
     @property
@@ -103,12 +105,14 @@ def encode_prompts(tokenizer, prompts: Sequence[str], *, chat: bool = True, thin
     return [tokenizer.encode(t) for t in texts]
 
 
-def _sync(device: torch.device) -> None:
+def _sync(device) -> None:
     if device.type == "cuda":
+        import torch
+
         torch.cuda.synchronize(device)
 
 
-def _drive(engine, prompt_ids: list[list[int]], params: SamplingParams, concurrency: int,
+def _drive(engine, prompt_ids: list[list[int]], params, concurrency: int,
            progress: Progress | None) -> _Run:
     """Closed loop: keep at most `concurrency` requests in the engine until all are done."""
     pending = list(enumerate(prompt_ids))[::-1]
@@ -139,20 +143,16 @@ def _drive(engine, prompt_ids: list[list[int]], params: SamplingParams, concurre
     return _Run([s.output_ids for s in ordered], [s.stats for s in ordered], wall, decode_tokens, decode_s)
 
 
-def _percentile(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    import numpy as np
-
-    return float(np.percentile(np.asarray(values, dtype=float), q))
-
-
 def run_bench(loaded_engine, prompts: Sequence[str], *, dataset: str = "custom",
               concurrencies: Sequence[int] = DEFAULT_CONCURRENCIES, max_tokens: int = 256, chat: bool = True,
               thinking: bool = False, oracle_tau: float | None = None, seed: int = 0,
-              progress: Progress | None = None) -> list[BenchRow]:
-    """One BenchRow per concurrency: AR then DFlash over `prompts` (greedy, see the module doc)."""
+              progress: Progress | None = None, ar_outputs: dict | None = None) -> list[BenchRow]:
+    """One BenchRow per concurrency: AR then DFlash over `prompts` (greedy, see the module doc).
+
+    `ar_outputs`, when given, is filled with {concurrency: AR output ids per prompt}."""
     from dflash_trt.engine import Engine
+    from dflash_trt.sampling import SamplingParams
+    from dflash_trt.speculate import OracleDrafts
 
     base, tok = loaded_engine.engine, loaded_engine.tokenizer
     if base.drafter is None:
@@ -170,7 +170,9 @@ def run_bench(loaded_engine, prompts: Sequence[str], *, dataset: str = "custom",
                           f"engine's max_seq_len = {base.max_seq_len}")
 
     def new_engine(c: int) -> Engine:
-        return Engine(base.target, base.drafter, max_batch_size=c, max_seq_len=need)
+        engine = Engine(base.target, base.drafter, max_batch_size=c, max_seq_len=need)
+        engine.warm_up()  # CUDA graph captures stay out of the timings
+        return engine
 
     warm = new_engine(1)  # first-call costs (allocator, kernels) stay out of the timings
     for mode in ("ar", "dflash"):
@@ -183,10 +185,14 @@ def run_bench(loaded_engine, prompts: Sequence[str], *, dataset: str = "custom",
         engine = new_engine(c)
         engine.set_mode("ar")
         ar = _drive(engine, prompt_ids, params, c, progress)
+        if ar_outputs is not None:
+            ar_outputs[c] = ar.outputs
         if progress:
             progress(0, f"{dataset} c={c} AR: {ar.tok_s:.1f} tok/s")
         if num_correct is not None:
-            engine.oracle = OracleDrafts({tuple(p): o for p, o in zip(prompt_ids, ar.outputs)}, num_correct)
+            # forced: bf16 near-ties would otherwise steer a random-weight run off its reference
+            engine.oracle = OracleDrafts({tuple(p): o for p, o in zip(prompt_ids, ar.outputs)}, num_correct,
+                                         forced=True)
         engine.set_mode("dflash")
         df = _drive(engine, prompt_ids, params, c, progress)
         del engine
@@ -199,8 +205,10 @@ def run_bench(loaded_engine, prompts: Sequence[str], *, dataset: str = "custom",
             speedup=df.tok_s / ar.tok_s if ar.tok_s else 0.0,
             tau_per_request=sum(per_request) / len(per_request) if per_request else 0.0, tau_steps=tau_steps,
             ar_decode_tok_s=ar.decode_tok_s, dflash_decode_tok_s=df.decode_tok_s,
-            ttft_p50_s=_percentile(ttft, 50), ttft_p99_s=_percentile(ttft, 99),
-            identical_share=sum(a == d for a, d in zip(ar.outputs, df.outputs)) / len(prompt_ids),
+            ttft_p50_s=percentile(ttft, 50), ttft_p99_s=percentile(ttft, 99),
+            # forced oracle outputs equal AR by construction: not a measurement, so left out
+            identical_share=(sum(a == d for a, d in zip(ar.outputs, df.outputs)) / len(prompt_ids)
+                             if num_correct is None else None),
             num_prompts=len(prompt_ids),
         ))
         if progress:
@@ -218,7 +226,8 @@ def format_table(rows: Sequence[BenchRow]) -> str:
         cells = [r.dataset, str(r.concurrency), f"{r.ar_tok_s:.1f}", f"{r.dflash_tok_s:.1f}", f"{r.speedup:.2f}x",
                  f"{r.tau_steps:.2f}", f"{r.ar_decode_tok_s:.1f}", f"{r.dflash_decode_tok_s:.1f}",
                  f"{r.decode_speedup:.2f}x", f"{r.ttft_p50_s * 1e3:.1f} / {r.ttft_p99_s * 1e3:.1f}",
-                 f"{r.identical_share:.0%}", str(r.num_prompts), r.mode_label]
+                 "n/a" if r.identical_share is None else f"{r.identical_share:.0%}", str(r.num_prompts),
+                 r.mode_label]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -227,3 +236,169 @@ def rows_to_json(rows: Sequence[BenchRow], **meta) -> str:
     """JSON text: {"meta": {...}, "rows": [each BenchRow's fields + decode_speedup]}."""
     return json.dumps({"meta": meta, "rows": [{**asdict(r), "decode_speedup": r.decode_speedup} for r in rows]},
                       indent=2, ensure_ascii=False)
+
+
+# -- transformers baseline, Triton rows, the whole report ---------------------------------------
+
+
+@dataclass(frozen=True)
+class TransformersRow:
+    dataset: str
+    concurrency: int  # always 1: transformers generates one prompt at a time
+    mode_label: str  # of the in-process DFlash numbers it is compared with
+    transformers_tok_s: float  # generate, static cache, greedy, prefill included
+    ar_tok_s: float | None  # in-process at concurrency 1; None when 1 was not benchmarked
+    dflash_tok_s: float | None
+    identical_share: float | None  # prompts whose transformers output equals our AR output
+    num_prompts: int
+
+    @property
+    def ar_speedup(self) -> float | None:
+        return self.ar_tok_s / self.transformers_tok_s if self.ar_tok_s and self.transformers_tok_s else None
+
+    @property
+    def dflash_speedup(self) -> float | None:
+        return self.dflash_tok_s / self.transformers_tok_s if self.dflash_tok_s and self.transformers_tok_s else None
+
+
+def run_transformers(loaded_engine, hf_model, prompts: Sequence[str], *, dataset: str = "custom",
+                     max_tokens: int = 256, chat: bool = True, thinking: bool = False,
+                     in_process: BenchRow | None = None, ar_outputs: list[list[int]] | None = None,
+                     progress: Progress | None = None) -> TransformersRow:
+    """transformers generate over `prompts` (same stop tokens and max_tokens as run_bench),
+    compared with the in-process row and AR outputs at concurrency 1 when given."""
+    from dflash_trt.hf_baseline import generate_tok_s
+
+    tok = loaded_engine.tokenizer
+    prompt_ids = encode_prompts(tok, prompts, chat=chat, thinking=thinking)
+    kw = dict(eos_token_ids=tuple(tok.stop_token_ids), max_cache_len=max(map(len, prompt_ids)) + max_tokens)
+    generate_tok_s(hf_model, prompt_ids[:1], min(8, max_tokens), **kw)  # warm-up (and compile, on CUDA)
+    outputs, tok_s = generate_tok_s(hf_model, prompt_ids, max_tokens, **kw)
+    if progress:
+        progress(len(prompt_ids), f"{dataset} c=1 transformers: {tok_s:.1f} tok/s")
+    return TransformersRow(
+        dataset=dataset, concurrency=1, mode_label=in_process.mode_label if in_process else "",
+        transformers_tok_s=tok_s, ar_tok_s=in_process.ar_tok_s if in_process else None,
+        dflash_tok_s=in_process.dflash_tok_s if in_process else None,
+        identical_share=(sum(a == h for a, h in zip(ar_outputs, outputs)) / len(outputs)
+                         if ar_outputs is not None else None),
+        num_prompts=len(prompt_ids),
+    )
+
+
+def format_transformers_table(rows: Sequence[TransformersRow]) -> str:
+    """A markdown table: transformers generate vs our AR and DFlash at concurrency 1."""
+    header = ["Dataset", "Concurrency", "transformers tok/s", "AR tok/s", "DFlash tok/s", "AR / transformers",
+              "DFlash / transformers", "Identical to AR", "Prompts", "Mode"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    na = "n/a"
+    for r in rows:
+        mode = "transformers generate (static cache, greedy)" + (f"; DFlash {r.mode_label}" if r.mode_label else "")
+        cells = [r.dataset, str(r.concurrency), f"{r.transformers_tok_s:.1f}",
+                 f"{r.ar_tok_s:.1f}" if r.ar_tok_s is not None else na,
+                 f"{r.dflash_tok_s:.1f}" if r.dflash_tok_s is not None else na,
+                 f"{r.ar_speedup:.2f}x" if r.ar_speedup is not None else na,
+                 f"{r.dflash_speedup:.2f}x" if r.dflash_speedup is not None else na,
+                 f"{r.identical_share:.0%}" if r.identical_share is not None else na, str(r.num_prompts), mode]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+@dataclass
+class Report:
+    rows: list[BenchRow] = field(default_factory=list)  # in-process
+    transformers_rows: list[TransformersRow] = field(default_factory=list)
+    triton_rows: list[TritonRow] = field(default_factory=list)
+
+
+def run_report(loaded_engine, datasets: Sequence[str], *, url: str | None = None,
+               concurrencies: Sequence[int] = DEFAULT_CONCURRENCIES, num_prompts: int = 32, max_tokens: int = 256,
+               chat: bool = True, thinking: bool = False, oracle_tau: float | None = None,
+               compare_transformers: bool = False, progress: Progress | None = None) -> Report:
+    """Per dataset: in-process rows (with an engine), the transformers row (if asked), and rows
+    through the Triton server at `url` (if given), all over the same prompts."""
+    from dflash_trt import loadgen
+    from dflash_trt.datasets import dataset_label, load_prompts
+
+    if loaded_engine is None and (url is None or compare_transformers or oracle_tau is not None):
+        raise ConfigError("an in-process engine is needed for in-process rows, oracle τ and the transformers "
+                          "baseline; only --url rows can run without one")
+    if url is not None:
+        loadgen.check_server(url)  # fail before the in-process runs, not after them
+    hf_model = None
+    if compare_transformers:
+        from dflash_trt.hf_baseline import to_transformers
+
+        hf_model = to_transformers(loaded_engine.engine.target)
+    report = Report()
+    for name in datasets:
+        prompts, label = load_prompts(name, num_prompts), dataset_label(name)
+        rows, ar_outputs = [], {}
+        if loaded_engine is not None:
+            rows = run_bench(loaded_engine, prompts, dataset=label, concurrencies=concurrencies,
+                             max_tokens=max_tokens, chat=chat, thinking=thinking, oracle_tau=oracle_tau,
+                             progress=progress, ar_outputs=ar_outputs)
+            report.rows += rows
+        if hf_model is not None:
+            at_1 = next((r for r in rows if r.concurrency == 1), None)
+            report.transformers_rows.append(run_transformers(
+                loaded_engine, hf_model, prompts, dataset=label, max_tokens=max_tokens, chat=chat,
+                thinking=thinking, in_process=at_1, ar_outputs=ar_outputs.get(1), progress=progress))
+        if url is not None:
+            report.triton_rows += loadgen.run_triton_bench(url, prompts, dataset=label, concurrencies=concurrencies,
+                                                           max_tokens=max_tokens, chat=chat, thinking=thinking,
+                                                           progress=progress)
+    return report
+
+
+def serving_overhead(report: Report) -> list[dict]:
+    """Per Triton row with an in-process row of the same dataset and concurrency: Triton tok/s
+    over in-process tok/s of the mode the server ran (DFlash, or AR for an AR server)."""
+    local = {(r.dataset, r.concurrency): r for r in report.rows}
+    out = []
+    for t in report.triton_rows:
+        r = local.get((t.dataset, t.concurrency))
+        if r is None:
+            continue
+        dflash = t.mode_label.startswith("DFlash")
+        tok_s = r.dflash_tok_s if dflash else r.ar_tok_s
+        out.append({"dataset": t.dataset, "concurrency": t.concurrency, "triton_tok_s": t.tok_s,
+                    "triton_mode": t.mode_label, "in_process_tok_s": tok_s,
+                    "in_process_mode": f"DFlash in-process ({r.mode_label})" if dflash else "AR in-process",
+                    "ratio": t.tok_s / tok_s if tok_s else 0.0,
+                    "triton_tau": t.tau, "in_process_tau": r.tau_per_request if dflash else 0.0,
+                    "like_for_like": not dflash or r.mode_label == mode_label(None)})
+    return out
+
+
+def format_overhead(entries: Sequence[dict]) -> str:
+    lines = []
+    for e in entries:
+        line = (f"serving overhead {e['dataset']} c={e['concurrency']}: {e['triton_tok_s']:.1f} tok/s "
+                f"{e['triton_mode']} / {e['in_process_tok_s']:.1f} tok/s {e['in_process_mode']} = {e['ratio']:.2f}x")
+        if e["in_process_tau"]:
+            line += f"; τ per request {e['triton_tau']:.2f} through Triton vs {e['in_process_tau']:.2f} in-process"
+        if not e["like_for_like"]:
+            line += " (in-process τ is an oracle's: not a like-for-like ratio)"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def format_report(report: Report) -> str:
+    """The in-process table, the transformers table, the Triton table and the overhead lines
+    (each only when there is something to show), separated by blank lines."""
+    parts = [format_table(report.rows) if report.rows else "",
+             format_transformers_table(report.transformers_rows) if report.transformers_rows else "",
+             format_triton_table(report.triton_rows) if report.triton_rows else "",
+             format_overhead(serving_overhead(report))]
+    return "\n\n".join(part for part in parts if part)
+
+
+def report_to_json(report: Report, **meta) -> str:
+    """rows_to_json's shape plus transformers_rows, triton_rows and serving_overhead."""
+    data = json.loads(rows_to_json(report.rows, **meta))
+    data["transformers_rows"] = [{**asdict(r), "ar_speedup": r.ar_speedup, "dflash_speedup": r.dflash_speedup}
+                                 for r in report.transformers_rows]
+    data["triton_rows"] = [asdict(r) for r in report.triton_rows]
+    data["serving_overhead"] = serving_overhead(report)
+    return json.dumps(data, indent=2, ensure_ascii=False)

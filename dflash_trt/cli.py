@@ -206,46 +206,94 @@ def generate(prompt, url, protocol, stream, max_tokens, temperature, top_k, top_
                    err=True)
 
 
+class _LazyChoice(click.Choice):
+    """A click.Choice whose names are loaded on first use, so `dflash-trt --help` stays instant."""
+
+    def __init__(self, load_names):
+        self._load_names, self._names = load_names, None
+        self.case_sensitive = True
+
+    @property
+    def choices(self):
+        if self._names is None:
+            self._names = tuple(self._load_names())
+        return self._names
+
+
+def _random_weights_presets() -> list[str]:
+    from dflash_trt.random_weights import PRESETS  # imports torch: only when the option is used or shown
+
+    return list(PRESETS)
+
+
+def _bench_engine(output_dir, random_weights, device):
+    """The in-process engine of `bench`: a built OUTPUT_DIR, random weights, or None (--url only)."""
+    if output_dir is not None:
+        from dflash_trt.build import load_engine
+
+        return load_engine(output_dir / "engine", device)
+    if random_weights is not None:
+        from dflash_trt.random_weights import random_engine
+
+        # One slot is enough: run_bench makes an engine per concurrency from the shared models.
+        return random_engine(random_weights, device=device or "cuda", max_batch_size=1)
+    return None
+
+
 @cli.command()
-@click.argument("output_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("output_dir", required=False, type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--random-weights", type=_LazyChoice(_random_weights_presets),
+              help="Real-shape random weights made on --device (default cuda) instead of OUTPUT_DIR; "
+                   "pair with --oracle-tau (random drafters accept almost nothing).")
+@click.option("--url", help="Also measure through the Triton server at this gRPC address (host:port); "
+                            "its token counts are the server's (end token left out).")
+@click.option("--compare-transformers", is_flag=True, help="Add a transformers generate row at concurrency 1.")
 @click.option("--dataset", "datasets", multiple=True, default=["gsm8k"], show_default=True, metavar="NAME|PATH",
               help="gsm8k, humaneval, mt_bench, or a JSONL file with a 'prompt' field; repeatable.")
 @click.option("--concurrency", default="1,8,16,32", show_default=True, help="Comma-separated concurrencies.")
 @click.option("--num-prompts", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True)
-@click.option("--oracle-tau", type=click.FloatRange(min=1), help="Oracle acceptance with this mean τ.")
+@click.option("--oracle-tau", type=click.FloatRange(min=1), help="Oracle acceptance with this mean τ (in-process).")
 @click.option("--chat/--no-chat", default=True, show_default=True, help="Apply the chat template.")
 @click.option("--thinking/--no-thinking", default=False, show_default=True)
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), help="Default: the device the engine was built for.")
 @click.option("--json", "json_file", type=click.Path(dir_okay=False, path_type=Path), help="Also write rows here.")
-def bench(output_dir, datasets, concurrency, num_prompts, max_tokens, oracle_tau, chat, thinking, device, json_file):
-    """Benchmark AR vs DFlash per dataset and concurrency; a markdown table on stdout.
+def bench(output_dir, random_weights, url, compare_transformers, datasets, concurrency, num_prompts, max_tokens,
+          oracle_tau, chat, thinking, device, json_file):
+    """Benchmark AR vs DFlash per dataset and concurrency; markdown tables on stdout.
 
     \b
     dflash-trt bench out/q8 --dataset gsm8k --dataset humaneval --oracle-tau 6.5 --json bench.json
+    dflash-trt bench --random-weights qwen3-8b --oracle-tau 6.5 --compare-transformers
+    dflash-trt bench out/q8 --url localhost:8001     # also through a running `dflash-trt serve out/q8`
     """
     from dflash_trt import bench as bench_lib
-    from dflash_trt.build import load_engine
-    from dflash_trt.datasets import dataset_label, load_prompts
 
+    if output_dir is not None and random_weights is not None:
+        raise click.UsageError("give OUTPUT_DIR or --random-weights, not both")
+    if output_dir is None and random_weights is None and url is None:
+        raise click.UsageError("give OUTPUT_DIR, --random-weights PRESET or --url HOST:PORT")
+    if (compare_transformers or oracle_tau is not None) and output_dir is None and random_weights is None:
+        raise click.UsageError("--compare-transformers and --oracle-tau need an in-process engine "
+                               "(OUTPUT_DIR or --random-weights)")
     try:
         levels = [int(c) for c in concurrency.split(",")]
     except ValueError:
         raise click.BadParameter(f"expected comma-separated ints, got {concurrency!r}", param_hint="--concurrency")
-    bar = click.progressbar(length=2 * len(levels) * num_prompts * len(datasets), file=sys.stderr) \
-        if sys.stderr.isatty() else None
+    runs = (2 * len(levels) if output_dir or random_weights else 0) + len(levels) * bool(url) + compare_transformers
+    bar = click.progressbar(length=runs * num_prompts * len(datasets), file=sys.stderr) if sys.stderr.isatty() else None
     progress = lambda n, msg: bar.update(n) if bar else (msg and click.echo(msg, err=True))  # noqa: E731
     with _errors():
-        loaded, rows = load_engine(output_dir / "engine", device), []
-        for name in datasets:
-            rows += bench_lib.run_bench(loaded, load_prompts(name, num_prompts), dataset=dataset_label(name),
-                                        concurrencies=levels, max_tokens=max_tokens, chat=chat, thinking=thinking,
-                                        oracle_tau=oracle_tau, progress=progress)
+        loaded = _bench_engine(output_dir, random_weights, device)
+        report = bench_lib.run_report(loaded, datasets, url=url, concurrencies=levels, num_prompts=num_prompts,
+                                      max_tokens=max_tokens, chat=chat, thinking=thinking, oracle_tau=oracle_tau,
+                                      compare_transformers=compare_transformers, progress=progress)
     if bar:
         bar.render_finish()
-    click.echo(bench_lib.format_table(rows))
+    click.echo(bench_lib.format_report(report))
     if json_file:
-        json_file.write_text(bench_lib.rows_to_json(rows, engine=str(output_dir), max_tokens=max_tokens) + "\n")
+        engine = str(output_dir) if output_dir else f"random:{random_weights}" if random_weights else None
+        json_file.write_text(bench_lib.report_to_json(report, engine=engine, url=url, max_tokens=max_tokens) + "\n")
 
 
 def main():  # pragma: no cover - `python -m dflash_trt`

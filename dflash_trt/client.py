@@ -86,26 +86,63 @@ def generate(url: str, prompt: str, *, protocol: str = "grpc", stream: bool = Fa
 
 
 def _grpc(url, prompt, stream, completion, options) -> Iterator[str]:
-    import tritonclient.grpc as module
     from tritonclient.utils import InferenceServerException
 
-    responses: queue.Queue = queue.Queue()
-    client = module.InferenceServerClient(url)
     try:
-        client.start_stream(callback=lambda result, error: responses.put((result, error)))
-        client.async_stream_infer(p.ENSEMBLE, _inputs(module, prompt, stream=stream, **options),
-                                  enable_empty_final_response=True)
+        with GrpcStream(url) as connection:
+            yield from connection.generate(prompt, stream=stream, completion=completion, **options)
+    except InferenceServerException as e:
+        raise ClientError(f"{url}: {e}") from None
+
+
+class GrpcStream:
+    """One gRPC stream to the `ensemble`; requests go over it one after another, each
+    read to its final response before the next is sent (what a closed-loop client does)."""
+
+    def __init__(self, url: str):
+        import tritonclient.grpc as module
+
+        self.url, self._module = url, module
+        self._responses: queue.Queue = queue.Queue()
+        self._unfinished = False  # a request whose final response has not been read
+        self._client = module.InferenceServerClient(url)
+        try:
+            self._client.start_stream(callback=lambda result, error: self._responses.put((result, error)))
+        except BaseException:
+            self._client.close()
+            raise
+
+    def generate(self, prompt: str, *, stream: bool, completion: Completion, timeout_s: float | None = None,
+                 **options) -> Iterator[str]:
+        """Yield the text as it arrives; `completion` gets the text and the perf metrics."""
+        self._client.async_stream_infer(p.ENSEMBLE, _inputs(self._module, prompt, stream=stream, **options),
+                                        enable_empty_final_response=True)
+        self._unfinished = True
         while True:
-            result, error = responses.get()
+            try:
+                result, error = self._responses.get(timeout=timeout_s)
+            except queue.Empty:
+                raise ClientError(f"{self.url}: no response within {timeout_s:g} s") from None
             if error is not None:
-                raise ClientError(f"{url}: {error}")
+                raise ClientError(f"{self.url}: {error}")
             final = result.get_response().parameters.get("triton_final_response")
             if result.as_numpy(p.TEXT_OUTPUT) is not None:
                 yield _read(result, completion)
             if final is None or final.bool_param:
+                self._unfinished = False
                 return
-    except InferenceServerException as e:
-        raise ClientError(f"{url}: {e}") from None
-    finally:
-        client.stop_stream(cancel_requests=True)
-        client.close()
+
+    def close(self) -> None:
+        # Cancel only a request left unfinished (an error, an abandoned generator). After many
+        # idle streams were stopped with cancellation, Triton 2.51 kept the ensemble loaded at
+        # shutdown and waited out its whole exit timeout (seen in tests/test_bench_triton.py).
+        try:
+            self._client.stop_stream(cancel_requests=self._unfinished)
+        finally:
+            self._client.close()
+
+    def __enter__(self) -> "GrpcStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,6 +1,8 @@
 """`dflash-trt bench` and dflash_trt.bench: shipped prompt sets, rows, oracle τ, the CLI."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 from click.testing import CliRunner
@@ -10,6 +12,7 @@ from dflash_trt.build import load_engine, resolve_config, run
 from dflash_trt.cli import cli
 from dflash_trt.datasets import NAMES, load_prompts
 from dflash_trt.errors import ConfigError
+from dflash_trt.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +71,8 @@ def test_oracle_tau_sets_the_mean_acceptance_length(loaded):
                              oracle_tau=4, seed=1, chat=False)
     assert row.mode_label == "oracle τ=4"
     assert abs(row.tau_steps - 4) <= 0.5, row
-    assert row.identical_share == 1.0
+    assert row.identical_share is None  # the forced oracle follows AR by construction
+    assert "| n/a |" in bench.format_table([row])
 
 
 def test_oracle_num_correct_mean_and_bounds():
@@ -101,3 +105,74 @@ def test_cli_rejects_bad_input(out, tmp_path):
     assert result.exit_code == 1 and "bad.jsonl:1:" in result.output
     result = CliRunner().invoke(cli, ["bench", str(out), "--concurrency", "1,x"])
     assert result.exit_code == 2 and "--concurrency" in result.output
+
+
+# -- the transformers baseline (--compare-transformers) -----------------------------------------
+
+
+def test_transformers_greedy_output_equals_the_engine_ar_output_token_for_token(loaded):
+    from dflash_trt.hf_baseline import generate_tok_s, to_transformers
+
+    target = loaded.engine.target
+    model = to_transformers(target)
+    qkv = target.model.layers[1].self_attn.qkv_proj.weight
+    v_proj = model.model.layers[1].self_attn.v_proj.weight
+    assert v_proj.untyped_storage().data_ptr() == qkv.untyped_storage().data_ptr()
+    assert model.lm_head.weight.data_ptr() == target.lm_head.weight.data_ptr()  # shared, not copied
+
+    prompt_ids = bench.encode_prompts(loaded.tokenizer, load_prompts("mt_bench", 3))
+    ours = loaded.engine.generate(prompt_ids, SamplingParams(max_tokens=8, ignore_eos=True), mode="ar")
+    theirs, tok_s = generate_tok_s(model, prompt_ids, 8)  # no eos ids: never stops early, like ignore_eos
+    assert [r.token_ids for r in ours] == theirs and {len(t) for t in theirs} == {8} and tok_s > 0
+
+    stop = theirs[0][3]  # a stop token both must end on, and keep, at its first occurrence
+    ours = loaded.engine.generate(prompt_ids, SamplingParams(max_tokens=8, stop_token_ids=(stop,), ignore_eos=True))
+    theirs, _ = generate_tok_s(model, prompt_ids, 8, eos_token_ids=(stop,))
+    assert [r.token_ids for r in ours] == theirs and theirs[0][-1] == stop and len(theirs[0]) <= 4
+
+
+def test_cli_compare_transformers_prints_the_transformers_row(out):
+    result = CliRunner().invoke(cli, ["bench", str(out), "--dataset", "mt_bench", "--concurrency", "1",
+                                      "--num-prompts", "2", "--max-tokens", "4", "--compare-transformers"])
+    assert result.exit_code == 0, result.output
+    in_process, baseline = result.stdout.strip().split("\n\n")
+    assert len(in_process.splitlines()) == 3
+    header, _, row = baseline.splitlines()
+    assert header.startswith("| Dataset | Concurrency | transformers tok/s | AR tok/s | DFlash tok/s |")
+    assert row.startswith("| mt_bench | 1 |") and "| 100% | 2 |" in row  # fp32: transformers = our AR
+    assert row.endswith("| transformers generate (static cache, greedy); DFlash real acceptance |")
+
+
+# -- where the in-process engine comes from ------------------------------------------------------
+
+
+@pytest.mark.parametrize("args, message", [
+    (["OUT", "--random-weights", "qwen3-1.7b"], "give OUTPUT_DIR or --random-weights, not both"),
+    ([], "give OUTPUT_DIR, --random-weights PRESET or --url HOST:PORT"),
+    (["--random-weights", "qwen3-70b"], "'qwen3-70b' is not one of 'qwen3-8b', "),
+    (["--url", "localhost:1", "--compare-transformers"], "need an in-process engine"),
+    (["--url", "localhost:1", "--oracle-tau", "4"], "need an in-process engine"),
+])
+def test_cli_engine_source_errors_are_usage_errors(out, args, message):
+    result = CliRunner().invoke(cli, ["bench", *[str(out) if a == "OUT" else a for a in args]])
+    assert result.exit_code == 2 and message in result.stderr, result.output
+
+
+def test_bench_help_lists_the_random_weights_presets_but_root_help_imports_no_torch():
+    from dflash_trt.random_weights import PRESETS
+
+    help_text = CliRunner().invoke(cli, ["bench", "--help"]).stdout
+    assert f"--random-weights [{'|'.join(PRESETS)}]" in help_text
+    code = ("import sys; from click.testing import CliRunner; from dflash_trt.cli import cli; "
+            "assert CliRunner().invoke(cli, ['--help']).exit_code == 0; assert 'torch' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+def test_random_weights_bench_on_the_gpu_reports_oracle_rows():
+    result = CliRunner().invoke(cli, ["bench", "--random-weights", "qwen3-1.7b", "--oracle-tau", "4",
+                                      "--concurrency", "1,2", "--num-prompts", "2", "--max-tokens", "32"])
+    assert result.exit_code == 0, result.output
+    rows = result.stdout.strip().splitlines()[2:]
+    assert len(rows) == 2 and all(r.endswith("| oracle τ=4 |") for r in rows)

@@ -1,0 +1,89 @@
+"""`dflash-trt bench --url`: the closed-loop load generator (dflash_trt.loadgen) against the
+real tritonserver of test_triton_e2e.py serving the tiny demo engine. Greedy decoding is
+deterministic, so what the server counts must equal what the in-process engine produces."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+pytest.importorskip("tritonclient.grpc", reason="needs tritonclient[grpc,http]")
+
+from dflash_trt import bench, loadgen  # noqa: E402
+from dflash_trt.cli import cli  # noqa: E402
+from dflash_trt.client import ClientError  # noqa: E402
+from dflash_trt.datasets import load_prompts  # noqa: E402
+from dflash_trt.sampling import SamplingParams  # noqa: E402
+from ports import free_ports  # noqa: E402
+from test_triton_e2e import demo, local, server  # noqa: E402, F401  (module fixtures: build, serve, load)
+
+pytestmark = pytest.mark.slow
+MAX_TOKENS = 12
+DFLASH_THROUGH_TRITON = "DFlash through Triton (real acceptance)"
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return load_prompts("mt_bench", 3)
+
+
+@pytest.fixture(scope="module")
+def in_process(local, prompts):
+    """Greedy outputs of the same chat prompts in-process, as the server returns them:
+    the same stop tokens and max_tokens, the end token left out."""
+    tok = local.tokenizer
+    params = SamplingParams(max_tokens=MAX_TOKENS, stop_token_ids=tuple(tok.stop_token_ids))
+    results = local.engine.generate(bench.encode_prompts(tok, prompts), params, mode="ar")
+    return [r.token_ids[:-1] if r.token_ids[-1] in tok.stop_token_ids else r.token_ids for r in results]
+
+
+def test_closed_loop_requests_get_the_in_process_greedy_outputs(server, local, prompts, in_process):
+    run = loadgen.closed_loop(server.endpoints.grpc, prompts, 2, max_tokens=MAX_TOKENS)
+    assert [r.index for r in run.results] == [0, 1, 2]
+    assert [r.num_output_tokens for r in run.results] == [len(ids) for ids in in_process]
+    assert [r.text for r in run.results] == [local.tokenizer.decode(ids) for ids in in_process]
+    assert all(0 < r.ttft_s <= r.latency_s <= run.wall_s for r in run.results)
+
+
+def test_url_bench_rows_count_the_in_process_tokens_at_each_concurrency(server, prompts, in_process):
+    rows = loadgen.run_triton_bench(server.endpoints.grpc, prompts, dataset="mt_bench", concurrencies=(1, 2),
+                                    max_tokens=MAX_TOKENS)
+    assert [r.concurrency for r in rows] == [1, 2]
+    for r in rows:
+        assert r.output_tokens == sum(map(len, in_process)) and r.num_prompts == 3
+        assert r.mode_label == DFLASH_THROUGH_TRITON and r.dataset == "mt_bench"
+        assert min(r.tok_s, r.requests_s) > 0 and r.tau >= 1.0
+        assert 0 < r.ttft_p50_s <= r.ttft_p99_s and r.latency_p50_s >= r.ttft_p50_s
+
+
+def test_a_server_that_is_not_there_is_a_clear_error_before_any_in_process_run(demo):
+    (port,) = free_ports(1)
+    url = f"127.0.0.1:{port}"
+    with pytest.raises(ClientError, match=f"{url}: cannot reach a Triton server"):
+        loadgen.run_triton_bench(url, ["hi"], concurrencies=(1,), max_tokens=4)
+    result = CliRunner().invoke(cli, ["bench", str(demo), "--url", url, "--num-prompts", "1", "--max-tokens", "4"])
+    assert result.exit_code == 1 and url in result.stderr
+    assert "AR:" not in result.stderr  # failed before the in-process runs
+
+
+def test_cli_prints_both_tables_and_the_serving_overhead(demo, server, tmp_path):
+    report = tmp_path / "bench.json"
+    args = ["--dataset", "mt_bench", "--concurrency", "1,2", "--num-prompts", "2", "--max-tokens", "4"]
+    result = CliRunner().invoke(cli, ["bench", str(demo), "--url", server.endpoints.grpc, *args,
+                                      "--json", str(report)])
+    assert result.exit_code == 0, result.output
+    local_table, triton_table, overhead = result.stdout.strip().split("\n\n")
+    assert local_table.startswith("| Dataset | Concurrency | AR tok/s | DFlash tok/s |")
+    assert triton_table.startswith("| Dataset | Concurrency | Output tok/s | Requests/s | τ |")
+    assert all(line.endswith(f"| {DFLASH_THROUGH_TRITON} |") for line in triton_table.splitlines()[2:])
+    lines = overhead.splitlines()
+    assert len(lines) == 2 and lines[1].startswith("serving overhead mt_bench c=2: ")
+    assert "DFlash in-process (real acceptance)" in lines[1]
+    data = json.loads(report.read_text())
+    assert [r["concurrency"] for r in data["triton_rows"]] == [1, 2] and data["meta"]["url"] == server.endpoints.grpc
+    assert all(e["ratio"] > 0 and e["like_for_like"] for e in data["serving_overhead"])
+
+    alone = CliRunner().invoke(cli, ["bench", "--url", server.endpoints.grpc, *args])
+    assert alone.exit_code == 0, alone.output
+    table = alone.stdout.strip().splitlines()
+    assert len(table) == 4 and table[0] == triton_table.splitlines()[0] and "| mt_bench | 2 |" in table[3]
