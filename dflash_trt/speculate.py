@@ -69,7 +69,10 @@ class OracleDrafts:
         plans = []
         for row, seq in enumerate(seqs):
             known = self.references.get(tuple(seq.prompt_ids), [])[len(seq.output_ids):]
-            k = min(self.num_correct(seq), drafts.shape[1], len(known))
+            # At the reference's end, k leaves its last token for the bonus, so a forced row
+            # emits the reference exactly, stop token included, and ends with it.
+            k = min(self.num_correct(seq), drafts.shape[1], len(known) - (1 if self.forced else 0))
+            k = max(k, 0)
             values[row, :k] = torch.tensor(known[:k], dtype=drafts.dtype)
             replace[row, :k] = True
             plans.append((k, known[k] if k < len(known) else None))

@@ -45,3 +45,19 @@ def test_oracle_edits_only_the_first_k_drafts():
     plans = oracle.apply(seqs, drafts)
     assert drafts.tolist() == [[20, 21, 22, -1], [30, -1, -1, -1]]
     assert plans == [(3, 23), (1, None)]
+    forced = OracleDrafts(oracle.references, lambda seq: 3, forced=True)
+    drafts = torch.full((2, 4), -1)
+    assert forced.apply(seqs, drafts) == [(3, 23), (0, 30)]  # the reference's last token is the bonus
+    assert drafts.tolist() == [[20, 21, 22, -1], [-1, -1, -1, -1]]
+
+
+def test_forced_oracle_ends_with_a_short_reference_s_stop_token(make_pair, no_tokenizer):
+    pair = make_pair(block_size=8, **no_tokenizer)
+    engine = load_pair(pair.target, pair.drafter, max_batch_size=1, max_seq_len=128)
+    prompt, stop = [5, 6, 7], 499
+    sp = SamplingParams(max_tokens=60, stop_token_ids=(stop,))
+    first = engine.generate([prompt], sp, mode="ar")[0].token_ids[0]
+    reference = [first] + [100 + i for i in range(12)] + [stop]
+    engine.oracle = OracleDrafts({tuple(prompt): reference}, lambda seq: 6, forced=True)
+    result = engine.generate([prompt], sp, mode="dflash")[0]
+    assert result.token_ids == reference and result.finish_reason == "stop"
