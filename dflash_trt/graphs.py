@@ -157,11 +157,12 @@ class GraphedPasses(DecodePasses):
 
 
 def graphs_supported(target, device: torch.device) -> bool:
-    """CUDA graphs need the CUDA attention kernel (the reference reads lengths on the host)."""
-    if device.type != "cuda" or target.lm_head.weight.dtype not in (torch.bfloat16, torch.float16):
-        return False
-    if target.config.dims.head_dim not in (64, 128):
-        return False
-    from dflash_trt import plugins
+    """CUDA graphs need the CUDA attention kernel (the reference reads lengths on the host)
+    and a target whose passes never read device values on the host (`graph_safe`)."""
+    from dflash_trt import ops, plugins
 
+    if device.type != "cuda" or not getattr(target, "graph_safe", False):
+        return False
+    if not ops.block_attention_kernel_supports(target.lm_head.weight.dtype, target.config.dims.head_dim):
+        return False
     return plugins.load() is not None

@@ -23,6 +23,9 @@
 // (lo/hi trimmed by the window and the causal limit, so masked-out context is never read),
 // [n_cache, n_keys) are the block's rows. Splits cut this virtual range.
 //
+// fp32 has its own CUDA-core kernel (one warp per query; see "fp32" below) with the same
+// semantics and split + combine scheme.
+//
 // This file has no torch dependency: it compiles alone with
 //   nvcc -std=c++17 -arch=sm_90 -c block_attention.cu
 
@@ -452,6 +455,246 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // ---------------------------------------------------------------------------------------------
+// fp32. Tensor cores have no fp32 mma (TF32 would give up the precision fp32 is chosen for),
+// so this is a CUDA-core kernel, written for correctness runs (fp32 engines, tests) rather
+// than speed. Same semantics, same split + combine scheme, same graph safety as above.
+//
+// One warp per query row (b, t, head) and key split. The 4 warps of a CTA are consecutive
+// heads of one token, so with GQA they read the same K/V rows (shared through L1). One
+// query's visible keys are two contiguous ranges, cache rows [lo, hi) and block rows
+// [j_lo, j_hi), so no per-key mask is needed; they are numbered virtually as in row_keys
+// and a split takes a contiguous share. Lane l holds the head-dim columns 4l .. 4l + 3 (and
+// 128 further for d > 128). Per tile of 32 keys: each lane dots its columns with every key
+// (coalesced 16-byte loads of whole rows), a butterfly transpose-reduce leaves key l's
+// score in lane l (31 shuffles for 32 sums), one online-softmax step in the exp2 domain,
+// then P.V with each key's p broadcast from its lane.
+
+constexpr int kF32TileKeys = 32;  // one key per lane
+
+struct QueryKeys {
+  int lo;       // first cache row read
+  int n_cache;  // cache rows lo .. lo + n_cache - 1
+  int j_lo;     // first block row read
+  int begin;    // this split's virtual keys: [begin, end)
+  int end;
+};
+
+__device__ __forceinline__ QueryKeys query_keys(const BlockAttentionParams& p, int ctx, int qs, int t, int split,
+                                                int num_splits) {
+  QueryKeys r;
+  const int qp = qs + t;
+  r.lo = p.window > 0 ? max(0, qp - p.window + 1) : 0;
+  const int hi = p.causal ? min(ctx, qp + 1) : ctx;
+  r.n_cache = max(0, hi - r.lo);
+  // Block row j sits at qs + j: causal keeps j <= t, the window j > t - window.
+  r.j_lo = p.window > 0 ? max(0, t - p.window + 1) : 0;
+  const int j_hi = p.k_blk == nullptr ? 0 : p.causal ? t + 1 : p.num_tokens;
+  const int n_keys = r.n_cache + max(0, j_hi - r.j_lo);
+  // As in row_keys: the chunk depends on this query's keys and num_splits only.
+  int chunk = ceil_div(n_keys, num_splits);
+  chunk = max(kMinChunk, ceil_div(chunk, kF32TileKeys) * kF32TileKeys);
+  r.begin = min(split * chunk, n_keys);
+  r.end = min(r.begin + chunk, n_keys);
+  return r;
+}
+
+// x[j] holds this lane's partial sum for key j; afterwards x[0] holds key `lane`'s total.
+// Step W pairs keys j and j + W: lanes with bit W set keep the upper one, the others the
+// lower, and each adds its partner's copy of the key it keeps.
+template <int W>
+__device__ __forceinline__ void transpose_reduce_step(float (&x)[kF32TileKeys], int lane) {
+  const bool upper = lane & W;
+#pragma unroll
+  for (int j = 0; j < W; ++j) {
+    const float send = upper ? x[j] : x[j + W];
+    const float keep = upper ? x[j + W] : x[j];
+    x[j] = keep + __shfl_xor_sync(0xffffffffu, send, W);
+  }
+}
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+__device__ __forceinline__ void fma4(float4& acc, float w, float4 x) {
+  acc.x = fmaf(w, x.x, acc.x);
+  acc.y = fmaf(w, x.y, acc.y);
+  acc.z = fmaf(w, x.z, acc.z);
+  acc.w = fmaf(w, x.w, acc.w);
+}
+
+// grid = (ceil(bs * T * Hq / 4), num_splits), block = 128 threads. NV: float4 column groups
+// per lane (d <= 128 * NV).
+template <int NV>
+__global__ void __launch_bounds__(kThreads)
+    block_attention_fp32_kernel(const BlockAttentionParams p, int num_splits, float* __restrict__ o_part,
+                                float* __restrict__ lse_part) {
+  const int lane = threadIdx.x % 32;
+  const int64_t num_rows = static_cast<int64_t>(p.batch) * p.num_tokens * p.num_q_heads;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;  // (b * T + t) * Hq + head
+  if (row >= num_rows) return;  // whole warps: nothing below syncs more than its own warp
+  const int head = static_cast<int>(row % p.num_q_heads);
+  const int t = static_cast<int>(row / p.num_q_heads % p.num_tokens);
+  const int b = static_cast<int>(row / p.num_q_heads / p.num_tokens);
+  const int kvh = head / (p.num_q_heads / p.num_kv_heads);
+  const int split = blockIdx.y;
+  const int slot = p.slots[b];
+  const QueryKeys qk = query_keys(p, max(p.ctx_len[b], 0), p.q_start[b], t, split, num_splits);
+
+  // This lane's columns: float4 groups c = lane + 32 i below d / 4.
+  const int d4 = p.head_dim / 4;
+  const float4* q = reinterpret_cast<const float4*>(static_cast<const float*>(p.q) + b * p.q_stride[0] +
+                                                    t * p.q_stride[1] + head * p.q_stride[2]);
+  float4 qv[NV];
+  float4 acc[NV];
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    const int c = lane + 32 * i;
+    qv[i] = c < d4 ? q[c] : make_float4(0.f, 0.f, 0.f, 0.f);
+    acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+
+  // Virtual key v -> its K or V row.
+  const float* k_cache = static_cast<const float*>(p.k_cache);
+  const float* v_cache = static_cast<const float*>(p.v_cache);
+  const float* k_blk = static_cast<const float*>(p.k_blk);
+  const float* v_blk = static_cast<const float*>(p.v_blk);
+  const int64_t k_base = slot * p.k_cache_stride[0] + kvh * p.k_cache_stride[2];
+  const int64_t v_base = slot * p.v_cache_stride[0] + kvh * p.v_cache_stride[2];
+  auto k_row = [&](int v) {
+    const float* r = v < qk.n_cache ? k_cache + k_base + (qk.lo + v) * p.k_cache_stride[1]
+                                    : k_blk + b * p.k_blk_stride[0] + (qk.j_lo + v - qk.n_cache) * p.k_blk_stride[1] +
+                                          kvh * p.k_blk_stride[2];
+    return reinterpret_cast<const float4*>(r);
+  };
+  auto v_row = [&](int v) {
+    const float* r = v < qk.n_cache ? v_cache + v_base + (qk.lo + v) * p.v_cache_stride[1]
+                                    : v_blk + b * p.v_blk_stride[0] + (qk.j_lo + v - qk.n_cache) * p.v_blk_stride[1] +
+                                          kvh * p.v_blk_stride[2];
+    return reinterpret_cast<const float4*>(r);
+  };
+
+  // Online softmax in the log2 domain. m: running max of the scaled scores; l: this lane's
+  // share of sum exp2(s - m) (lane l's keys), summed over the warp at the end.
+  const float scale_log2 = p.scale * kLog2e;
+  float m_run = -INFINITY;
+  float l_run = 0.f;
+  for (int v0 = qk.begin; v0 < qk.end; v0 += kF32TileKeys) {
+    const int n = min(kF32TileKeys, qk.end - v0);  // warp-uniform
+    float x[kF32TileKeys];
+#pragma unroll
+    for (int j = 0; j < kF32TileKeys; ++j) {
+      x[j] = 0.f;
+      if (j < n) {
+        const float4* k = k_row(v0 + j);
+#pragma unroll
+        for (int i = 0; i < NV; ++i) {
+          const int c = lane + 32 * i;
+          if (c < d4) {
+            const float4 kv = k[c];
+            x[j] = fmaf(qv[i].x, kv.x, fmaf(qv[i].y, kv.y, fmaf(qv[i].z, kv.z, fmaf(qv[i].w, kv.w, x[j]))));
+          }
+        }
+      }
+    }
+    transpose_reduce_step<16>(x, lane);
+    transpose_reduce_step<8>(x, lane);
+    transpose_reduce_step<4>(x, lane);
+    transpose_reduce_step<2>(x, lane);
+    transpose_reduce_step<1>(x, lane);
+    const float s = lane < n ? x[0] * scale_log2 : -INFINITY;  // key v0 + lane
+
+    const float m_new = fmaxf(m_run, warp_max(s));
+    const float m_use = m_new == -INFINITY ? 0.f : m_new;  // as above: exp2(-inf - -inf) would be NaN
+    const float alpha = exp2f(m_run - m_use);
+    const float pr = exp2f(s - m_use);
+    l_run = l_run * alpha + pr;
+    m_run = m_new;
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      acc[i].x *= alpha; acc[i].y *= alpha; acc[i].z *= alpha; acc[i].w *= alpha;
+    }
+    // acc += P.V, key by key (rows coalesced across the lanes).
+#pragma unroll 4
+    for (int j = 0; j < n; ++j) {
+      const float pj = __shfl_sync(0xffffffffu, pr, j);
+      const float4* v = v_row(v0 + j);
+#pragma unroll
+      for (int i = 0; i < NV; ++i) {
+        const int c = lane + 32 * i;
+        if (c < d4) fma4(acc[i], pj, v[c]);
+      }
+    }
+  }
+
+  // l == 0: no visible key (empty split, or a fully masked query): zeros, lse = -inf.
+  const float l = warp_sum(l_run);
+  float4* dst;
+  if (num_splits == 1) {
+    dst = reinterpret_cast<float4*>(static_cast<float*>(p.out) + row * p.head_dim);
+  } else {
+    const int64_t part_row = split * num_rows + row;
+    dst = reinterpret_cast<float4*>(o_part + part_row * p.head_dim);
+    if (lane == 0) lse_part[part_row] = l > 0.f ? m_run + log2f(l) : -INFINITY;
+  }
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    const int c = lane + 32 * i;
+    if (c < d4)
+      dst[c] = l > 0.f ? make_float4(acc[i].x / l, acc[i].y / l, acc[i].z / l, acc[i].w / l)
+                       : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+}
+
+// The combine kernel above for fp32 and any head_dim: one warp per (b, t, head) row.
+template <int NV>
+__global__ void __launch_bounds__(kThreads)
+    block_attention_fp32_combine_kernel(int64_t num_rows, int head_dim, int num_splits,
+                                        const float* __restrict__ o_part, const float* __restrict__ lse_part,
+                                        float* __restrict__ out) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= num_rows) return;
+  const int d4 = head_dim / 4;
+  float mx = -INFINITY;
+  for (int s = 0; s < num_splits; ++s) mx = fmaxf(mx, lse_part[s * num_rows + row]);
+  const float m_use = mx == -INFINITY ? 0.f : mx;
+  float wsum = 0.f;
+  float4 o[NV];
+#pragma unroll
+  for (int i = 0; i < NV; ++i) o[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int s = 0; s < num_splits; ++s) {
+    const int64_t part_row = s * num_rows + row;
+    const float lse = lse_part[part_row];
+    if (lse == -INFINITY) continue;
+    const float w = exp2f(lse - m_use);
+    wsum += w;
+    const float4* src = reinterpret_cast<const float4*>(o_part + part_row * head_dim);
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      const int c = lane + 32 * i;
+      if (c < d4) fma4(o[i], w, src[c]);
+    }
+  }
+  float4* dst = reinterpret_cast<float4*>(out + row * head_dim);
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    const int c = lane + 32 * i;
+    if (c < d4)
+      dst[c] = wsum > 0.f ? make_float4(o[i].x / wsum, o[i].y / wsum, o[i].z / wsum, o[i].w / wsum)
+                          : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Host side
 
 int num_rows_per_kv_head(const BlockAttentionParams& p) { return p.num_tokens * (p.num_q_heads / p.num_kv_heads); }
@@ -469,7 +712,8 @@ struct Type {
 template <int N>
 using Int = std::integral_constant<int, N>;
 
-// Calls f(Type<T>{}, Int<D>{}, Int<MT>{}) for the kernel instance that serves p.
+// Calls f(Type<T>{}, Int<D>{}, Int<MT>{}) for the tensor-core kernel instance that serves p
+// (bf16/fp16; callers route fp32 to its own kernel first).
 template <typename F>
 auto dispatch(const BlockAttentionParams& p, F&& f) {
   auto by_mt = [&](auto t, auto d) {
@@ -495,24 +739,51 @@ cudaError_t prepare(decltype(&block_attention_kernel<T, D, MT>)* kernel) {
 
 bool aligned(const void* ptr, size_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
 
+// The fp32 kernel instance for p.head_dim.
+using Fp32Kernel = decltype(&block_attention_fp32_kernel<1>);
+Fp32Kernel fp32_kernel(const BlockAttentionParams& p) {
+  return p.head_dim <= 128 ? block_attention_fp32_kernel<1> : block_attention_fp32_kernel<2>;
+}
+
+int fp32_num_splits(const BlockAttentionParams& p, int num_sms) {
+  int per_sm = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fp32_kernel(p), kThreads, 0) != cudaSuccess) per_sm = 1;
+  // Each warp streams its own query's keys (latency-bound), so aim for about two waves of
+  // resident warps; a split's partial (d + 1 floats) is small next to the K/V it reads, so
+  // kMinChunk keys per split are plenty.
+  const int64_t ctas = (static_cast<int64_t>(p.batch) * p.num_tokens * p.num_q_heads + kWarps - 1) / kWarps;
+  const int64_t wanted = (2LL * std::max(per_sm, 1) * num_sms + ctas - 1) / ctas;
+  const int by_length = ceil_div(p.max_keys, kMinChunk);
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({by_length, wanted, kMaxSplits})));
+}
+
 }  // namespace
 
 const char* block_attention_check(const BlockAttentionParams& p) {
-  if (p.head_dim != 64 && p.head_dim != 128) return "head_dim must be 64 or 128";
+  if (!block_attention_supports(p.dtype, p.head_dim))
+    return "unsupported dtype or head_dim (bf16/fp16: 64 or 128; fp32: a multiple of 8 up to 256)";
   if (p.batch < 0 || p.num_tokens < 0) return "negative batch or num_tokens";
   if (p.num_kv_heads <= 0 || p.num_q_heads <= 0 || p.num_q_heads % p.num_kv_heads != 0)
     return "num_q_heads must be a positive multiple of num_kv_heads";
   if (p.batch > 65535) return "batch must be <= 65535";
   if (!p.q || !p.k_cache || !p.v_cache || !p.slots || !p.ctx_len || !p.q_start || !p.out) return "null pointer";
   if ((p.k_blk == nullptr) != (p.v_blk == nullptr)) return "k_blk and v_blk must be given together";
-  // 16-byte copies of cache and block rows, 4-byte loads of q, 8-byte stores of out.
-  auto rows16 = [](const void* ptr, const int64_t* stride) {
-    return aligned(ptr, 16) && stride[0] % 8 == 0 && stride[1] % 8 == 0 && stride[2] % 8 == 0;
+  // 16-byte copies of cache and block rows; bf16/fp16: 4-byte loads of q, 8-byte stores of
+  // out; fp32: 16-byte loads and stores of both.
+  const bool fp32 = p.dtype == DType::kFloat32;
+  const int per16 = fp32 ? 4 : 8;  // elements in 16 bytes
+  auto rows16 = [per16](const void* ptr, const int64_t* stride) {
+    return aligned(ptr, 16) && stride[0] % per16 == 0 && stride[1] % per16 == 0 && stride[2] % per16 == 0;
   };
   if (!rows16(p.k_cache, p.k_cache_stride) || !rows16(p.v_cache, p.v_cache_stride))
-    return "cache rows must be 16-byte aligned (pointer and strides multiples of 8 elements)";
+    return "cache rows must be 16-byte aligned (pointer and strides multiples of 16 bytes)";
   if (p.k_blk && (!rows16(p.k_blk, p.k_blk_stride) || !rows16(p.v_blk, p.v_blk_stride)))
-    return "block K/V rows must be 16-byte aligned (pointer and strides multiples of 8 elements)";
+    return "block K/V rows must be 16-byte aligned (pointer and strides multiples of 16 bytes)";
+  if (fp32) {
+    if (!rows16(p.q, p.q_stride)) return "fp32 q rows must be 16-byte aligned (pointer and strides multiples of 4)";
+    if (!aligned(p.out, 16)) return "fp32 out must be 16-byte aligned";
+    return nullptr;
+  }
   if (!aligned(p.q, 4) || p.q_stride[0] % 2 || p.q_stride[1] % 2 || p.q_stride[2] % 2)
     return "q must be 4-byte aligned with even strides";
   if (!aligned(p.out, 8)) return "out must be 8-byte aligned";
@@ -521,12 +792,13 @@ const char* block_attention_check(const BlockAttentionParams& p) {
 
 int block_attention_num_splits(const BlockAttentionParams& p, int num_sms) {
   // Shapes only (no pointers needed): a TensorRT plugin sizes its workspace before it has data.
-  if (p.max_keys <= 0 || p.batch <= 0 || p.num_tokens <= 0 || (p.head_dim != 64 && p.head_dim != 128) ||
+  if (p.max_keys <= 0 || p.batch <= 0 || p.num_tokens <= 0 || !block_attention_supports(p.dtype, p.head_dim) ||
       p.num_kv_heads <= 0 || p.num_q_heads % p.num_kv_heads != 0)
     return 1;
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return 1;
   if (num_sms <= 0 && cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) return 1;
+  if (p.dtype == DType::kFloat32) return fp32_num_splits(p, num_sms);
   // CTAs resident per SM for this instance (2 at d = 128), from the occupancy calculator.
   const int per_sm = dispatch(p, [&](auto t, auto d, auto mt) {
     using T = typename decltype(t)::type;
@@ -569,6 +841,22 @@ cudaError_t block_attention_launch(const BlockAttentionParams& p, int num_splits
       return cudaErrorInvalidValue;
     o_part = static_cast<float*>(workspace);
     lse_part = o_part + static_cast<size_t>(num_splits) * p.batch * p.num_tokens * p.num_q_heads * p.head_dim;
+  }
+  if (p.dtype == DType::kFloat32) {
+    const int64_t num_rows = static_cast<int64_t>(p.batch) * p.num_tokens * p.num_q_heads;
+    const unsigned ctas = static_cast<unsigned>((num_rows + kWarps - 1) / kWarps);
+    const Fp32Kernel kernel = fp32_kernel(p);
+    kernel<<<dim3(ctas, num_splits), kThreads, 0, stream>>>(p, num_splits, o_part, lse_part);
+    if (num_splits > 1) {
+      float* out = static_cast<float*>(p.out);
+      if (p.head_dim <= 128)
+        block_attention_fp32_combine_kernel<1><<<ctas, kThreads, 0, stream>>>(num_rows, p.head_dim, num_splits, o_part,
+                                                                              lse_part, out);
+      else
+        block_attention_fp32_combine_kernel<2><<<ctas, kThreads, 0, stream>>>(num_rows, p.head_dim, num_splits, o_part,
+                                                                              lse_part, out);
+    }
+    return cudaGetLastError();
   }
   const int rows = num_rows_per_kv_head(p);
   const dim3 grid(num_splits, p.num_kv_heads * ceil_div(rows, kCtaRows), p.batch);

@@ -21,7 +21,21 @@
 
 namespace dflash {
 
-enum class DType : int { kFloat16 = 0, kBFloat16 = 1 };
+enum class DType : int { kFloat16 = 0, kBFloat16 = 1, kFloat32 = 2 };
+
+// The dtypes and head sizes block_attention runs: bf16/fp16 on tensor cores with head_dim 64
+// or 128, fp32 on CUDA cores with any head_dim that is a multiple of 8 up to 256.
+// dflash_trt.ops.block_attention_kernel_supports mirrors this (tests/test_ops.py checks it).
+constexpr bool block_attention_supports(DType dtype, int head_dim) {
+  switch (dtype) {
+    case DType::kFloat16:
+    case DType::kBFloat16:
+      return head_dim == 64 || head_dim == 128;
+    case DType::kFloat32:
+      return head_dim >= 8 && head_dim <= 256 && head_dim % 8 == 0;
+  }
+  return false;
+}
 
 struct BlockAttentionParams {
   DType dtype = DType::kBFloat16;  // of q, caches, block K/V and out
@@ -29,13 +43,14 @@ struct BlockAttentionParams {
   int num_tokens = 0;              // T: queries per row
   int num_q_heads = 0;             // Hq, a multiple of Hkv
   int num_kv_heads = 0;            // Hkv
-  int head_dim = 0;                // 64 or 128
+  int head_dim = 0;                // see block_attention_supports
 
   // All strides are in elements; the last (head_dim) dimension is contiguous everywhere.
   // Pointers and strides of the caches and block K/V must keep every row 16-byte aligned
-  // (strides multiples of 8 elements): the kernel loads them with 16-byte copies.
+  // (strides multiples of 8 elements, 4 for fp32): the kernels load them with 16-byte copies.
   const void* q = nullptr;         // [bs, T, Hq, d]
-  int64_t q_stride[3] = {};        //   batch, token, head (even: 4-byte loads)
+  int64_t q_stride[3] = {};        //   batch, token, head (even: 4-byte loads; fp32: 16-byte
+                                   //   aligned rows, strides multiples of 4)
   const void* k_cache = nullptr;   // [num_slots, capacity, Hkv, d], e.g. one layer of a 5-D cache
   int64_t k_cache_stride[3] = {};  //   slot, row, head
   const void* v_cache = nullptr;
@@ -47,7 +62,7 @@ struct BlockAttentionParams {
   int64_t k_blk_stride[3] = {};      //   batch, token, head
   const void* v_blk = nullptr;
   int64_t v_blk_stride[3] = {};
-  void* out = nullptr;               // [bs, T, Hq, d], contiguous, 8-byte aligned
+  void* out = nullptr;               // [bs, T, Hq, d], contiguous, 8-byte aligned (fp32: 16)
 
   bool causal = false;
   int window = 0;                  // <= 0: no window

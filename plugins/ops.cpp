@@ -31,6 +31,18 @@ void check_index(const at::Tensor& t, const char* name, const at::Tensor& q) {
   TORCH_CHECK(t.dim() == 1 && t.size(0) == q.size(0) && t.is_contiguous(), name, " must be a contiguous [bs] tensor");
 }
 
+// The dtypes block_attention takes; dflash::block_attention_supports (block_attention.h) says
+// which head sizes each runs. dflash_trt.ops.block_attention_kernel_supports mirrors both
+// (tests/test_ops.py reads this switch).
+std::optional<dflash::DType> attention_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kBFloat16: return dflash::DType::kBFloat16;
+    case at::kHalf: return dflash::DType::kFloat16;
+    case at::kFloat: return dflash::DType::kFloat32;
+    default: return std::nullopt;
+  }
+}
+
 // q [bs, T, Hq, d]; k_cache/v_cache [num_slots, capacity, Hkv, d]; slots/ctx_len/q_start [bs]
 // int32; k_blk/v_blk [bs, T, Hkv, d] or None. Returns [bs, T, Hq, d].
 at::Tensor block_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -38,7 +50,8 @@ at::Tensor block_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache, 
                                 const std::optional<at::Tensor>& k_blk, const std::optional<at::Tensor>& v_blk,
                                 bool causal, int64_t window, double scale, int64_t max_keys, int64_t num_splits) {
   TORCH_CHECK(q.is_cuda(), "q must be a CUDA tensor");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf, "q must be bf16 or fp16");
+  const std::optional<dflash::DType> dtype = attention_dtype(q.scalar_type());
+  TORCH_CHECK(dtype.has_value(), "q must be bf16, fp16 or fp32, got ", q.scalar_type());
   TORCH_CHECK(q.dim() == 4 && q.stride(3) == 1, "q must be [bs, T, Hq, d] with a contiguous last dim");
   check_kv(k_cache, "k_cache", q);
   check_kv(v_cache, "v_cache", q);
@@ -61,7 +74,7 @@ at::Tensor block_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache, 
   auto out = at::empty({bs, T, Hq, d}, q.options());
 
   dflash::BlockAttentionParams p;
-  p.dtype = q.scalar_type() == at::kBFloat16 ? dflash::DType::kBFloat16 : dflash::DType::kFloat16;
+  p.dtype = *dtype;
   p.batch = static_cast<int>(bs);
   p.num_tokens = static_cast<int>(T);
   p.num_q_heads = static_cast<int>(Hq);

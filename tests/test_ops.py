@@ -1,7 +1,10 @@
 """Custom ops: the paged block-attention reference agrees with an explicit-mask SDPA oracle
-(CPU), the CUDA kernel agrees with the fp32 reference (cuda marker), and every
-plugins/*.cu compiles alone with nvcc (CI, no GPU needed)."""
+(CPU), the CUDA kernel agrees with the fp32 reference (cuda marker), ops.py's list of what
+the kernel supports agrees with ops.cpp and block_attention.h, and every plugins/*.cu
+compiles alone with nvcc (CI, no GPU needed)."""
 
+import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -9,7 +12,12 @@ import torch
 import torch.nn.functional as F
 
 from dflash_trt import plugins
-from dflash_trt.ops import paged_block_attention, paged_block_attention_reference
+from dflash_trt.ops import (
+    _cuda_block_attention_supported,
+    block_attention_kernel_supports,
+    paged_block_attention,
+    paged_block_attention_reference,
+)
 
 
 # An independent oracle: an explicit [bs, T, L] mask over gathered keys, then SDPA.
@@ -142,6 +150,58 @@ def test_plugins_are_not_loaded_without_a_gpu():
     assert (plugins.plugin_dir() / "block_attention.cu").is_file()
 
 
+def test_kernel_supports_lists_bf16_fp16_at_64_128_and_fp32_at_multiples_of_8():
+    assert [d for d in range(300) if block_attention_kernel_supports(torch.bfloat16, d)] == [64, 128]
+    assert [d for d in range(300) if block_attention_kernel_supports(torch.float16, d)] == [64, 128]
+    assert [d for d in range(300) if block_attention_kernel_supports(torch.float32, d)] == list(range(8, 257, 8))
+    assert not any(block_attention_kernel_supports(torch.float64, d) for d in range(300))
+    assert not _cuda_block_attention_supported(torch.zeros(1, 1, 1, 64))  # CPU tensors take the reference
+
+
+# What the op accepts comes from two places: ops.cpp's torch dtype -> DType switch, and
+# dflash::block_attention_supports(DType, head_dim) in block_attention.h, which
+# block_attention_check applies. Python's block_attention_kernel_supports must say the same.
+OPS_CPP_TORCH_TYPES = {"BFloat16": torch.bfloat16, "Half": torch.float16, "Float": torch.float32}
+DTYPE_ENUM = {"BFloat16": torch.bfloat16, "Float16": torch.float16, "Float32": torch.float32}
+SUPPORTS_PROGRAM = r"""
+#include <cstdio>
+#include "block_attention.h"
+int main() {
+  using dflash::DType;
+  const struct { DType dtype; const char* name; } types[] = {
+      {DType::kBFloat16, "BFloat16"}, {DType::kFloat16, "Float16"}, {DType::kFloat32, "Float32"}};
+  for (const auto& t : types)
+    for (int d = 0; d <= 512; ++d)
+      if (dflash::block_attention_supports(t.dtype, d)) std::printf("%s %d\n", t.name, d);
+}
+"""
+
+
+def test_kernel_supports_matches_ops_cpp_dtype_switch():
+    source = (PLUGINS / "ops.cpp").read_text()
+    body = re.search(r"attention_dtype\(at::ScalarType t\) \{(.*?)\n\}", source, re.S).group(1)
+    cases = re.findall(r"case at::k(\w+): return dflash::DType::k(\w+);", body)
+    assert cases and all(OPS_CPP_TORCH_TYPES[a] == DTYPE_ENUM[b] for a, b in cases), cases
+    accepted = {OPS_CPP_TORCH_TYPES[a] for a, _ in cases}
+    candidates = (torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8)
+    supported = {t for t in candidates if any(block_attention_kernel_supports(t, d) for d in range(513))}
+    assert supported == accepted
+
+
+def test_kernel_supports_matches_block_attention_supports(tmp_path):
+    """Compiles a host program against block_attention.h and runs it (no GPU needed)."""
+    if plugins.nvcc_path() is None:
+        pytest.skip("nvcc not found")
+    (tmp_path / "main.cpp").write_text(SUPPORTS_PROGRAM)
+    build = subprocess.run([plugins.nvcc_path(), "-std=c++17", "-I", str(PLUGINS), str(tmp_path / "main.cpp"),
+                            "-o", str(tmp_path / "main")], capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr
+    lines = subprocess.run([str(tmp_path / "main")], capture_output=True, text=True, check=True).stdout.split()
+    in_cpp = {(DTYPE_ENUM[name], int(d)) for name, d in zip(lines[::2], lines[1::2])}
+    in_python = {(t, d) for t in DTYPE_ENUM.values() for d in range(513) if block_attention_kernel_supports(t, d)}
+    assert in_cpp == in_python
+
+
 @pytest.mark.parametrize("source", sorted(PLUGINS.glob("*.cu")), ids=lambda p: p.name)
 def test_plugin_compiles_alone_with_nvcc(source):
     if plugins.nvcc_path() is None:
@@ -153,9 +213,14 @@ def test_plugin_compiles_alone_with_nvcc(source):
 # ----------------------------------------------------------------------------------------------
 # CUDA kernel against the fp32 reference. bf16: P and the output are rounded to bf16 (8-bit
 # mantissa); an emulation of exactly those roundings on random data peaks at 8e-3, so 2e-2
-# leaves 2.5x margin. fp16 (11-bit mantissa) peaked at 1.2e-3; 4e-3 likewise.
+# leaves 2.5x margin. fp16 (11-bit mantissa) peaked at 1.2e-3; 4e-3 likewise. fp32: both
+# sides compute in fp32 and differ only in summation order and exp rounding (relative
+# weight errors of a few 1e-7); a float32 emulation of the fp32 kernel's operation order
+# (CPU, d 8 to 256, up to 2000 keys, 1 to 7 splits) peaked at 1.2e-6 from the reference,
+# which itself is up to 1e-6 from float64. 1e-5 leaves about 8x margin and is still about
+# 2000x below the bf16 bound, so a wrong key or mask (errors of order 0.1) cannot hide.
 
-TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
+TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-5}
 
 # (bs, T, Hq, Hkv, starts, block, causal, window)
 CUDA_CASES = {
@@ -176,14 +241,11 @@ CUDA_CASES = {
 }
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("case", CUDA_CASES.values(), ids=CUDA_CASES.keys())
-def test_cuda_kernel_matches_fp32_reference(case, dtype, d):
+def check_cuda_kernel_against_reference(case, dtype, d):
     assert plugins.load() is not None
     bs, T, Hq, Hkv, starts, block, causal, window = case
     c = make_case(bs, T, Hq, Hkv, d, starts, block, dtype=dtype, device="cuda")
+    assert _cuda_block_attention_supported(c["q"])  # the kernel runs, not the reference
     scale = d ** -0.5
     got = paged_block_attention(**c, causal=causal, window=window, scale=scale)
     expected = paged_block_attention_reference(**as_fp32(c), causal=causal, window=window, scale=scale)
@@ -194,21 +256,48 @@ def test_cuda_kernel_matches_fp32_reference(case, dtype, d):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("case", CUDA_CASES.values(), ids=CUDA_CASES.keys())
+def test_cuda_kernel_matches_fp32_reference(case, dtype, d):
+    check_cuda_kernel_against_reference(case, dtype, d)
+
+
+# The fp32 kernel takes any head_dim that is a multiple of 8 up to 256 (the tiny test models
+# use 16 and 32; 256 and 200 use a second column group per lane, 200 and 8 partly).
+FP32_HEAD_SIZE_CASES = [(name, d) for d in (16, 32, 256) for name in CUDA_CASES] + [
+    (name, d) for d in (8, 200) for name in ("draft ragged edges", "verify ragged edges", "long context 32768")]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name,d", FP32_HEAD_SIZE_CASES, ids=[f"{n}-d{d}" for n, d in FP32_HEAD_SIZE_CASES])
+def test_cuda_fp32_kernel_other_head_sizes_match_reference(name, d):
+    check_cuda_kernel_against_reference(CUDA_CASES[name], torch.float32, d)
+
+
+KERNELS = [(torch.bfloat16, 128), (torch.float32, 128), (torch.float32, 32), (torch.float32, 256)]
+KERNEL_IDS = [f"{str(t).removeprefix('torch.')}-d{d}" for t, d in KERNELS]
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("num_splits", [1, 2, 7, 64])
-def test_cuda_split_count_does_not_change_the_result(num_splits):
+@pytest.mark.parametrize("dtype,d", KERNELS, ids=KERNEL_IDS)
+def test_cuda_split_count_does_not_change_the_result(dtype, d, num_splits):
     assert plugins.load() is not None
-    c = make_case(3, 16, 32, 8, 128, [0, 70, 3000], "given", dtype=torch.bfloat16, device="cuda")
+    c = make_case(3, 16, 32, 8, d, [0, 70, 3000], "given", dtype=dtype, device="cuda")
     expected = paged_block_attention_reference(**as_fp32(c), causal=True, window=None, scale=0.1)
     got = torch.ops.dflash.block_attention(c["q"], c["k_cache"], c["v_cache"], c["slots"], c["ctx_len"],
                                            c["q_start"], c["k_blk"], c["v_blk"], True, 0, 0.1, 0, num_splits)
-    assert (got.float() - expected).abs().max().item() <= TOLERANCE[torch.bfloat16]
+    assert (got.float() - expected).abs().max().item() <= TOLERANCE[dtype]
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("num_splits", [1, 4])
-def test_cuda_fully_masked_queries_are_zero_not_nan(num_splits):
+@pytest.mark.parametrize("dtype,d", [(torch.bfloat16, 64), (torch.float32, 64), (torch.float32, 16)],
+                         ids=["bf16-d64", "fp32-d64", "fp32-d16"])
+def test_cuda_fully_masked_queries_are_zero_not_nan(dtype, d, num_splits):
     assert plugins.load() is not None
-    c = make_case(2, 4, 8, 2, 64, [0, 10], "given", dtype=torch.bfloat16, device="cuda")
+    c = make_case(2, 4, 8, 2, d, [0, 10], "given", dtype=dtype, device="cuda")
     # No block and an empty row 0: nothing visible there. Row 1 keeps its 10 context rows.
     got = torch.ops.dflash.block_attention(c["q"], c["k_cache"], c["v_cache"], c["slots"], c["ctx_len"],
                                            c["q_start"], None, None, False, 0, 0.125, 0, num_splits)
@@ -217,16 +306,17 @@ def test_cuda_fully_masked_queries_are_zero_not_nan(num_splits):
 
 
 @pytest.mark.cuda
-def test_cuda_kernel_reads_a_layer_view_and_strided_block_kv():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_cuda_kernel_reads_a_layer_view_and_strided_block_kv(dtype):
     """The model passes cache.k[layer] of the 5-D cache and v as a slice of the packed qkv output."""
     assert plugins.load() is not None
     bs, T, Hq, Hkv, d = 2, 16, 32, 8, 128
-    c = make_case(bs, T, Hq, Hkv, d, [50, 300], "given", dtype=torch.bfloat16, device="cuda")
-    layers = torch.randn(3, *c["k_cache"].shape, dtype=torch.bfloat16, device="cuda")
+    c = make_case(bs, T, Hq, Hkv, d, [50, 300], "given", dtype=dtype, device="cuda")
+    layers = torch.randn(3, *c["k_cache"].shape, dtype=dtype, device="cuda")
     layers[1] = c["k_cache"]
     vlayers = torch.randn_like(layers)
     vlayers[1] = c["v_cache"]
-    packed = torch.randn(bs, T, (Hq + 2 * Hkv) * d, dtype=torch.bfloat16, device="cuda")
+    packed = torch.randn(bs, T, (Hq + 2 * Hkv) * d, dtype=dtype, device="cuda")
     packed[..., (Hq + Hkv) * d:] = c["v_blk"].flatten(2)
     v_view = packed[..., (Hq + Hkv) * d:].unflatten(-1, (Hkv, d))
     assert not v_view.is_contiguous()
@@ -237,9 +327,12 @@ def test_cuda_kernel_reads_a_layer_view_and_strided_block_kv():
 
 
 @pytest.mark.cuda
-def test_cuda_kernel_replays_in_a_cuda_graph_with_new_lengths():
+@pytest.mark.parametrize("dtype,d", [(torch.bfloat16, 128), (torch.float32, 128), (torch.float32, 32)],
+                         ids=["bf16-d128", "fp32-d128", "fp32-d32"])
+def test_cuda_kernel_replays_in_a_cuda_graph_with_new_lengths(dtype, d):
+    """Also shows the kernel ran: the reference reads ctx_len on the host, which capture forbids."""
     assert plugins.load() is not None
-    c = make_case(4, 16, 32, 8, 128, [10, 200, 900, 2000], "given", dtype=torch.bfloat16, device="cuda")
+    c = make_case(4, 16, 32, 8, d, [10, 200, 900, 2000], "given", dtype=dtype, device="cuda")
     run = lambda: paged_block_attention(**c, causal=False, window=None, scale=0.1, max_keys=4096)  # noqa: E731
     run()  # warm up (build, first-launch attributes) outside the capture
     graph = torch.cuda.CUDAGraph()
@@ -249,4 +342,4 @@ def test_cuda_kernel_replays_in_a_cuda_graph_with_new_lengths():
     c["q_start"].copy_(c["ctx_len"])
     graph.replay()
     expected = paged_block_attention_reference(**as_fp32(c), causal=False, window=None, scale=0.1)
-    assert (out.float() - expected).abs().max().item() <= TOLERANCE[torch.bfloat16]
+    assert (out.float() - expected).abs().max().item() <= TOLERANCE[dtype]

@@ -60,6 +60,8 @@ class Qwen3Model(nn.Module):
 
 
 class Qwen3ForCausalLM(nn.Module):
+    graph_safe = True  # no host sync in a pass: decode passes may run as CUDA graphs
+
     def __init__(self, config: TargetConfig):
         super().__init__()
         self.config = config
