@@ -18,8 +18,10 @@ Numbers per (dataset, concurrency):
 Oracle acceptance (`oracle_tau`): the drafter still runs at full cost, but the first k of
 its proposals are replaced by the AR output (the target's own greedy continuation), with
 k drawn from a seeded two-point distribution over floor(τ-1) and floor(τ-1)+1 whose mean is
-τ-1, so the expected acceptance length is about τ (more where the drafter guesses further
-by itself, less where the output's end caps k). Every row says which mode produced it.
+τ-1, and the row accepts exactly those k and the reference's next token (a *forced* oracle,
+speculate.OracleDrafts: bf16 near-ties would otherwise steer a random-weight model off its
+reference). So the acceptance length is about τ (less where the output's end caps k), the
+passes cost what real ones do, and "identical" is n/a. Every row says which mode produced it.
 
 `run_report` adds, per dataset, the same prompts measured through a running Triton server
 (loadgen.py: a client-side closed loop at the same concurrencies, so serving overhead shows
