@@ -44,6 +44,8 @@ class DecodePasses:
         self.block_size = drafter.config.block_size if drafter else 1
         self.device = target_cache.k.device
         # One pinned staging buffer: the step's inputs go to the device in one async copy.
+        # Reusing it is safe because every step ends with a host sync (the token readback),
+        # so the previous step's copy has finished before the buffer is written again.
         self._staging = torch.zeros((3, target_cache.k.shape[1]), dtype=torch.long,
                                     pin_memory=self.device.type == "cuda")
 
