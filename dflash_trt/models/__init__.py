@@ -4,7 +4,8 @@ A target class takes its config and offers `forward(input_ids, batch, cache, tap
 `logits(hidden)`, `new_cache(num_slots, capacity)`, `commit(cache, batch, num_committed)`
 and `tie_weights()`. `commit` is called after every target pass with the number of tokens
 of each row that stay (all of them for prefill and AR, the accepted prefix + 1 after a
-verify); attention-only targets roll back by length and have nothing to do there.
+verify); attention-only targets roll back by length, have nothing to do there and say so
+with `stateful = False` (the decode passes then skip the call).
 """
 
 from __future__ import annotations

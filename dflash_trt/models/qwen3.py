@@ -61,6 +61,7 @@ class Qwen3Model(nn.Module):
 
 class Qwen3ForCausalLM(nn.Module):
     graph_safe = True  # no host sync in a pass: decode passes may run as CUDA graphs
+    stateful = False  # rollback is by length alone: commit() has nothing to do
 
     def __init__(self, config: TargetConfig):
         super().__init__()

@@ -225,6 +225,7 @@ class Qwen3_5Model(nn.Module):
 
 
 class Qwen3_5ForCausalLM(nn.Module):
+    stateful = True  # recurrent state: commit() restores the accepted prefix's snapshot
     def __init__(self, config: HybridTargetConfig):
         super().__init__()
         self.config = config
