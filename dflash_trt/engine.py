@@ -62,8 +62,10 @@ class Engine:
         self.mode = mode or ("dflash" if drafter else "ar")
         self._check_mode(self.mode)
         capacity = max_seq_len + self.block_size  # a verify block may run past the last kept token
-        # One slot more than requests: CUDA graphs point their padding rows at it.
-        self.target_cache = target.new_cache(max_batch_size + 1, capacity)
+        # One slot more than requests: CUDA graphs point their padding rows at it. A target
+        # with recurrent state keeps a snapshot per token of the widest pass it may cut back.
+        snapshots = {"num_snapshots": self.block_size} if target.stateful else {}
+        self.target_cache = target.new_cache(max_batch_size + 1, capacity, **snapshots)
         self.draft_cache = drafter.new_cache(max_batch_size + 1, capacity) if drafter else None
         self.device = target.lm_head.weight.device
         passes = (self.target, self.drafter, self.target_cache, self.draft_cache, self.taps)

@@ -1,4 +1,4 @@
-"""Real-shape Qwen3 + DFlash pairs with random weights, made directly on the device.
+"""Real-shape Qwen3 / Qwen3.5 + DFlash pairs with random weights, made directly on the device.
 
 Benchmarks at real sizes need no checkpoint download: the configs and the real Qwen3
 tokenizer are written to a small directory (the loaders then validate them like any
@@ -9,6 +9,11 @@ pairs come with oracle acceptance (bench.py) and say so.
 Shapes are those of the released checkpoints' config.json files (Qwen/Qwen3-*); the
 drafters are z-lab's layout: 5 Qwen3 layers, block 16, taps from the default formula
 (for 36 target layers [1, 9, 17, 25, 33], as Qwen3-8B-DFlash-b16 lists).
+
+qwen3.5-9b is Qwen/Qwen3.5-9B's text model (32 layers, every 4th full attention with
+16/4 heads of 256, Gated DeltaNet 16/32 heads of 128, vocabulary 248,320) with a drafter of
+z-lab's Qwen3.5 layout: 5 layers, 32/8 heads of 128, taps [1, 8, 15, 22, 29], RoPE theta
+1e7 (its intermediate size is not published; the target's is used).
 """
 
 from __future__ import annotations
@@ -32,6 +37,14 @@ PRESETS: dict[str, TinyPairSpec] = {
                              **_QWEN3),
     "qwen3-1.7b": TinyPairSpec(hidden_size=2048, intermediate_size=6144, num_layers=28, tie_word_embeddings=True,
                                **{**_QWEN3, "num_heads": 16}),
+    "qwen3.5-9b": TinyPairSpec(
+        target_type="qwen3_5", hidden_size=4096, intermediate_size=12288, num_layers=32, num_heads=16,
+        num_kv_heads=4, head_dim=256, linear_heads=(16, 32), linear_head_dims=(128, 128), conv_kernel_size=4,
+        partial_rotary_factor=0.25, multimodal=True, draft_layers=5, block_size=16,
+        target_layer_ids=(1, 8, 15, 22, 29), rope_theta=1e7, draft_rope_theta=1e7, tokenizer_tokens=248044,
+        vocab_size=248320, dtype="bfloat16",
+        extra_draft_config={"num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                            "dflash_config": {"mask_token_id": 248070, "target_layer_ids": [1, 8, 15, 22, 29]}}),
 }
 
 
@@ -64,15 +77,15 @@ def randomize(model: torch.nn.Module, seed: int, scale: float = 1.0) -> None:
 
 def random_pair(sources: PairPaths, device, dtype, seed: int = 0):
     """Target and bound drafter from `sources` (configs only), with random weights on `device`."""
-    from dflash_trt.config import DraftConfig, TargetConfig, check_pair
+    from dflash_trt.config import DraftConfig, check_pair, load_target_config
+    from dflash_trt.models import target_class
     from dflash_trt.models.dflash import DFlashDrafter
-    from dflash_trt.models.qwen3 import Qwen3ForCausalLM
 
-    target_config = TargetConfig.from_dir(sources.target)
+    target_config = load_target_config(sources.target)
     draft_config = DraftConfig.from_dir(sources.drafter, target_config.dims.num_hidden_layers)
     check_pair(target_config, draft_config, sources.drafter)
     models = []
-    for cls, config, model_seed in ((Qwen3ForCausalLM, target_config, seed), (DFlashDrafter, draft_config, seed + 1)):
+    for cls, config, model_seed in ((target_class(target_config.model_type), target_config, seed), (DFlashDrafter, draft_config, seed + 1)):
         with torch.device("meta"):
             model = cls(config)
         model = model.to(dtype).to_empty(device=device)

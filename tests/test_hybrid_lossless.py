@@ -76,6 +76,17 @@ def test_greedy_dflash_equals_ar_on_a_hybrid_target(ar_engine, pair_name, block_
         assert set(lengths) == {1}
 
 
+@pytest.mark.parametrize("oracle", ["bonus-only", "random-acceptance"])
+def test_blocks_wider_than_sixteen_keep_a_snapshot_per_block_token(make_pair, oracle):
+    # A cut of up to 23 tokens needs 24 snapshots: the engine sizes the cache by its block.
+    engine = engine_for(make_pair, "qwen3.5-like", 24)
+    assert engine.target_cache.num_snapshots == 24
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    ar = engine.generate(PROMPTS, params, mode="ar")
+    dflash = dflash_with_oracle(engine, PROMPTS, params, ar, ORACLES[oracle])
+    assert [d.token_ids for d in dflash] == [a.token_ids for a in ar]
+
+
 def test_requests_join_and_leave_and_reused_slots_start_from_zero_state(make_pair, ar_engine):
     """Two slots for four requests of mixed lengths: slots are reused while others run.
     The reference is an engine with a slot per request, so state leaking from a slot's

@@ -4,10 +4,11 @@ import pytest
 import torch
 
 from dflash_trt import random_weights as rw
-from dflash_trt.config import DraftConfig, TargetConfig
+from dflash_trt.config import DraftConfig, TargetConfig, load_target_config
 from dflash_trt.engine import Engine
 from dflash_trt.errors import ConfigError
 from dflash_trt.fixtures import TinyPairSpec, write_tiny_pair
+from dflash_trt.models import target_class
 from dflash_trt.models.dflash import DFlashDrafter
 from dflash_trt.models.qwen3 import Qwen3ForCausalLM
 from dflash_trt.sampling import SamplingParams
@@ -17,8 +18,8 @@ from dflash_trt.sampling import SamplingParams
 PUBLISHED = {"qwen3-8b": 8_190_735_360, "qwen3-4b": 4_022_468_096, "qwen3-1.7b": 1_720_574_976}
 
 
-@pytest.mark.parametrize("name", sorted(rw.PRESETS))
-def test_presets_have_the_released_shapes(tmp_path, name):
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_qwen3_presets_have_the_released_shapes(tmp_path, name):
     sources = rw.write_configs(tmp_path, name)
     target_config = TargetConfig.from_dir(sources.target)
     draft_config = DraftConfig.from_dir(sources.drafter, target_config.dims.num_hidden_layers)
@@ -32,6 +33,21 @@ def test_presets_have_the_released_shapes(tmp_path, name):
         assert draft_config.target_layer_ids == (1, 9, 17, 25, 33)
         assert sum(p.numel() for p in drafter.parameters()) == pytest.approx(1.05e9, rel=0.01)
     assert not list(sources.target.glob("*.safetensors")), "configs only: weights are made on the device"
+
+
+def test_qwen3_5_9b_preset_is_the_hybrid_text_model_with_a_z_lab_drafter(tmp_path):
+    sources = rw.write_configs(tmp_path, "qwen3.5-9b")
+    target_config = load_target_config(sources.target)
+    draft_config = DraftConfig.from_dir(sources.drafter, target_config.dims.num_hidden_layers)
+    assert target_config.model_type == "qwen3_5" and target_config.vocab_size == 248320
+    assert target_config.layer_types.count("full_attention") == 8 and target_config.dims.head_dim == 256
+    assert (target_config.linear.num_value_heads, target_config.linear.key_head_dim) == (32, 128)
+    assert draft_config.target_layer_ids == (1, 8, 15, 22, 29) and draft_config.mask_token_id == 248070
+    assert (draft_config.dims.num_attention_heads, draft_config.dims.head_dim, draft_config.block_size) == (32, 128, 16)
+    with torch.device("meta"):
+        target = target_class(target_config.model_type)(target_config)
+    # the text model of Qwen3.5-9B: about 9 B parameters without the vision tower
+    assert sum(p.numel() for p in target.parameters()) == pytest.approx(8.95e9, rel=0.01)
 
 
 def test_unknown_preset_is_named():

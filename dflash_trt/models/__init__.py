@@ -5,7 +5,8 @@ A target class takes its config and offers `forward(input_ids, batch, cache, tap
 and `tie_weights()`. `commit` is called after every target pass with the number of tokens
 of each row that stay (all of them for prefill and AR, the accepted prefix + 1 after a
 verify); attention-only targets roll back by length, have nothing to do there and say so
-with `stateful = False` (the decode passes then skip the call).
+with `stateful = False` (the decode passes then skip the call). A stateful target's
+`new_cache` also takes `num_snapshots`: the widest pass `commit` may cut back (the block).
 """
 
 from __future__ import annotations
