@@ -2,12 +2,13 @@
 
 - `Preprocessor`: text request -> token ids, stop-word lists, resolved end/pad ids.
 - `EngineWorker`: one thread owning the Engine. Requests join between steps (continuous
-  batching); every step's new tokens are turned into text and sent through the request's
-  `Sink`; cancelled requests are aborted; a failing step fails its requests, not the thread.
+  batching); every step's new tokens go to a second thread that turns them into text and
+  sends them through the request's `Sink`, so the engine never waits for a response to
+  leave; cancelled requests are aborted; a failing step fails its requests, not the thread.
 - `IncrementalDetokenizer`: stream chunks that never split a character.
 - `postprocess`: what the postprocessing model does to each dflash response.
 
-Detokenization happens here, in the dflash model's engine thread, not in postprocessing:
+Detokenization happens here, in the dflash model's sender thread, not in postprocessing:
 a correct incremental detokenizer needs per-request state across a stream's responses (where
 the last chunk ended), and ensemble postprocessing executions are independent (any instance,
 any batch, no request identity). Decoding the few new tokens of a step costs microseconds,
@@ -219,9 +220,10 @@ class _Job:
     request: p.Request
     sink: Sink
     params: object  # SamplingParams
-    detok: IncrementalDetokenizer
+    detok: IncrementalDetokenizer  # used by the sender thread only
     seq: object = None  # the engine's Sequence once admitted
     output_ids: list[int] = field(default_factory=list)  # what the client gets: end token dropped, stop-cut
+    send_failed: bool = False  # set by the sender thread; its later responses are dropped
 
 
 def _log(message: str) -> None:
@@ -229,7 +231,13 @@ def _log(message: str) -> None:
 
 
 class EngineWorker:
-    """Owns an Engine and the one thread that steps it; `submit` may be called from any thread."""
+    """Owns an Engine, the one thread that steps it and the one thread that sends responses;
+    `submit` may be called from any thread.
+
+    Every sink call goes through the sender's FIFO, so a request's responses keep their order
+    and its final response is its last. Sending is a round trip to the Triton process (and
+    the text is decoded there too); on the engine thread it would idle the GPU every step.
+    """
 
     def __init__(self, engine, tokenizer, limits: p.Limits, *, idle_wait_s: float = 0.05,
                  cancel_check_s: float = 0.02):
@@ -238,11 +246,15 @@ class EngineWorker:
         # is_cancelled() is a round trip to the Triton process per request: poll, don't spin.
         self._cancel_check_s, self._last_cancel_check = cancel_check_s, 0.0
         self._inbox: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue[tuple[_Job, Callable[[], None]] | None] = queue.SimpleQueue()
+        self._send_failures: queue.SimpleQueue[_Job] = queue.SimpleQueue()  # sender -> engine thread
         self._jobs: dict[object, _Job] = {}  # Sequence -> job, admitted requests only
         self._stopping = threading.Event()
         self._closed = False  # set once the inbox is drained for good; guarded by _lock
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="dflash-engine", daemon=True)
+        self._sender = threading.Thread(target=self._send_loop, name="dflash-sender", daemon=True)
+        self._sender.start()
         self._thread.start()
 
     @classmethod
@@ -281,10 +293,11 @@ class EngineWorker:
         self._stopping.set()
         self._inbox.put(None)  # wake an idle thread
         self._thread.join(timeout)
+        self._sender.join(timeout)  # the engine thread's shutdown ends the sender's queue
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._thread.is_alive() and self._sender.is_alive()
 
     @property
     def num_active(self) -> int:
@@ -319,11 +332,12 @@ class EngineWorker:
             job.seq = self.engine.add_request(list(job.request.prompt_ids), job.params)
         except RequestError as e:
             message = str(e)
-            self._quietly(lambda: job.sink.fail(message, client_error=True))
+            self._post(job, lambda: job.sink.fail(message, client_error=True))
             return
         self._jobs[job.seq] = job
 
     def _drop_cancelled(self) -> None:
+        self._drop_unreachable()
         now = time.monotonic()
         if now - self._last_cancel_check < self._cancel_check_s:
             return
@@ -337,7 +351,17 @@ class EngineWorker:
                 self.engine.abort(job.seq)
                 del self._jobs[job.seq]
                 _log(f"request {job.seq.request_id} was cancelled by its client; its sequence is aborted")
-                self._quietly(job.sink.cancel)
+                self._post(job, job.sink.cancel)
+
+    def _drop_unreachable(self) -> None:
+        """Abort the requests whose response could not be sent (the client is gone)."""
+        while True:
+            try:
+                job = self._send_failures.get_nowait()
+            except queue.Empty:
+                return
+            if self._jobs.pop(job.seq, None) is not None:
+                self.engine.abort(job.seq)
 
     def _step(self) -> None:
         try:
@@ -362,24 +386,19 @@ class EngineWorker:
             tokens, finished = tokens[:keep], True
             self.engine.abort(seq)  # no-op for a sequence that already finished
         job.output_ids += tokens
-        try:
-            self._respond(job, tokens, finished)
-        except Exception:  # sending failed: the client is gone, stop generating for it
-            _log(f"sending a response failed:\n{traceback.format_exc()}")
-            self.engine.abort(seq)
-            finished = True
+        request, metrics = job.request, self._metrics(job)
+        if request.stream:
+            self._post(job, lambda: self._send_stream_chunk(job, tokens, finished, metrics))
+        elif finished:
+            ids = job.output_ids if request.exclude_input_in_output else [*request.prompt_ids, *job.output_ids]
+            self._post(job, lambda: job.sink.send(Chunk(self.tokenizer.decode(ids), True, metrics)))
         if finished:
             del self._jobs[seq]
 
-    def _respond(self, job: _Job, tokens: list[int], finished: bool) -> None:
-        request = job.request
-        if request.stream:
-            text = job.detok.push(tokens) + (job.detok.flush() if finished else "")
-            if text or finished:
-                job.sink.send(Chunk(text, finished, self._metrics(job)))
-        elif finished:
-            ids = job.output_ids if request.exclude_input_in_output else [*request.prompt_ids, *job.output_ids]
-            job.sink.send(Chunk(self.tokenizer.decode(ids), True, self._metrics(job)))
+    def _send_stream_chunk(self, job: _Job, tokens: list[int], finished: bool, metrics: dict | None) -> None:
+        text = job.detok.push(tokens) + (job.detok.flush() if finished else "")
+        if text or finished:
+            job.sink.send(Chunk(text, finished, metrics))
 
     def _metrics(self, job: _Job) -> dict | None:
         if not job.request.return_perf_metrics:
@@ -389,15 +408,11 @@ class EngineWorker:
     def _fail_jobs(self, jobs: list[_Job], message: str) -> None:
         for job in jobs:
             self._jobs.pop(job.seq, None)
-            self._quietly(lambda: self.engine.abort(job.seq))
-            self._quietly(lambda: job.sink.fail(message))
-
-    @staticmethod
-    def _quietly(action: Callable[[], None]) -> None:
-        try:
-            action()
-        except Exception:
-            _log(f"ignored while ending a request:\n{traceback.format_exc()}")
+            try:
+                self.engine.abort(job.seq)
+            except Exception:
+                _log(f"ignored while ending a request:\n{traceback.format_exc()}")
+            self._post(job, lambda job=job: job.sink.fail(message))
 
     def _shutdown(self) -> None:
         self._fail_jobs(list(self._jobs.values()), "the server is shutting down")
@@ -407,6 +422,24 @@ class EngineWorker:
             try:
                 job = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                break
             if job is not None:
-                self._quietly(lambda: job.sink.fail("the server is shutting down"))
+                self._post(job, lambda job=job: job.sink.fail("the server is shutting down"))
+        self._outbox.put(None)  # the sender sends what is queued, then ends
+
+    # -- the sender thread ------------------------------------------------------------------
+
+    def _post(self, job: _Job, send: Callable[[], None]) -> None:
+        self._outbox.put((job, send))
+
+    def _send_loop(self) -> None:
+        while (item := self._outbox.get()) is not None:
+            job, send = item
+            if job.send_failed:
+                continue  # its client is gone; the engine thread aborts it
+            try:
+                send()
+            except Exception:  # the client is gone: stop generating for it
+                _log(f"sending a response failed:\n{traceback.format_exc()}")
+                job.send_failed = True
+                self._send_failures.put(job)

@@ -3,6 +3,7 @@ preprocessing, and the engine thread (batching, streaming, stops, cancellation, 
 
 import random
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -387,6 +388,33 @@ def test_a_failing_step_fails_the_requests_in_it_and_the_worker_serves_on(worker
         assert sink.wait().errors == ["generation failed: RuntimeError('simulated kernel failure')"]
     assert worker.alive and sorted(worker.engine.free_slots) == [0, 1, 2]
     assert submit(worker, tokenizer, "The").wait().text == tokenizer.decode(reference["The"])
+
+
+class GoneSink(RecordingSink):
+    """A client that went away after its second response: sending raises."""
+
+    def send(self, chunk):
+        if len(self.chunks) == 2:
+            self.done.set()
+            raise ConnectionError("the client is gone")
+        super().send(chunk)
+
+
+def test_a_request_whose_responses_cannot_be_sent_is_aborted_and_others_are_unaffected(worker, tokenizer,
+                                                                                          reference):
+    real_abort, aborted = worker.engine.abort, []
+    worker.engine.abort = lambda seq: (aborted.append(seq.request_id), real_abort(seq))
+    gone = submit(worker, tokenizer, "Hello", GoneSink(), stream=True)
+    other = submit(worker, tokenizer, "The", stream=True)
+    assert other.wait().text == tokenizer.decode(reference["The"])
+    gone.wait()
+    deadline = time.monotonic() + 10
+    while worker.num_active and time.monotonic() < deadline:  # the abort reaches the engine thread
+        time.sleep(0.01)
+    assert aborted == [0], "the gone client's request (the first one) is aborted, not run to its end"
+    assert worker.num_active == 0 and sorted(worker.engine.free_slots) == [0, 1, 2]
+    assert len(gone.chunks) == 2 and not any(c.final for c in gone.chunks)
+    assert len(reference["Hello"]) > 8, "the request must outlive its client for this test to mean anything"
 
 
 def test_a_bad_request_is_refused_at_submit_and_others_are_unaffected(worker, tokenizer, reference):
