@@ -80,9 +80,10 @@ class DFlashDrafter(nn.Module):
         x = self.embed_tokens(block_ids).float()  # fp32 residual stream, as in the target
         cos, sin = self.rotary(batch.positions, self.fc.weight.dtype)
         lengths = (batch.slots.int(), batch.start.int())  # once per pass
+        mlp_out = None
         for layer in self.layers:
-            x = layer(x, cos, sin, lengths, batch, cache)
-        return self.norm(x)
+            x, mlp_out = layer(x, mlp_out, cos, sin, lengths, batch, cache)
+        return self.norm.add_and_norm(x, mlp_out)[1]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

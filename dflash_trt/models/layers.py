@@ -120,7 +120,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
         self.mlp = MLP(dims)
 
-    def forward(self, x, *attention_args):
-        """x: the fp32 residual stream [bs, T, H]."""
-        x, h = self.post_attention_layernorm.add_and_norm(x, self.self_attn(self.input_layernorm(x), *attention_args))
-        return x + self.mlp(h)
+    def forward(self, x, mlp_out, *attention_args):
+        """x: the fp32 residual stream [bs, T, H] still without the previous layer's MLP output
+        `mlp_out` (None before the first layer): that add is fused into this layer's input
+        norm, which saves a kernel per layer. Returns (x, this layer's MLP output), likewise
+        left for the caller to add (`RMSNorm.add_and_norm` or `x + mlp_out`)."""
+        if mlp_out is None:
+            h = self.input_layernorm(x)
+        else:
+            x, h = self.input_layernorm.add_and_norm(x, mlp_out)
+        x, h = self.post_attention_layernorm.add_and_norm(x, self.self_attn(h, *attention_args))
+        return x, self.mlp(h)

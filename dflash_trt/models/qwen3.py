@@ -48,15 +48,15 @@ class Qwen3Model(nn.Module):
         cos, sin = self.rotary(batch.positions, self.embed_tokens.weight.dtype)
         # once per pass: lengths for attention, slot/position of each token for cache writes
         lengths = (batch.slots.int(), (batch.start + batch.num_tokens).int(), batch.start.int(), batch.token_rows())
-        tapped = []
+        tapped, mlp_out = [], None
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, lengths, batch, cache)
+            x, mlp_out = layer(x, mlp_out, cos, sin, lengths, batch, cache)
             # A tap id names the layer whose *output* is taken: here, right after layer i.
             # (In HF `output_hidden_states` terms that is hidden_states[i + 1].)
             if i in taps:
-                tapped.append(x)
+                tapped.append(x + mlp_out)
         tapped = [tapped[sorted(set(taps)).index(t)] for t in taps]  # back to the config's order
-        return self.norm(x), (torch.cat(tapped, dim=-1) if taps else None)
+        return self.norm.add_and_norm(x, mlp_out)[1], (torch.cat(tapped, dim=-1) if taps else None)
 
 
 class Qwen3ForCausalLM(nn.Module):
