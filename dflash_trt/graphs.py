@@ -24,15 +24,24 @@ from dflash_trt.speculate import draft, verify
 
 @dataclass(frozen=True)
 class StepInputs:
-    """Per running sequence, on the device: its slot, committed length and last token."""
+    """Per running sequence, on the device: its slot, committed length and last token, as
+    the rows of one [3, m] tensor (one copy moves them all); columns past `size` are a
+    graph bucket's padding rows."""
 
-    slots: torch.Tensor  # [n] long
-    start: torch.Tensor  # [n] long
-    last_tokens: torch.Tensor  # [n] long
+    packed: torch.Tensor  # [3, m] long, m >= size
+    size: int
 
     @property
-    def size(self) -> int:
-        return self.slots.shape[0]
+    def slots(self) -> torch.Tensor:
+        return self.packed[0, : self.size]
+
+    @property
+    def start(self) -> torch.Tensor:
+        return self.packed[1, : self.size]
+
+    @property
+    def last_tokens(self) -> torch.Tensor:
+        return self.packed[2, : self.size]
 
 
 class DecodePasses:
@@ -52,11 +61,8 @@ class DecodePasses:
     def inputs(self, seqs: list[Sequence]) -> StepInputs:
         n = len(seqs)
         host = self._staging[:, :n]
-        host[0] = torch.tensor([s.slot for s in seqs])
-        host[1] = torch.tensor([s.num_cached for s in seqs])
-        host[2] = torch.tensor([s.last_token for s in seqs])
-        dev = host.to(self.device, non_blocking=True)
-        return StepInputs(dev[0], dev[1], dev[2])
+        host[:] = torch.tensor([[s.slot for s in seqs], [s.num_cached for s in seqs], [s.last_token for s in seqs]])
+        return StepInputs(host.to(self.device, non_blocking=True), n)
 
     def _batch(self, x: StepInputs, width: int, max_end: int | None = None) -> Batch:
         return Batch.full(x.slots, x.start, width, max_end or self.target_cache.capacity)
@@ -104,12 +110,24 @@ class GraphedPasses(DecodePasses):
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
+    def inputs(self, seqs: list[Sequence]) -> StepInputs:
+        """The rows padded to the bucket on the host, so a replay needs one device copy."""
+        n = len(seqs)
+        host = self._pad(self._staging[:, : self.bucket(n)], n)
+        host[:, :n] = torch.tensor([[s.slot for s in seqs], [s.num_cached for s in seqs], [s.last_token for s in seqs]])
+        return StepInputs(host.to(self.device, non_blocking=True), n)
+
+    def _pad(self, rows: torch.Tensor, n: int) -> torch.Tensor:
+        """Rows n.. of `rows` [3, m] become padding: the scratch slot, position 0, token 0."""
+        rows[0, n:] = self.scratch_slot
+        rows[1:, n:] = 0
+        return rows
+
     def capture_all(self) -> None:
         """Capture every bucket's graphs now (a capture costs about one eager pass), so no
         request waits for one later. Padding rows write only the scratch slot."""
         for size in self.buckets:
-            zeros = torch.zeros(size, dtype=torch.long, device=self.device)
-            x = StepInputs(torch.full_like(zeros, self.scratch_slot), zeros, zeros)
+            x = StepInputs(self._pad(torch.empty((3, size), dtype=torch.long, device=self.device), 0), size)
             self.ar(x)
             if self.drafter is not None:
                 self.verify(x, self.draft(x))
@@ -134,21 +152,13 @@ class GraphedPasses(DecodePasses):
         if key not in self._graphs:
             self._graphs[key] = self._capture(key[1], fn)
         graph, static_in, outputs = self._graphs[key]
-        n = x.size
-        static_in.slots[:n].copy_(x.slots)
-        static_in.start[:n].copy_(x.start)
-        static_in.last_tokens[:n].copy_(x.last_tokens)
-        static_in.slots[n:].fill_(self.scratch_slot)
-        static_in.start[n:].zero_()
-        static_in.last_tokens[n:].zero_()
+        static_in.packed.copy_(x.packed)  # padded to the bucket already (see inputs)
         graph.replay()
         return outputs
 
     def _capture(self, size: int, fn):
         dev = self.device
-        static_in = StepInputs(torch.full((size,), self.scratch_slot, dtype=torch.long, device=dev),
-                               torch.zeros(size, dtype=torch.long, device=dev),
-                               torch.zeros(size, dtype=torch.long, device=dev))
+        static_in = StepInputs(self._pad(torch.empty((3, size), dtype=torch.long, device=dev), 0), size)
         # Warm up on a side stream (lazy initialisation, cuBLAS workspaces) before capturing.
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
