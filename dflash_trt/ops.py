@@ -50,12 +50,12 @@ def paged_block_attention_reference(q, k_cache, v_cache, slots, ctx_len, q_start
 def block_attention_kernel_supports(dtype: torch.dtype, head_dim: int) -> bool:
     """Whether the CUDA kernel (plugins/block_attention.cu) runs this dtype and head size.
 
-    bf16/fp16 (tensor cores): head_dim 64 or 128; fp32 (CUDA cores): a multiple of 8 up to
-    256. Pure: loads nothing. Mirrors dflash::block_attention_supports and ops.cpp's dtype
+    bf16/fp16 (tensor cores): head_dim 64, 128 or 256; fp32 (CUDA cores): a multiple of 8 up
+    to 256. Pure: loads nothing. Mirrors dflash::block_attention_supports and ops.cpp's dtype
     switch (tests/test_ops.py checks both).
     """
     if dtype in (torch.bfloat16, torch.float16):
-        return head_dim in (64, 128)
+        return head_dim in (64, 128, 256)
     if dtype == torch.float32:
         return 8 <= head_dim <= 256 and head_dim % 8 == 0
     return False
@@ -74,8 +74,8 @@ def paged_block_attention(q, k_cache, v_cache, slots, ctx_len, q_start, k_blk=No
     """Block attention over a KV cache -> [bs, T, Hq, d]; semantics of the reference above.
 
     Runs the CUDA kernel on CUDA tensors once the plugins are built, for the dtypes and head
-    sizes block_attention_kernel_supports lists (bf16/fp16: 64 or 128; fp32: multiples of 8 up
-    to 256), else the reference (CPU, other head sizes). `max_keys` is a host-side
+    sizes block_attention_kernel_supports lists (bf16/fp16: 64, 128 or 256; fp32: multiples of
+    8 up to 256), else the reference (CPU, other head sizes). `max_keys` is a host-side
     upper bound on ctx_len + block length (e.g. batch.max_end); it only tunes how the kernel
     splits long contexts, and defaults to the cache capacity.
     """

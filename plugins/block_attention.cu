@@ -10,12 +10,13 @@
 //     output + log-sum-exp) and a small combine kernel merges them. With one split the
 //     attention kernel writes the output directly.
 //
-// Inside a CTA (4 warps). Keys stream through shared memory in tiles of 64 with cp.async
-// 16-byte copies, double buffered, so the next tile's loads are in flight while the tensor
-// cores work on this one. The M rows are MT m16 tiles (MT = 1, 2 or 4); the 4 / MT warps
-// that share an m-tile each take a quarter / half / all of the tile's keys and keep their
-// own online-softmax state, merged once at the end through shared memory. So decode (M <=
-// 16) still uses all four warps, and M = 64 (T = 16, G = 4) gives each warp one m-tile.
+// Inside a CTA (4 warps). Keys stream through shared memory in tiles of 64 (32 at head_dim
+// 256) with cp.async 16-byte copies, double buffered, so the next tile's loads are in flight
+// while the tensor cores work on this one. The M rows are MT m16 tiles (MT = 1, 2 or 4; at
+// least 2 at head_dim 256, see tile_keys_for); the 4 / MT warps that share an m-tile each
+// take a quarter / half / all of the tile's keys and keep their own online-softmax state,
+// merged once at the end through shared memory. So decode (M <= 16) still uses all four
+// warps, and M = 64 (T = 16, G = 4) gives each warp one m-tile.
 // Q.K^T and P.V run on mma.sync m16n8k16 (bf16/fp16 in, fp32 accumulate); the score
 // accumulators are re-packed in registers as the A operand of P.V (no shared round trip).
 //
@@ -45,7 +46,7 @@ namespace {
 
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
-constexpr int kTileKeys = 64;   // keys per shared-memory tile
+constexpr int kTileKeys = 64;   // keys per shared-memory tile (fewer at d = 256, see tile_keys_for)
 constexpr int kCtaRows = 64;    // query rows per CTA at most (4 m16 tiles)
 constexpr int kMinChunk = 128;  // keys per split at least (a split must amortise its epilogue)
 constexpr int kMaxSplits = 64;
@@ -56,6 +57,14 @@ __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / 
 // How many m16 tiles a CTA holds for M query rows: 1, 2 or 4 (3 is padded to 4 so that
 // the 4 warps split evenly between m-tiles and key quarters).
 __host__ __device__ constexpr int m_tiles_for(int rows) { return rows <= 16 ? 1 : rows <= 32 ? 2 : 4; }
+
+// Keys per shared-memory tile at head_dim d: 64, but 32 at d = 256, where acc alone takes
+// 128 registers a thread: a warp that takes all of a tile's keys (MT = 4) has room for 32
+// scores but not 64 (ptxas spills), and a stage of K and V stays at 33 KB as at d = 128.
+// With 32-key tiles one m-tile's 4 warps would get 8 keys each, less than a k16 step of
+// P.V, so at d = 256 a CTA holds at least 2 m-tiles (min_m_tiles_for).
+__host__ __device__ constexpr int tile_keys_for(int d) { return d <= 128 ? kTileKeys : 32; }
+__host__ __device__ constexpr int min_m_tiles_for(int d) { return d <= 128 ? 1 : 2; }
 
 // ---------------------------------------------------------------------------------------------
 // PTX wrappers
@@ -68,6 +77,10 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 // K gives a finite score that the mask removes, their zero V keeps 0 * V finite).
 __device__ __forceinline__ void cp_async_16(void* dst, const void* src, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
+}
+// 4-byte variant (.cg takes 16 bytes only), for q rows, which are only 4-byte aligned.
+__device__ __forceinline__ void cp_async_4(void* dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
@@ -161,21 +174,24 @@ __device__ __forceinline__ RowKeys row_keys(const BlockAttentionParams& p, int c
 
 // Two CTAs per SM at d = 128 (about 250 registers a thread, 70 KB of shared memory each):
 // a third would need spills, and two already keep two 32 KB tiles per SM in flight, more
-// than the bandwidth-latency product of HBM3 per SM (about 20 KB).
-template <typename T, int D, int MT>
+// than the bandwidth-latency product of HBM3 per SM (about 20 KB). d = 256 keeps that: its
+// 32-key tiles are 33 KB too, and K/V stages plus Q take 83 or 99 KB (MT = 2 or 4).
+template <typename T, int D, int MT, int TK>
 __global__ void __launch_bounds__(kThreads, 2)
     block_attention_kernel(const BlockAttentionParams p, int num_splits, float* __restrict__ o_part,
                            float* __restrict__ lse_part) {
   constexpr int KG = kWarps / MT;      // warps per m-tile, each on its own slice of every tile
-  constexpr int NK = kTileKeys / KG;   // keys per warp per tile: 16, 32 or 64
+  constexpr int NK = TK / KG;          // keys per warp per tile: 16, 32 or 64 (d = 256: 16 or 32)
   constexpr int STRIDE = D + 8;        // shared row stride in elements: the 16-byte pad puts the
                                        // 8 rows of an ldmatrix in 8 different bank groups
-  constexpr int TILE = kTileKeys * STRIDE;
-  static_assert(D == 64 || D == 128, "head_dim");
+  constexpr int TILE = TK * STRIDE;
+  static_assert(D == 64 || D == 128 || D == 256, "head_dim");
   static_assert(NK % 16 == 0, "a warp's key slice must be whole k16 steps of P.V");
+  static_assert(kTileKeys % TK == 0, "split chunks (multiples of kTileKeys) must be whole tiles");
+  static_assert(TK * D / 8 % kThreads == 0, "every thread copies the same number of 16-byte chunks");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  T* smem = reinterpret_cast<T*>(smem_raw);  // [stage][K | V][kTileKeys][STRIDE]
+  T* smem = reinterpret_cast<T*>(smem_raw);  // [stage][K | V][TK][STRIDE], then Q at d = 256
 
   const int split = blockIdx.x;
   const int kvh = blockIdx.y % p.num_kv_heads;
@@ -193,26 +209,51 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int qs = p.q_start[b];
   const RowKeys rk = row_keys(p, ctx, qs, q_chunk, split, num_splits);
 
-  // ---- Q fragments (A operand of Q.K^T), kept in registers for the whole key loop. -------
-  // This thread's two rows: r = gid and gid + 8 of its m-tile. Rows past M are zero.
+  // ---- Q fragments (A operand of Q.K^T). Rows past M are zero. ----------------------------
+  // Up to d = 128 they stay in registers for the whole key loop: this thread's two rows,
+  // r = gid and gid + 8 of its m-tile. At d = 256 they would take 64 registers next to the
+  // 128 of acc and spill; they wait in shared memory instead (after the K/V stages) and
+  // each k16 step of Q.K^T reloads its fragment with one ldmatrix.
+  constexpr bool kQInRegs = D <= 128;
   const T* q = static_cast<const T*>(p.q);
-  uint32_t qf[D / 16][4];
+  T* q_s = smem + 2 * 2 * TILE;  // [MT * 16][STRIDE], d = 256 only
+  uint32_t qf[kQInRegs ? D / 16 : 1][4];
   int q_pos[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = q_chunk * kCtaRows + mt * 16 + gid + 8 * h;
     const int t = r / group;
     q_pos[h] = qs + t;
-    const bool valid = r < rows;
-    const T* src = q + (valid ? b * p.q_stride[0] + t * p.q_stride[1] + (kvh * group + r % group) * p.q_stride[2] : 0);
+    if constexpr (kQInRegs) {
+      const bool valid = r < rows;
+      const T* src =
+          q + (valid ? b * p.q_stride[0] + t * p.q_stride[1] + (kvh * group + r % group) * p.q_stride[2] : 0);
 #pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) {
-      qf[ks][h] = valid ? *reinterpret_cast<const uint32_t*>(src + ks * 16 + 2 * tig) : 0u;
-      qf[ks][h + 2] = valid ? *reinterpret_cast<const uint32_t*>(src + ks * 16 + 8 + 2 * tig) : 0u;
+      for (int ks = 0; ks < D / 16; ++ks) {
+        qf[ks][h] = valid ? *reinterpret_cast<const uint32_t*>(src + ks * 16 + 2 * tig) : 0u;
+        qf[ks][h + 2] = valid ? *reinterpret_cast<const uint32_t*>(src + ks * 16 + 8 + 2 * tig) : 0u;
+      }
+    }
+  }
+  if constexpr (!kQInRegs) {
+    // The CTA's MT * 16 rows, one per step, thread i copying columns 2i and 2i + 1 with a
+    // 4-byte cp.async (q is only 4-byte aligned). They join the first K/V tile's group, so
+    // the key loop's first wait + __syncthreads publishes them.
+    static_assert(D / 2 == kThreads, "one row per step");
+    const int r0 = q_chunk * kCtaRows;
+    int t = r0 / group, hq = r0 % group;  // row r0 + rr: token t, head kvh * group + hq
+    for (int rr = 0; rr < MT * 16; ++rr) {
+      const bool valid = r0 + rr < rows;  // else zeros, from any valid address
+      const T* src = valid ? q + b * p.q_stride[0] + t * p.q_stride[1] + (kvh * group + hq) * p.q_stride[2] : q;
+      cp_async_4(q_s + rr * STRIDE + 2 * threadIdx.x, src + 2 * threadIdx.x, valid ? 4 : 0);
+      if (++hq == group) {
+        hq = 0;
+        ++t;
+      }
     }
   }
 
-  // ---- K/V tile loader: 64 keys x D, 16 bytes per copy, spread over all 128 threads. -------
+  // ---- K/V tile loader: TK keys x D, 16 bytes per copy, spread over all 128 threads. -------
   const T* k_cache = static_cast<const T*>(p.k_cache);
   const T* v_cache = static_cast<const T*>(p.v_cache);
   const T* k_blk = static_cast<const T*>(p.k_blk);
@@ -224,7 +265,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     T* vs = ks + TILE;
     constexpr int kChunksPerRow = D / 8;
 #pragma unroll
-    for (int i = 0; i < kTileKeys * kChunksPerRow / kThreads; ++i) {
+    for (int i = 0; i < TK * kChunksPerRow / kThreads; ++i) {
       const int c = threadIdx.x + i * kThreads;  // consecutive threads: consecutive 16 B of a row
       const int r = c / kChunksPerRow, col = (c % kChunksPerRow) * 8;
       const int v = v0 + r;
@@ -257,7 +298,7 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
   for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
 
-  const int num_tiles = ceil_div(rk.end - rk.begin, kTileKeys);
+  const int num_tiles = ceil_div(rk.end - rk.begin, TK);
   const int kw = kg * NK;  // this warp's slice of every tile
   if (num_tiles > 0) load_tile(0, rk.begin);
   cp_async_commit();
@@ -265,12 +306,12 @@ __global__ void __launch_bounds__(kThreads, 2)
   for (int it = 0; it < num_tiles; ++it) {
     // Prefetch the next tile into the other stage (always commit, so wait_group<1> below
     // means "the tile for this iteration has landed").
-    if (it + 1 < num_tiles) load_tile((it + 1) & 1, rk.begin + (it + 1) * kTileKeys);
+    if (it + 1 < num_tiles) load_tile((it + 1) & 1, rk.begin + (it + 1) * TK);
     cp_async_commit();
     cp_async_wait<1>();
     __syncthreads();
 
-    const int v0 = rk.begin + it * kTileKeys;
+    const int v0 = rk.begin + it * TK;
     const T* ks = smem + (it & 1) * 2 * TILE;
     const T* vs = ks + TILE;
 
@@ -281,19 +322,24 @@ __global__ void __launch_bounds__(kThreads, 2)
     for (int j = 0; j < NK / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
 #pragma unroll
     for (int kd = 0; kd < D / 16; ++kd) {
+      // From shared: lane i addresses row i % 16, column (i / 16) * 8 of the 16 x 16 A block,
+      // so the four 8 x 8 matrices land as qf[kd][0..3] of the register path: rows gid and
+      // gid + 8, columns 2 tig (+1), then the same rows at columns 8 + 2 tig.
+      if constexpr (!kQInRegs) ldmatrix_x4(qf[0], q_s + (mt * 16 + lane % 16) * STRIDE + kd * 16 + (lane / 16) * 8);
+      const uint32_t(&qa)[4] = qf[kQInRegs ? kd : 0];
 #pragma unroll
       for (int jp = 0; jp < NK / 16; ++jp) {
         uint32_t kb[4];
         ldmatrix_x4(kb, ks + (kw + jp * 16 + (lane / 16) * 8 + lane % 8) * STRIDE + kd * 16 + ((lane / 8) & 1) * 8);
-        mma_16816<T>(s[2 * jp], qf[kd], kb[0], kb[1]);
-        mma_16816<T>(s[2 * jp + 1], qf[kd], kb[2], kb[3]);
+        mma_16816<T>(s[2 * jp], qa, kb[0], kb[1]);
+        mma_16816<T>(s[2 * jp + 1], qa, kb[2], kb[3]);
       }
     }
 
     // Mask. Most tiles are plain context that every query of the row sees; test that once
     // per tile and skip the per-element checks for them.
-    const bool all_visible = v0 + kTileKeys <= rk.end && v0 + kTileKeys <= rk.n_cache &&
-                             (!p.causal || rk.lo + v0 + kTileKeys - 1 <= qs + rk.t_first) &&
+    const bool all_visible = v0 + TK <= rk.end && v0 + TK <= rk.n_cache &&
+                             (!p.causal || rk.lo + v0 + TK - 1 <= qs + rk.t_first) &&
                              (p.window <= 0 || rk.lo + v0 > qs + rk.t_last - p.window);
 #pragma unroll
     for (int j = 0; j < NK / 8; ++j) {
@@ -436,22 +482,35 @@ __global__ void __launch_bounds__(kThreads)
   for (int s = 0; s < num_splits; ++s) mx = fmaxf(mx, lse_part[static_cast<int64_t>(s) * num_rows + row]);
   const float m_use = mx == -INFINITY ? 0.f : mx;
   float wsum = 0.f;
-  float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-  const int col = lane * 4;  // D / 4 lanes do the columns; all lanes read the lse values
+  // Lane l does columns 4 l + 128 c .. + 3 for c < NC (d = 64: lanes 0-15 only); all lanes
+  // read the lse values.
+  constexpr int NC = ceil_div(D, 128);
+  float4 o[NC];
+#pragma unroll
+  for (int c = 0; c < NC; ++c) o[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+  const int col0 = lane * 4;
   for (int s = 0; s < num_splits; ++s) {
     const int64_t part_row = static_cast<int64_t>(s) * num_rows + row;
     const float lse = lse_part[part_row];
     if (lse == -INFINITY) continue;
     const float w = exp2f(lse - m_use);
     wsum += w;
-    if (col < D) {
-      const float4 x = *reinterpret_cast<const float4*>(o_part + part_row * D + col);
-      o.x += w * x.x; o.y += w * x.y; o.z += w * x.z; o.w += w * x.w;
+#pragma unroll
+    for (int c = 0; c < NC; ++c) {
+      const int col = col0 + 128 * c;
+      if (col < D) {
+        const float4 x = *reinterpret_cast<const float4*>(o_part + part_row * D + col);
+        o[c].x += w * x.x; o[c].y += w * x.y; o[c].z += w * x.z; o[c].w += w * x.w;
+      }
     }
   }
   const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
-  o.x *= inv; o.y *= inv; o.z *= inv; o.w *= inv;
-  if (col < D) store4<T>(out + static_cast<int64_t>(row) * D + col, o);
+#pragma unroll
+  for (int c = 0; c < NC; ++c) {
+    o[c].x *= inv; o[c].y *= inv; o[c].z *= inv; o[c].w *= inv;
+    const int col = col0 + 128 * c;
+    if (col < D) store4<T>(out + static_cast<int64_t>(row) * D + col, o[c]);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -699,10 +758,12 @@ __global__ void __launch_bounds__(kThreads)
 
 int num_rows_per_kv_head(const BlockAttentionParams& p) { return p.num_tokens * (p.num_q_heads / p.num_kv_heads); }
 
-template <typename T, int D>
+template <typename T, int D, int MT, int TK>
 constexpr size_t smem_bytes() {
-  // max(two stages of K and V tiles, the merge buffers)
-  return std::max<size_t>(2 * 2 * kTileKeys * (D + 8) * sizeof(T), (kWarps * 16 * D + 2 * kWarps * 16) * sizeof(float));
+  // max(two stages of K and V tiles + Q at d = 256, the merge buffers)
+  const size_t q_bytes = D > 128 ? MT * 16 * (D + 8) * sizeof(T) : 0;
+  return std::max<size_t>(2 * 2 * TK * (D + 8) * sizeof(T) + q_bytes,
+                          (kWarps * 16 * D + 2 * kWarps * 16) * sizeof(float));
 }
 
 template <typename T>
@@ -712,29 +773,38 @@ struct Type {
 template <int N>
 using Int = std::integral_constant<int, N>;
 
-// Calls f(Type<T>{}, Int<D>{}, Int<MT>{}) for the tensor-core kernel instance that serves p
-// (bf16/fp16; callers route fp32 to its own kernel first).
+// Calls f(Type<T>{}, Int<D>{}, Int<MT>{}, Int<TK>{}) for the tensor-core kernel instance that
+// serves p (bf16/fp16; callers route fp32 to its own kernel first).
 template <typename F>
 auto dispatch(const BlockAttentionParams& p, F&& f) {
   auto by_mt = [&](auto t, auto d) {
+    constexpr int D = decltype(d)::value;
+    constexpr int TK = tile_keys_for(D);
+    // At d = 256, M <= 16 takes 2 m-tiles, the second all padding (as 3 is padded to 4).
     switch (m_tiles_for(num_rows_per_kv_head(p))) {
-      case 1: return f(t, d, Int<1>{});
-      case 2: return f(t, d, Int<2>{});
-      default: return f(t, d, Int<4>{});
+      case 1: return f(t, d, Int<min_m_tiles_for(D)>{}, Int<TK>{});
+      case 2: return f(t, d, Int<2>{}, Int<TK>{});
+      default: return f(t, d, Int<4>{}, Int<TK>{});
     }
   };
-  auto by_d = [&](auto t) { return p.head_dim == 64 ? by_mt(t, Int<64>{}) : by_mt(t, Int<128>{}); };
+  auto by_d = [&](auto t) {
+    switch (p.head_dim) {
+      case 64: return by_mt(t, Int<64>{});
+      case 128: return by_mt(t, Int<128>{});
+      default: return by_mt(t, Int<256>{});
+    }
+  };
   return p.dtype == DType::kBFloat16 ? by_d(Type<__nv_bfloat16>{}) : by_d(Type<__half>{});
 }
 
 // The kernel instance, with its dynamic shared memory limit raised: over 48 KB must be opted
 // into, per device, so this runs before every launch (a cheap host call, legal during graph
 // capture).
-template <typename T, int D, int MT>
-cudaError_t prepare(decltype(&block_attention_kernel<T, D, MT>)* kernel) {
-  *kernel = block_attention_kernel<T, D, MT>;
+template <typename T, int D, int MT, int TK>
+cudaError_t prepare(decltype(&block_attention_kernel<T, D, MT, TK>)* kernel) {
+  *kernel = block_attention_kernel<T, D, MT, TK>;
   return cudaFuncSetAttribute(*kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                              static_cast<int>(smem_bytes<T, D>()));
+                              static_cast<int>(smem_bytes<T, D, MT, TK>()));
 }
 
 bool aligned(const void* ptr, size_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
@@ -761,7 +831,7 @@ int fp32_num_splits(const BlockAttentionParams& p, int num_sms) {
 
 const char* block_attention_check(const BlockAttentionParams& p) {
   if (!block_attention_supports(p.dtype, p.head_dim))
-    return "unsupported dtype or head_dim (bf16/fp16: 64 or 128; fp32: a multiple of 8 up to 256)";
+    return "unsupported dtype or head_dim (bf16/fp16: 64, 128 or 256; fp32: a multiple of 8 up to 256)";
   if (p.batch < 0 || p.num_tokens < 0) return "negative batch or num_tokens";
   if (p.num_kv_heads <= 0 || p.num_q_heads <= 0 || p.num_q_heads % p.num_kv_heads != 0)
     return "num_q_heads must be a positive multiple of num_kv_heads";
@@ -799,14 +869,14 @@ int block_attention_num_splits(const BlockAttentionParams& p, int num_sms) {
   if (cudaGetDevice(&device) != cudaSuccess) return 1;
   if (num_sms <= 0 && cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) return 1;
   if (p.dtype == DType::kFloat32) return fp32_num_splits(p, num_sms);
-  // CTAs resident per SM for this instance (2 at d = 128), from the occupancy calculator.
-  const int per_sm = dispatch(p, [&](auto t, auto d, auto mt) {
+  // CTAs resident per SM for this instance (2 at d = 128 and 256), from the occupancy calculator.
+  const int per_sm = dispatch(p, [&](auto t, auto d, auto mt, auto tk) {
     using T = typename decltype(t)::type;
-    decltype(&block_attention_kernel<T, decltype(d)::value, decltype(mt)::value>) kernel;
+    constexpr int D = decltype(d)::value, MT = decltype(mt)::value, TK = decltype(tk)::value;
+    decltype(&block_attention_kernel<T, D, MT, TK>) kernel;
     int n = 0;
-    if (prepare<T, decltype(d)::value, decltype(mt)::value>(&kernel) != cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, smem_bytes<T, decltype(d)::value>()) !=
-            cudaSuccess)
+    if (prepare<T, D, MT, TK>(&kernel) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, smem_bytes<T, D, MT, TK>()) != cudaSuccess)
       n = 0;
     return std::max(n, 1);
   });
@@ -860,13 +930,13 @@ cudaError_t block_attention_launch(const BlockAttentionParams& p, int num_splits
   }
   const int rows = num_rows_per_kv_head(p);
   const dim3 grid(num_splits, p.num_kv_heads * ceil_div(rows, kCtaRows), p.batch);
-  return dispatch(p, [&](auto t, auto d, auto mt) {
+  return dispatch(p, [&](auto t, auto d, auto mt, auto tk) {
     using T = typename decltype(t)::type;
-    constexpr int D = decltype(d)::value;
-    decltype(&block_attention_kernel<T, D, decltype(mt)::value>) kernel;
-    cudaError_t err = prepare<T, D, decltype(mt)::value>(&kernel);
+    constexpr int D = decltype(d)::value, MT = decltype(mt)::value, TK = decltype(tk)::value;
+    decltype(&block_attention_kernel<T, D, MT, TK>) kernel;
+    cudaError_t err = prepare<T, D, MT, TK>(&kernel);
     if (err != cudaSuccess) return err;
-    kernel<<<grid, kThreads, smem_bytes<T, D>(), stream>>>(p, num_splits, o_part, lse_part);
+    kernel<<<grid, kThreads, smem_bytes<T, D, MT, TK>(), stream>>>(p, num_splits, o_part, lse_part);
     if (num_splits > 1) {
       const int num_rows = p.batch * p.num_tokens * p.num_q_heads;
       block_attention_combine_kernel<T, D><<<ceil_div(num_rows, kWarps), kThreads, 0, stream>>>(

@@ -23,14 +23,14 @@ namespace dflash {
 
 enum class DType : int { kFloat16 = 0, kBFloat16 = 1, kFloat32 = 2 };
 
-// The dtypes and head sizes block_attention runs: bf16/fp16 on tensor cores with head_dim 64
-// or 128, fp32 on CUDA cores with any head_dim that is a multiple of 8 up to 256.
+// The dtypes and head sizes block_attention runs: bf16/fp16 on tensor cores with head_dim 64,
+// 128 or 256, fp32 on CUDA cores with any head_dim that is a multiple of 8 up to 256.
 // dflash_trt.ops.block_attention_kernel_supports mirrors this (tests/test_ops.py checks it).
 constexpr bool block_attention_supports(DType dtype, int head_dim) {
   switch (dtype) {
     case DType::kFloat16:
     case DType::kBFloat16:
-      return head_dim == 64 || head_dim == 128;
+      return head_dim == 64 || head_dim == 128 || head_dim == 256;
     case DType::kFloat32:
       return head_dim >= 8 && head_dim <= 256 && head_dim % 8 == 0;
   }

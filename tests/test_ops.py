@@ -110,6 +110,7 @@ CPU_CASES = {
     "decode T=1 GQA 1:1": (3, 1, 4, 4, 8, [0, 1, 12], "cached", None, True, None),
     "verify causal + window": (2, 16, 8, 2, 16, [3, 40], "cached", None, True, 6),
     "cached block, non-causal": (2, 4, 8, 2, 16, [0, 11], "cached", None, False, None),
+    "Qwen3.5 head_dim 256, GQA 16:4": (3, 4, 16, 4, 256, [0, 1, 65], "cached", None, True, None),
 }
 
 
@@ -150,9 +151,9 @@ def test_plugins_are_not_loaded_without_a_gpu():
     assert (plugins.plugin_dir() / "block_attention.cu").is_file()
 
 
-def test_kernel_supports_lists_bf16_fp16_at_64_128_and_fp32_at_multiples_of_8():
-    assert [d for d in range(300) if block_attention_kernel_supports(torch.bfloat16, d)] == [64, 128]
-    assert [d for d in range(300) if block_attention_kernel_supports(torch.float16, d)] == [64, 128]
+def test_kernel_supports_lists_bf16_fp16_at_64_128_256_and_fp32_at_multiples_of_8():
+    assert [d for d in range(300) if block_attention_kernel_supports(torch.bfloat16, d)] == [64, 128, 256]
+    assert [d for d in range(300) if block_attention_kernel_supports(torch.float16, d)] == [64, 128, 256]
     assert [d for d in range(300) if block_attention_kernel_supports(torch.float32, d)] == list(range(8, 257, 8))
     assert not any(block_attention_kernel_supports(torch.float64, d) for d in range(300))
     assert not _cuda_block_attention_supported(torch.zeros(1, 1, 1, 64))  # CPU tensors take the reference
@@ -238,6 +239,15 @@ CUDA_CASES = {
     "long context 32768": (2, 16, 32, 8, [32768, 100], "given", False, None),
     "long context 32768 verify": (1, 16, 32, 8, [32768], "cached", True, None),
     "long context 32768 window": (1, 16, 32, 8, [32768], "given", True, 4096),
+    # Qwen3.5 full-attention layers: 16 query heads on 4 KV heads (9B), 24 on 4 (27B). At
+    # d = 256, M = 64 takes 4 m-tiles, decode's M = 4 two (the second all padding) and the
+    # 27B block's M = 96 two query chunks.
+    "Qwen3.5 draft GQA 16:4": (5, 16, 16, 4, [0, 1, 63, 65, 4095], "given", False, None),
+    "Qwen3.5 draft sliding GQA 16:4": (5, 16, 16, 4, [0, 1, 63, 65, 4095], "given", True, 64),
+    "Qwen3.5 verify GQA 16:4": (5, 16, 16, 4, [0, 1, 63, 65, 4095], "cached", True, None),
+    "Qwen3.5 cached non-causal GQA 16:4": (5, 16, 16, 4, [0, 1, 63, 65, 4095], "cached", False, None),
+    "Qwen3.5 decode T=1 GQA 16:4": (5, 1, 16, 4, [0, 1, 63, 65, 4095], "cached", True, None),
+    "Qwen3.5-27B verify GQA 24:4": (3, 16, 24, 4, [0, 65, 4095], "cached", True, None),
 }
 
 
@@ -256,7 +266,7 @@ def check_cuda_kernel_against_reference(case, dtype, d):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("case", CUDA_CASES.values(), ids=CUDA_CASES.keys())
 def test_cuda_kernel_matches_fp32_reference(case, dtype, d):
@@ -264,8 +274,8 @@ def test_cuda_kernel_matches_fp32_reference(case, dtype, d):
 
 
 # The fp32 kernel takes any head_dim that is a multiple of 8 up to 256 (the tiny test models
-# use 16 and 32; 256 and 200 use a second column group per lane, 200 and 8 partly).
-FP32_HEAD_SIZE_CASES = [(name, d) for d in (16, 32, 256) for name in CUDA_CASES] + [
+# use 16 and 32; 256, run above, and 200 use a second column group per lane, 200 and 8 partly).
+FP32_HEAD_SIZE_CASES = [(name, d) for d in (16, 32) for name in CUDA_CASES] + [
     (name, d) for d in (8, 200) for name in ("draft ragged edges", "verify ragged edges", "long context 32768")]
 
 
@@ -275,7 +285,8 @@ def test_cuda_fp32_kernel_other_head_sizes_match_reference(name, d):
     check_cuda_kernel_against_reference(CUDA_CASES[name], torch.float32, d)
 
 
-KERNELS = [(torch.bfloat16, 128), (torch.float32, 128), (torch.float32, 32), (torch.float32, 256)]
+KERNELS = [(torch.bfloat16, 128), (torch.bfloat16, 256), (torch.float16, 256), (torch.float32, 128),
+           (torch.float32, 32), (torch.float32, 256)]
 KERNEL_IDS = [f"{str(t).removeprefix('torch.')}-d{d}" for t, d in KERNELS]
 
 
@@ -293,8 +304,8 @@ def test_cuda_split_count_does_not_change_the_result(dtype, d, num_splits):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("num_splits", [1, 4])
-@pytest.mark.parametrize("dtype,d", [(torch.bfloat16, 64), (torch.float32, 64), (torch.float32, 16)],
-                         ids=["bf16-d64", "fp32-d64", "fp32-d16"])
+@pytest.mark.parametrize("dtype,d", [(torch.bfloat16, 64), (torch.bfloat16, 256), (torch.float32, 64),
+                                     (torch.float32, 16)], ids=["bf16-d64", "bf16-d256", "fp32-d64", "fp32-d16"])
 def test_cuda_fully_masked_queries_are_zero_not_nan(dtype, d, num_splits):
     assert plugins.load() is not None
     c = make_case(2, 4, 8, 2, d, [0, 10], "given", dtype=dtype, device="cuda")
@@ -327,8 +338,8 @@ def test_cuda_kernel_reads_a_layer_view_and_strided_block_kv(dtype):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("dtype,d", [(torch.bfloat16, 128), (torch.float32, 128), (torch.float32, 32)],
-                         ids=["bf16-d128", "fp32-d128", "fp32-d32"])
+@pytest.mark.parametrize("dtype,d", [(torch.bfloat16, 128), (torch.bfloat16, 256), (torch.float32, 128),
+                                     (torch.float32, 32)], ids=["bf16-d128", "bf16-d256", "fp32-d128", "fp32-d32"])
 def test_cuda_kernel_replays_in_a_cuda_graph_with_new_lengths(dtype, d):
     """Also shows the kernel ran: the reference reads ctx_len on the host, which capture forbids."""
     assert plugins.load() is not None
