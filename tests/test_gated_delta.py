@@ -1,6 +1,7 @@
 """The gated delta rule's snapshots, and the CUDA split path's packing (with a CPU stand-in
 for fla's chunked kernel: the kernel itself needs a GPU and is tested there)."""
 
+import pytest
 import torch
 
 from dflash_trt import gated_delta
@@ -49,3 +50,23 @@ def test_long_pass_split_into_chunked_head_and_recurrent_tail_equals_the_referen
         torch.testing.assert_close(out[row, :n], ref_out[row, :n], rtol=0, atol=1e-5)
         kept = min(S, n)  # snapshots before a short row's first token are never read
         torch.testing.assert_close(snapshots[row, S - kept:], ref_snapshots[row, S - kept:], rtol=0, atol=1e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fla_chunked_head_on_the_gpu_matches_the_reference(dtype):
+    """The real fla kernel (when installed) on Qwen3.5-like head sizes, ragged rows."""
+    pytest.importorskip("fla.ops.gated_delta_rule", reason="needs flash-linear-attention (fla-core)")
+    assert gated_delta._fla_chunk() is not None
+    q, k, v, g, beta, state = (t.cuda() for t in inputs(bs=3, T=300, Hk=2, Hv=4, dk=128, dv=128))
+    num_tokens, S = torch.tensor([300, 77, 9], device="cuda"), 16
+    out, snapshots = gated_delta._chunked_head_then_recurrent_tail(q, k, v.to(dtype), g, beta, state, num_tokens, S)
+    ref_out, ref_snapshots = gated_delta_rule_reference(q, k, v, g, beta, state, num_tokens, S)
+    # fla multiplies in the input dtype (tf32 / bf16 tensor cores): bounds relative to the values' scale
+    tol = 2e-2 if dtype == torch.float32 else 6e-2
+    for row, n in enumerate(num_tokens.tolist()):
+        scale = ref_out[row, :n].abs().max()
+        assert (out[row, :n] - ref_out[row, :n]).abs().max() <= tol * scale, row
+        kept = min(S, n)
+        ref = ref_snapshots[row, S - kept:]
+        assert (snapshots[row, S - kept:] - ref).abs().max() <= tol * ref.abs().max(), row
