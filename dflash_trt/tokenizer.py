@@ -27,6 +27,8 @@ from dflash_trt.errors import ConfigError
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
 SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"
+# Qwen3.5 checkpoints ship their chat template in this file, not in tokenizer_config.json.
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -321,21 +323,25 @@ def _raise_template_error(message: str) -> None:
 class Tokenizer:
     """A Qwen tokenizer read from a model directory; no `transformers` needed."""
 
-    def __init__(self, backend: tokenizers.Tokenizer, config: dict[str, Any], source: Path):
+    def __init__(self, backend: tokenizers.Tokenizer, config: dict[str, Any], source: Path,
+                 chat_template: str | None = None):
         self._backend = backend
         self._source = source
         self._eos_token_id = self._required_id(config.get("eos_token"), "eos_token")
         self._pad_token_id = self._required_id(config.get("pad_token") or ENDOFTEXT, "pad_token")
         self._endoftext_id = backend.token_to_id(ENDOFTEXT)
-        template = config.get("chat_template")
-        self._template = _compile_template(template, source / CONFIG_FILE) if template else None
+        # As in transformers, a chat_template.jinja file wins over the config's chat_template.
+        template, where = chat_template, source / CHAT_TEMPLATE_FILE
+        if template is None:
+            template, where = config.get("chat_template"), source / CONFIG_FILE
+        self._template = _compile_template(template, where) if template else None
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
         path = Path(path)
         backend = _read_backend(path / TOKENIZER_FILE)
         config = _read_config(path / CONFIG_FILE)
-        return cls(backend, config, path)
+        return cls(backend, config, path, _read_chat_template(path / CHAT_TEMPLATE_FILE))
 
     def _required_id(self, token: Any, key: str) -> int:
         # Configs may store tokens as strings or as AddedToken-like dicts.
@@ -383,7 +389,8 @@ class Tokenizer:
         enable_thinking: bool = True,
     ) -> str:
         if self._template is None:
-            raise TokenizerFileError(f"{self._source / CONFIG_FILE}: no chat_template")
+            raise TokenizerFileError(f"{self._source}: no chat template (neither {CHAT_TEMPLATE_FILE} nor a "
+                                     f"chat_template in {CONFIG_FILE})")
         return self._template.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
@@ -408,6 +415,15 @@ def _read_backend(path: Path) -> tokenizers.Tokenizer:
         return tokenizers.Tokenizer.from_file(str(path))
     except Exception as exc:  # the Rust side raises plain Exception on bad JSON
         raise TokenizerFileError(f"cannot read tokenizer file {path}: {exc}") from exc
+
+
+def _read_chat_template(path: Path) -> str | None:
+    if not path.is_file():
+        return None
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TokenizerFileError(f"cannot read chat template {path}: {exc}") from exc
 
 
 def _read_config(path: Path) -> dict[str, Any]:

@@ -284,6 +284,18 @@ def test_chat_template_rejects_unknown_roles(small):
         small.ours.apply_chat_template([{"role": "tool", "content": "x"}])
 
 
+def test_a_chat_template_jinja_file_wins_over_the_config_like_in_transformers(small, tmp_path):
+    # Qwen3.5 checkpoints ship their template as chat_template.jinja.
+    copy = tmp_path / "tok"
+    shutil.copytree(small.directory, copy)
+    (copy / "chat_template.jinja").write_text("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
+    messages = CHATS["user_only"]
+    rendered = Tokenizer.from_dir(copy).apply_chat_template(messages)
+    assert rendered == "[Hi]"
+    hf = transformers.AutoTokenizer.from_pretrained(str(copy))
+    assert rendered == hf.apply_chat_template(messages, tokenize=False)
+
+
 # ------------------------------------------------------------------ errors
 
 
@@ -301,6 +313,10 @@ def _break_chat_template(directory, name):
     (directory / name).write_text(json.dumps(config))
 
 
+def _break_jinja_template(directory, name):
+    (directory / name).write_text("{% for m in messages %}")  # never closed
+
+
 def _unknown_eos(directory, name):
     config = json.loads((directory / name).read_text())
     config["eos_token"] = "<|no_such_token|>"
@@ -315,6 +331,7 @@ def _unknown_eos(directory, name):
         (_corrupt_file, "tokenizer.json", ValueError),
         (_corrupt_file, "tokenizer_config.json", ValueError),
         (_break_chat_template, "tokenizer_config.json", ValueError),
+        (_break_jinja_template, "chat_template.jinja", ValueError),
         (_unknown_eos, "tokenizer_config.json", ValueError),
     ],
 )

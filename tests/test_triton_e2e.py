@@ -4,33 +4,25 @@ gRPC streaming, the HTTP generate endpoints. Outputs must equal the in-process e
 greedy output; bad requests must get clear errors while the server keeps serving."""
 
 import json
-import queue
 import threading
 import time
-import urllib.error
-import urllib.request
 
 import numpy as np
 import pytest
 
-grpcclient = pytest.importorskip("tritonclient.grpc", reason="needs tritonclient[grpc,http]")
-httpclient = pytest.importorskip("tritonclient.http", reason="needs tritonclient[grpc,http]")
-from tritonclient.utils import InferenceServerException, np_to_triton_dtype  # noqa: E402
-
-from dflash_trt import protocol as p  # noqa: E402
-from dflash_trt.build import load_engine, resolve_config, run  # noqa: E402
-from dflash_trt.sampling import SamplingParams  # noqa: E402
-from dflash_trt.serve import TritonServer  # noqa: E402
-from dflash_trt.serving import perf_metrics  # noqa: E402
-from ports import free_ports  # noqa: E402
+from dflash_trt import protocol as p
+from dflash_trt.build import load_engine, resolve_config, run
+from dflash_trt.sampling import SamplingParams
+from dflash_trt.serving import perf_metrics
+from triton_clients import (MAX_TOKENS, TIMEOUT_S, InferenceServerException, expected_text, greedy_reference,
+                            grpc_infer, grpc_stream, grpcclient, http_client, http_infer, httpclient,
+                            np_to_triton_dtype, post, serving, tensors, text_of)
 
 pytestmark = pytest.mark.slow
 
-MAX_TOKENS = 32
 # The demo model's output holds multi-byte characters for the first four (checked below).
 PROMPTS = ["你好，世界", "1 2 3", "中文", "Zürich", "Hello", "The capital of France is", "def f(x):",
            "Once upon a time"]
-TIMEOUT_S = 60
 
 
 @pytest.fixture(scope="module")
@@ -42,12 +34,8 @@ def demo(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(demo):
-    http, grpc, metrics = free_ports(3)
-    server = TritonServer(demo / "model_repository", http_port=http, grpc_port=grpc, metrics_port=metrics,
-                          host="127.0.0.1", log_path=demo.parent / "tritonserver.log")
-    server.start(timeout=180)
-    yield server
-    server.stop()
+    with serving(demo) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -59,95 +47,7 @@ def local(demo):
 @pytest.fixture(scope="module")
 def expected(local):
     """prompt (or chat text) -> greedy AR output ids without the end token, computed once."""
-    cache = {}
-    tok = local.tokenizer
-
-    def get(prompt, max_tokens=MAX_TOKENS):
-        if (prompt, max_tokens) not in cache:
-            params = SamplingParams(max_tokens=max_tokens, stop_token_ids=tuple(tok.stop_token_ids))
-            ids = local.engine.generate([tok.encode(prompt)], params, mode="ar")[0].token_ids
-            cache[prompt, max_tokens] = ids[:-1] if ids and ids[-1] in tok.stop_token_ids else ids
-        return cache[prompt, max_tokens]
-
-    return get
-
-
-def expected_text(local, expected, prompt, max_tokens=MAX_TOKENS):
-    return local.tokenizer.decode(expected(prompt, max_tokens))
-
-
-# -- client helpers ---------------------------------------------------------------------------
-
-
-def tensors(module, text=None, max_tokens=MAX_TOKENS, **extra):
-    """Client input tensors with the batch dimension; a value of None leaves the input out."""
-    values = {p.TEXT_INPUT: None if text is None else np.array([[text.encode()]], dtype=object),
-              p.MAX_TOKENS: None if max_tokens is None else np.array([[max_tokens]], dtype=np.int32)}
-    dtypes = {s.name: p.NUMPY_DTYPES[s.dtype] for s in p.ENSEMBLE_INPUTS}
-    for name, value in extra.items():
-        values[name] = value if isinstance(value, np.ndarray) else np.array([[value]], dtype=dtypes[name])
-    out = []
-    for name, array in values.items():
-        if array is not None:
-            tensor = module.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
-            tensor.set_data_from_numpy(array)
-            out.append(tensor)
-    return out
-
-
-def http_client(server):
-    return httpclient.InferenceServerClient(server.endpoints.http.removeprefix("http://"))
-
-
-def grpc_client(server):
-    return grpcclient.InferenceServerClient(server.endpoints.grpc)
-
-
-def text_of(result):
-    return result.as_numpy(p.TEXT_OUTPUT)[0, 0].decode("utf-8")
-
-
-def http_infer(server, model=p.ENSEMBLE_UNARY, inputs=None, **kw):
-    # Clients are closed after use: the server waits for open HTTP connections at shutdown.
-    with http_client(server) as client:
-        return client.infer(model, inputs or tensors(httpclient, **kw))
-
-
-def grpc_infer(server, **kw):
-    with grpc_client(server) as client:
-        return text_of(client.infer(p.ENSEMBLE_UNARY, tensors(grpcclient, **kw)))
-
-
-def grpc_stream(server, model=p.ENSEMBLE, inputs=None, stop_after=None, **kw):
-    """Raw text_output bytes of every response of one gRPC streaming request.
-
-    stop_after=n cancels the stream after n responses (a client that goes away)."""
-    client, responses = grpc_client(server), queue.Queue()
-    client.start_stream(callback=lambda result, error: responses.put((result, error)))
-    try:
-        client.async_stream_infer(model, inputs or tensors(grpcclient, **kw), enable_empty_final_response=True)
-        chunks = []
-        while stop_after is None or len(chunks) < stop_after:
-            result, error = responses.get(timeout=TIMEOUT_S)
-            if error is not None:
-                raise error
-            output = result.as_numpy(p.TEXT_OUTPUT if model == p.ENSEMBLE else p.OUTPUT_TEXT)
-            if output is not None:
-                chunks.append(output[0, 0])
-            if result.get_response().parameters["triton_final_response"].bool_param:
-                break
-        return chunks
-    finally:
-        client.stop_stream(cancel_requests=stop_after is not None)
-        client.close()
-
-
-def post(server, path, body):
-    request = urllib.request.Request(f"{server.endpoints.http}{path}", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    with opener.open(request, timeout=TIMEOUT_S) as response:
-        return response.read().decode("utf-8")
+    return greedy_reference(local)
 
 
 # -- tests ------------------------------------------------------------------------------------
