@@ -9,6 +9,8 @@ out. Bandwidth = K/V bytes the kernel must read / time, as a share of a device-t
 copy measured here (bytes read + written / time, the convention of performance.md).
 
     python bench/kernels.py --json $OUT/kernels.json
+    python bench/kernels.py --layer-ops      # the fused layer ops instead
+    python bench/kernels.py --gated-delta    # the Gated DeltaNet decode/verify kernel instead
 """
 
 from __future__ import annotations
@@ -148,10 +150,90 @@ def layer_ops_rows(dtype=torch.bfloat16) -> list[dict]:
     return rows
 
 
+def fla_fused_recurrent():
+    """fla's fused recurrent gated delta rule, or None where fla (or its triton) is missing."""
+    try:
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+    except Exception:  # noqa: BLE001 - ImportError, or triton failing to initialise
+        return None
+    return fused_recurrent_gated_delta_rule
+
+
+def gated_delta_rows() -> list[dict]:
+    """The Gated DeltaNet decode/verify kernel (plugins/gated_delta.cu) on Qwen3.5-9B shapes
+    (Hk 16, Hv 32, dk = dv = 128, 16 snapshots), one layer, every row continuing a sequence
+    (start > 0, so the state is read). Bytes = state read + snapshots written + q/k/v/out (+ g,
+    beta), as a share of the device copy bandwidth. Against the path it replaces (gather the
+    state, the reference recurrence, scatter the snapshots) and, when installed, fla's
+    fused_recurrent_gated_delta_rule, which reads the state and writes only the final one
+    (no snapshots, so less traffic: not the same work)."""
+    from dflash_trt import ops
+    from dflash_trt.gated_delta import gated_delta_rule_reference, l2_normalize
+
+    hk, hv, d, ns = 16, 32, 128, 16
+    fla = fla_fused_recurrent()
+    if fla is None:
+        print("fla is absent: its column stays empty", file=sys.stderr)
+    copy_gbps = copy_bandwidth_gbps()
+    print(f"{torch.cuda.get_device_name()}: device-to-device copy {copy_gbps:,.0f} GB/s", file=sys.stderr)
+    rows = []
+    for T in (1, 16):
+        for batch in (1, 8, 32):
+            rand = lambda *shape: torch.randn(*shape, device="cuda")  # noqa: E731
+            q, k = l2_normalize(rand(batch, T, hk, d)) * d**-0.5, l2_normalize(rand(batch, T, hk, d))
+            v, g, beta = rand(batch, T, hv, d), -torch.nn.functional.softplus(rand(batch, T, hv)), rand(batch, T, hv)
+            beta = beta.sigmoid()
+            state_cache = 0.1 * rand(batch, hv, d, d)
+            snapshot_cache = torch.zeros(batch, ns, hv, d, d, device="cuda")
+            i32 = dict(dtype=torch.int32, device="cuda")
+            slots, start = torch.arange(batch, **i32), torch.ones(batch, **i32)
+            num_tokens = torch.full((batch,), T, **i32)
+            args = (q, k, v, g, beta, state_cache, snapshot_cache, slots, start, num_tokens)
+
+            def kernel():
+                return ops.gated_delta_recurrent(*args)
+
+            def today():  # GatedDeltaNet.forward before the kernel, for passes of at most S tokens
+                state = state_cache[slots.long()].masked_fill((start == 0)[:, None, None, None], 0)
+                out, snapshots = gated_delta_rule_reference(q, k, v, g, beta, state, num_tokens.long(), ns)
+                snapshot_cache[slots.long()] = snapshots
+                return out
+
+            state_bytes = batch * hv * d * d * 4
+            nbytes = state_bytes * (1 + min(T, ns)) + 4 * batch * T * (2 * hk * d + 2 * hv * d + 2 * hv)
+            k_us, _ = time_us(kernel)
+            t_us, _ = time_us(today)
+            f_us = f_diff = None
+            if fla is not None:
+                expand = lambda x: x.repeat_interleave(hv // hk, dim=2)  # noqa: E731  older fla: Hq == Hv
+                for qf, kf in ((q, k), (expand(q), expand(k))):
+                    try:
+                        def fla_call(qf=qf, kf=kf):
+                            return fla(qf, kf, v, g=g, beta=beta, scale=1.0, initial_state=state_cache,
+                                       output_final_state=True)  # keywords: fla 0.6 puts gk, gv before beta
+
+                        f_diff = (fla_call()[0].float() - kernel()).abs().max().item()
+                        f_us, _ = time_us(fla_call)
+                        break
+                    except Exception as e:  # noqa: BLE001 - API drift between versions
+                        print(f"fla: {type(e).__name__}: {e}"[:200], file=sys.stderr)
+            gbps = nbytes / (k_us * 1e-6) / 1e9
+            rows.append(dict(T=T, batch=batch, kernel_us=k_us, kernel_gbps=gbps, copy_share=gbps / copy_gbps,
+                             bytes=nbytes, today_us=t_us, speedup_vs_today=t_us / k_us, fla_us=f_us,
+                             fla_max_abs_diff=f_diff))
+            print(f"T={T:<2} batch={batch:<2} kernel {k_us:8.1f} us ({100 * gbps / copy_gbps:4.0f}% copy bw)  "
+                  f"today {t_us:9.1f} us  fla {f_us or float('nan'):8.1f} us", file=sys.stderr)
+            del args, state_cache, snapshot_cache
+            torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--layer-ops", action="store_true", help="time only the fused layer ops (layer_ops.cu)")
+    parser.add_argument("--gated-delta", action="store_true",
+                        help="time only the Gated DeltaNet decode/verify kernel (gated_delta.cu)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/kernels.py needs a CUDA GPU")
@@ -164,6 +246,23 @@ def main() -> None:
         print("FlashInfer is absent: its column stays empty", file=sys.stderr)
 
     torch.manual_seed(0)
+    if args.gated_delta:
+        rows = gated_delta_rows()
+        fmt = lambda x, spec: "-" if x is None else format(x, spec)  # noqa: E731
+        print("Qwen3.5-9B Gated DeltaNet layer (Hk 16, Hv 32, dk = dv = 128, 16 snapshots), fp32. today: gather + "
+              "reference recurrence + scatter; fla: fused_recurrent_gated_delta_rule, final state only (no "
+              "snapshots).")
+        print("| T | batch | kernel us | GB/s | % of copy bw | today us | today / kernel | fla us | fla max diff |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['T']} | {r['batch']} | {r['kernel_us']:.1f} | {r['kernel_gbps']:,.0f} | "
+                  f"{100 * r['copy_share']:.0f}% | {r['today_us']:.1f} | {r['speedup_vs_today']:.1f} | "
+                  f"{fmt(r['fla_us'], '.1f')} | {fmt(r['fla_max_abs_diff'], '.2g')} |")
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                                                 gated_delta=rows), indent=1))
+        return
     if args.layer_ops:
         rows = layer_ops_rows()
         print("| op | N | kernel us | torch us | torch / kernel |")

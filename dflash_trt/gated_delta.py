@@ -9,15 +9,21 @@ Per value head the layer keeps a state matrix S [dk, dv] and, for token t,
 with q, k L2-normalised and q scaled by dk^-1/2. Before that, q, k and v pass through a
 depthwise causal conv (kernel K, SiLU) whose window is the previous K-1 inputs.
 
-A pass over T tokens never overwrites the state it starts from. It returns *snapshots*: the
+A pass over T tokens never overwrites the state it starts from. It records *snapshots*: the
 state (and conv window) after each of the row's last S tokens, right-aligned, so index
 S-1-d holds the state after `num_tokens - d` tokens. Committing n tokens copies snapshot
 S-1-(num_tokens-n) into the cache; a verify block of B <= S tokens can thus be cut after
 any prefix. Rows are ragged: tokens at t >= num_tokens are padding, never snapshotted.
 
-The recurrent form below is the reference: the CPU path and the test oracle. On CUDA, a
-pass longer than S (a prefill) runs its head through flash-linear-attention's chunked
-kernel when `fla` is installed (UNTESTED: written against fla-core 0.6.0 without a GPU).
+Two entry points. A pass of at most S tokens (decode, verify) runs `gated_delta_rule_on_cache`:
+ops.gated_delta_recurrent reads the committed state from the cache and writes the snapshots
+into it in place (plugins/gated_delta.cu on CUDA, no gathered copy of either). A wider pass
+(a prefill) runs `gated_delta_rule` on a gathered state and returns all S snapshots for the
+caller to scatter; on CUDA its head runs through flash-linear-attention's chunked kernel when
+`fla` is installed (UNTESTED: written against fla-core 0.6.0 without a GPU).
+
+The recurrent form below (`gated_delta_rule_reference`) is the reference: the CPU path of
+both entry points and the test oracle.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ import functools
 
 import torch
 import torch.nn.functional as F
+
+from dflash_trt.ops import gated_delta_recurrent
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -93,10 +101,31 @@ def gated_delta_rule_reference(q, k, v, g, beta, state, num_tokens, num_snapshot
     return out, snapshots
 
 
+def gated_delta_rule_on_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                              state_cache: torch.Tensor, snapshot_cache: torch.Tensor, slots: torch.Tensor,
+                              start: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:
+    """A decode/verify pass on the cache in place -> out [bs, T, Hv, dv] in v's dtype.
+
+    q, k, v, g, beta as for gated_delta_rule; state_cache [num_slots, Hv, dk, dv] and
+    snapshot_cache [num_slots, S, Hv, dk, dv] are one layer of HybridCache; slots, start,
+    num_tokens [bs] int32. Row i starts from state_cache[slots[i]] (zeros when start[i] == 0)
+    and writes the snapshots its tokens reach into snapshot_cache[slots[i]] (right-aligned, as
+    gated_delta_rule returns them; the ones before a short row's first token are left as
+    they were, and commit never reads them). Padding tokens output zeros.
+    """
+    dk = q.shape[-1]
+    q = (l2_normalize(q.float()) * dk**-0.5).contiguous()
+    k = l2_normalize(k.float()).contiguous()
+    out = gated_delta_recurrent(q, k, v.float().contiguous(), g.float().contiguous(), beta.float().contiguous(),
+                                state_cache, snapshot_cache, slots, start, num_tokens)
+    return out.to(v.dtype)
+
+
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      state: torch.Tensor, num_tokens: torch.Tensor, num_snapshots: int
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One pass of the gated delta rule -> (out [bs, T, Hv, dv] in v's dtype, snapshots).
+    """One pass of the gated delta rule -> (out [bs, T, Hv, dv] in v's dtype, snapshots); the
+    model runs it for prefills (wider than S), and gated_delta_rule_on_cache for the rest.
 
     q, k [bs, T, Hk, dk] raw (normalised and scaled here); v [bs, T, Hv, dv]; g (log decay,
     <= 0) and beta [bs, T, Hv]; state [bs, Hv, dk, dv] fp32, read only; num_tokens [bs].

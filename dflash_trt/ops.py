@@ -244,3 +244,79 @@ def silu_mul(gate_up):
     if _layer_kernel_ready(gate_up):
         return torch.ops.dflash.silu_mul(gate_up)
     return silu_mul_reference(gate_up)
+
+
+# ----------------------------------------------------------------------------------------------
+# The Gated DeltaNet recurrence of a decode/verify pass (plugins/gated_delta.cu), on the cache in
+# place: the committed state is read from state_cache[slots] and the snapshots are written to
+# snapshot_cache[slots], with no gathered copy of either.
+
+
+def gated_delta_kernel_supports(key_dim: int, value_dim: int) -> bool:
+    """Whether plugins/gated_delta.cu runs these head sizes (dflash::gated_delta_supports):
+    dk and dv multiples of 16 from 16 to 256. Pure: loads nothing."""
+    return all(16 <= d <= 256 and d % 16 == 0 for d in (key_dim, value_dim))
+
+
+def gated_delta_recurrent_reference(q, k, v, g, beta, state_cache, snapshot_cache, slots, start, num_tokens):
+    """The kernel's semantics (plugins/gated_delta.h) on gated_delta.gated_delta_rule_reference.
+
+    Gathers each row's state (zeros where start == 0), runs the reference recurrence, and
+    writes into snapshot_cache[slots] only the snapshots the row's tokens reached: index j
+    holds the state after token t = j + num_tokens - NS, written iff 0 <= t < num_tokens (and
+    t < T). Returns out [bs, T, Hv, dv] fp32 with zeros at the padding tokens.
+    """
+    from dflash_trt.gated_delta import gated_delta_rule_reference  # that module imports this one
+
+    T, NS = q.shape[1], snapshot_cache.shape[1]
+    slots, num_tokens = slots.long(), num_tokens.long()
+    state = state_cache[slots].masked_fill((start == 0)[:, None, None, None], 0)
+    out, snapshots = gated_delta_rule_reference(q, k, v, g, beta, state, num_tokens, NS)
+    padding = torch.arange(T, device=q.device) >= num_tokens[:, None]  # [bs, T]
+    out = out.masked_fill(padding[:, :, None, None], 0)
+    t = torch.arange(NS, device=q.device) + num_tokens[:, None] - NS  # [bs, NS]: the token of snapshot j
+    reached = (t >= 0) & (t < num_tokens.clamp(max=T)[:, None])
+    snapshot_cache[slots] = torch.where(reached[:, :, None, None, None], snapshots, snapshot_cache[slots])
+    return out
+
+
+def gated_delta_recurrent(q, k, v, g, beta, state_cache, snapshot_cache, slots, start, num_tokens):
+    """One decode/verify pass of the gated delta rule, on the cache in place -> out [bs, T, Hv, dv] fp32.
+
+    q, k [bs, T, Hk, dk] (L2-normalised, q scaled); v [bs, T, Hv, dv]; g (log decay) and beta
+    [bs, T, Hv]; state_cache [num_slots, Hv, dk, dv], one layer of HybridCache.state, read
+    only; snapshot_cache [num_slots, NS, Hv, dk, dv], one layer of state_snapshots; slots,
+    start, num_tokens [bs] int32. Row b starts from state_cache[slots[b]] (zeros when
+    start[b] == 0) and writes snapshot j of its slot after token t = j + num_tokens[b] - NS for
+    0 <= t < num_tokens[b]; the slot's other snapshots stay as they were. Padding tokens
+    output zeros. All float tensors fp32 and contiguous. Slots should be distinct: rows sharing
+    one (CUDA-graph padding rows on the scratch slot) leave it an unspecified mix of their
+    snapshots. Runs plugins/gated_delta.cu on CUDA once the plugins are built (dk, dv
+    multiples of 16 up to 256, gated_delta_kernel_supports), else the reference.
+    """
+    assert q.dim() == 4, f"q must be [bs, T, Hk, dk], got {tuple(q.shape)}"
+    bs, T, Hk, dk = q.shape
+    assert Hk > 0 and v.dim() == 4 and v.shape[:2] == (bs, T) and v.shape[2] % Hk == 0, \
+        f"v must be [{bs}, {T}, Hv, dv] with Hv a multiple of {Hk}, got {tuple(v.shape)}"
+    Hv, dv = v.shape[2:]
+    assert snapshot_cache.dim() == 5 and snapshot_cache.shape[1] >= 1, \
+        f"snapshot_cache must be [num_slots, NS, {Hv}, {dk}, {dv}], got {tuple(snapshot_cache.shape)}"
+    num_slots, NS = snapshot_cache.shape[:2]
+    shapes = {"q": (q, (bs, T, Hk, dk)), "k": (k, (bs, T, Hk, dk)), "v": (v, (bs, T, Hv, dv)), "g": (g, (bs, T, Hv)),
+              "beta": (beta, (bs, T, Hv)), "state_cache": (state_cache, (num_slots, Hv, dk, dv)),
+              "snapshot_cache": (snapshot_cache, (num_slots, NS, Hv, dk, dv))}
+    for name, (t, shape) in shapes.items():
+        assert t.shape == shape, f"{name} must be {list(shape)}, got {list(t.shape)}"
+        assert t.dtype == torch.float32, f"{name} must be fp32, got {t.dtype}"
+        assert t.device == q.device, f"{name} on {t.device}, q on {q.device}"
+        assert t.is_contiguous(), f"{name} must be contiguous"
+    for name, t in (("slots", slots), ("start", start), ("num_tokens", num_tokens)):
+        assert t.dtype == torch.int32 and t.shape == (bs,) and t.device == q.device and t.is_contiguous(), \
+            f"{name} must be contiguous int32 [{bs}] on q's device, got {t.dtype} {tuple(t.shape)} {t.device}"
+    if q.is_cuda and gated_delta_kernel_supports(dk, dv):
+        from dflash_trt import plugins
+
+        if plugins.load() is not None:
+            return torch.ops.dflash.gated_delta_recurrent(q, k, v, g, beta, state_cache, snapshot_cache, slots, start,
+                                                          num_tokens)
+    return gated_delta_recurrent_reference(q, k, v, g, beta, state_cache, snapshot_cache, slots, start, num_tokens)

@@ -16,7 +16,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-SOURCES = ("ops.cpp", "block_attention.cu", "layer_ops.cu")  # one library; ops.cpp holds the registrations
+# one library; ops.cpp holds the registrations
+SOURCES = ("ops.cpp", "block_attention.cu", "layer_ops.cu", "gated_delta.cu")
 NAME = "dflash_trt_plugins"
 
 

@@ -11,6 +11,7 @@
 #include <torch/library.h>
 
 #include "block_attention.h"
+#include "gated_delta.h"
 #include "layer_ops.h"
 
 namespace {
@@ -318,6 +319,75 @@ at::Tensor silu_mul_meta(const at::Tensor& gate_up) {
   return at::empty(sizes, gate_up.options());
 }
 
+// ---------------------------------------------------------------------------------------------
+// Gated DeltaNet recurrence (gated_delta.h): reads state_cache, writes snapshot_cache in place.
+
+void check_fp32(const at::Tensor& t, const char* name, const at::Tensor& q, at::IntArrayRef sizes) {
+  TORCH_CHECK(t.is_cuda() && t.device() == q.device(), name, " must be on q's CUDA device");
+  TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be fp32, got ", t.scalar_type());
+  TORCH_CHECK(t.sizes() == sizes, name, " must be ", sizes, ", got ", t.sizes());
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+// q, k [bs, T, Hk, dk]; v [bs, T, Hv, dv]; g, beta [bs, T, Hv]; state_cache [num_slots, Hv,
+// dk, dv] (read only); snapshot_cache [num_slots, NS, Hv, dk, dv] (written); slots, start,
+// num_tokens [bs] int32; all fp32 and contiguous. Returns out [bs, T, Hv, dv].
+at::Tensor gated_delta_recurrent_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                      const at::Tensor& g, const at::Tensor& beta, const at::Tensor& state_cache,
+                                      const at::Tensor& snapshot_cache, const at::Tensor& slots,
+                                      const at::Tensor& start, const at::Tensor& num_tokens) {
+  TORCH_CHECK(q.is_cuda(), "q must be a CUDA tensor");
+  TORCH_CHECK(q.dim() == 4, "q must be [bs, T, Hk, dk], got ", q.sizes());
+  TORCH_CHECK(v.dim() == 4, "v must be [bs, T, Hv, dv], got ", v.sizes());
+  TORCH_CHECK(snapshot_cache.dim() == 5, "snapshot_cache must be [num_slots, NS, Hv, dk, dv], got ",
+              snapshot_cache.sizes());
+  const int64_t bs = q.size(0), T = q.size(1), Hk = q.size(2), dk = q.size(3), Hv = v.size(2), dv = v.size(3);
+  const int64_t num_slots = snapshot_cache.size(0), NS = snapshot_cache.size(1);
+  check_fp32(q, "q", q, q.sizes());
+  check_fp32(k, "k", q, q.sizes());
+  check_fp32(v, "v", q, {bs, T, Hv, dv});
+  check_fp32(g, "g", q, {bs, T, Hv});
+  check_fp32(beta, "beta", q, {bs, T, Hv});
+  check_fp32(state_cache, "state_cache", q, {num_slots, Hv, dk, dv});
+  check_fp32(snapshot_cache, "snapshot_cache", q, {num_slots, NS, Hv, dk, dv});
+  check_index(slots, "slots", q);
+  check_index(start, "start", q);
+  check_index(num_tokens, "num_tokens", q);
+
+  const c10::cuda::CUDAGuard guard(q.device());
+  auto out = at::empty({bs, T, Hv, dv}, q.options());
+
+  dflash::GatedDeltaParams p;
+  p.batch = static_cast<int>(bs);
+  p.width = static_cast<int>(T);
+  p.num_k_heads = static_cast<int>(Hk);
+  p.num_v_heads = static_cast<int>(Hv);
+  p.key_dim = static_cast<int>(dk);
+  p.value_dim = static_cast<int>(dv);
+  p.num_snapshots = static_cast<int>(NS);
+  p.q = q.data_ptr<float>();
+  p.k = k.data_ptr<float>();
+  p.v = v.data_ptr<float>();
+  p.g = g.data_ptr<float>();
+  p.beta = beta.data_ptr<float>();
+  p.state_cache = state_cache.data_ptr<float>();
+  p.snapshot_cache = snapshot_cache.data_ptr<float>();
+  p.slots = slots.data_ptr<int32_t>();
+  p.start = start.data_ptr<int32_t>();
+  p.num_tokens = num_tokens.data_ptr<int32_t>();
+  p.out = out.data_ptr<float>();
+  if (const char* why = dflash::gated_delta_recurrent_check(p)) TORCH_CHECK(false, "gated_delta_recurrent: ", why);
+  check_launch(dflash::gated_delta_recurrent_launch(p, c10::cuda::getCurrentCUDAStream().stream()),
+               "gated_delta_recurrent");
+  return out;
+}
+
+at::Tensor gated_delta_recurrent_meta(const at::Tensor& q, const at::Tensor&, const at::Tensor& v, const at::Tensor&,
+                                      const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      const at::Tensor&, const at::Tensor&) {
+  return at::empty({q.size(0), q.size(1), v.size(2), v.size(3)}, v.options());
+}
+
 }  // namespace
 
 TORCH_LIBRARY(dflash, m) {
@@ -332,6 +402,9 @@ TORCH_LIBRARY(dflash, m) {
       "Tensor cos, Tensor sin, Tensor(a!)? k_cache=None, Tensor(b!)? v_cache=None, Tensor? slots=None, "
       "Tensor? positions=None) -> (Tensor, Tensor, Tensor)");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def(
+      "gated_delta_recurrent(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor state_cache, "
+      "Tensor(a!) snapshot_cache, Tensor slots, Tensor start, Tensor num_tokens) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dflash, CUDA, m) {
@@ -340,6 +413,7 @@ TORCH_LIBRARY_IMPL(dflash, CUDA, m) {
   m.impl("add_rms_norm", &add_rms_norm_cuda);
   m.impl("qk_norm_rope", &qk_norm_rope_cuda);
   m.impl("silu_mul", &silu_mul_cuda);
+  m.impl("gated_delta_recurrent", &gated_delta_recurrent_cuda);
 }
 
 TORCH_LIBRARY_IMPL(dflash, Meta, m) {
@@ -348,4 +422,5 @@ TORCH_LIBRARY_IMPL(dflash, Meta, m) {
   m.impl("add_rms_norm", &add_rms_norm_meta);
   m.impl("qk_norm_rope", &qk_norm_rope_meta);
   m.impl("silu_mul", &silu_mul_meta);
+  m.impl("gated_delta_recurrent", &gated_delta_recurrent_meta);
 }

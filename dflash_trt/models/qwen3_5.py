@@ -36,7 +36,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from dflash_trt.config import HybridTargetConfig
-from dflash_trt.gated_delta import causal_conv1d, gated_delta_rule
+from dflash_trt.gated_delta import causal_conv1d, gated_delta_rule, gated_delta_rule_on_cache
 from dflash_trt.kv_cache import Batch, KVCache
 from dflash_trt.models.layers import MLP, PackedLinear, Rotary, apply_rope
 from dflash_trt.ops import paged_block_attention
@@ -53,7 +53,8 @@ class HybridCache(KVCache):
 
     state [Ll, slots, Hv, dk, dv] fp32 and conv [Ll, slots, K-1, C]: committed;
     state_snapshots / conv_snapshots [Ll, slots, S, ...]: after each of the last pass's
-    last S tokens, right-aligned (index S-1 = after all its tokens).
+    last S tokens, right-aligned (index S-1 = after all its tokens). A decode/verify pass of
+    n < S tokens leaves state snapshots below S - n as they were: commit never reads them.
     """
 
     def __init__(self, config: HybridTargetConfig, num_slots: int, capacity: int, num_snapshots: int, dtype, device):
@@ -128,7 +129,7 @@ class GatedAttention(nn.Module):
         k = apply_partial_rope(self.k_norm(k.unflatten(-1, (d.num_key_value_heads, d.head_dim))), cos, sin)
         v = v.unflatten(-1, (d.num_key_value_heads, d.head_dim))
         cache.write(self.cache_layer, batch, k, v)
-        slots, end, start = lengths
+        slots, end, start, _ = lengths
         out = paged_block_attention(q, cache.k[self.cache_layer], cache.v[self.cache_layer], slots, end, start,
                                     causal=True, scale=self.scale, max_keys=batch.max_end)
         return self.o_proj(out.flatten(2) * torch.sigmoid(gate.flatten(2)))
@@ -151,25 +152,34 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(lin.value_head_dim, config.dims.rms_norm_eps)
         self.out_proj = nn.Linear(lin.value_size, H, bias=False)
 
-    def forward(self, x, batch: Batch, cache: HybridCache):
+    def forward(self, x, batch: Batch, cache: HybridCache, lengths):
+        """`lengths`: (slots, end, start, num_tokens) of the batch as int32, made once per pass."""
         lin, layer, S = self.lin, self.cache_layer, cache.num_snapshots
         qkv, z, b, a = self.in_proj(x).split(
             [lin.conv_size, lin.value_size, lin.num_value_heads, lin.num_value_heads], dim=-1)
-        # The committed state of each row's slot; a sequence starting at 0 starts from zeros,
-        # whatever an earlier occupant of the slot left there.
+        # The committed conv window of each row's slot (and below, its state); a sequence
+        # starting at 0 starts from zeros, whatever an earlier occupant of the slot left there.
         fresh = (batch.start == 0)[:, None, None]
         window = cache.conv[layer, batch.slots].masked_fill(fresh, 0)
-        state = cache.state[layer, batch.slots].masked_fill(fresh[..., None], 0)
 
         qkv, windows = causal_conv1d(qkv, window, self.conv1d.weight[:, 0], batch.num_tokens, S)
+        cache.conv_snapshots[layer, batch.slots] = windows
         q, k, v = qkv.split([lin.key_size, lin.key_size, lin.value_size], dim=-1)
         q = q.unflatten(-1, (lin.num_key_heads, lin.key_head_dim))
         k = k.unflatten(-1, (lin.num_key_heads, lin.key_head_dim))
         v = v.unflatten(-1, (lin.num_value_heads, lin.value_head_dim))
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # log decay <= 0
-        out, states = gated_delta_rule(q, k, v, g, b.float().sigmoid(), state, batch.num_tokens, S)
-        cache.conv_snapshots[layer, batch.slots] = windows
-        cache.state_snapshots[layer, batch.slots] = states
+        beta = b.float().sigmoid()
+        if batch.width <= S:
+            # Decode/verify: the state is read from the cache and the snapshots written into it
+            # in place (one kernel on CUDA), never gathered or scattered.
+            slots, _, start, num_tokens = lengths
+            out = gated_delta_rule_on_cache(q, k, v, g, beta, cache.state[layer], cache.state_snapshots[layer],
+                                            slots, start, num_tokens)
+        else:  # prefill
+            state = cache.state[layer, batch.slots].masked_fill(fresh[..., None], 0)
+            out, states = gated_delta_rule(q, k, v, g, beta, state, batch.num_tokens, S)
+            cache.state_snapshots[layer, batch.slots] = states
 
         out = self.norm(out, z.unflatten(-1, (lin.num_value_heads, lin.value_head_dim)))
         return self.out_proj(out.flatten(2))
@@ -191,7 +201,7 @@ class HybridDecoderLayer(nn.Module):
     def forward(self, x, cos, sin, lengths, batch: Batch, cache: HybridCache):
         h = self.input_layernorm(x)
         if self.is_linear:
-            x = x + self.linear_attn(h, batch, cache)
+            x = x + self.linear_attn(h, batch, cache, lengths)
         else:
             x = x + self.self_attn(h, cos, sin, lengths, batch, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -214,7 +224,7 @@ class Qwen3_5Model(nn.Module):
         """input_ids [bs, width] -> (final hidden [bs, width, H], taps [bs, width, K*H] or None)."""
         x = self.embed_tokens(input_ids).float()  # fp32 residual stream, as in the Qwen3 target
         cos, sin = self.rotary(batch.positions, self.embed_tokens.weight.dtype)
-        lengths = (batch.slots.int(), (batch.start + batch.num_tokens).int(), batch.start.int())
+        lengths = (batch.slots.int(), (batch.start + batch.num_tokens).int(), batch.start.int(), batch.num_tokens.int())
         tapped = []
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, lengths, batch, cache)
@@ -226,6 +236,11 @@ class Qwen3_5Model(nn.Module):
 
 class Qwen3_5ForCausalLM(nn.Module):
     stateful = True  # recurrent state: commit() restores the accepted prefix's snapshot
+    # Decode passes (width <= snapshots) read no device value on the host and run the gated
+    # delta rule on the cache in place; only a prefill's chunked head (gated_delta.py) reads
+    # one, and prefill runs eagerly.
+    graph_safe = True
+
     def __init__(self, config: HybridTargetConfig):
         super().__init__()
         self.config = config

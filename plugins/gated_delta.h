@@ -1,0 +1,71 @@
+// The Gated DeltaNet recurrence of a decode/verify pass, on the cache in place: the plain C++
+// launcher API (no torch types), so a torch op (ops.cpp) and a TensorRT IPluginV3 can both
+// wrap it.
+//
+// Row b (of bs), value head h (of Hv; it reads key head kh = h / (Hv / Hk)), in fp32:
+//   S = state_cache[slots[b], h]  ([dk, dv]), or zeros when start[b] == 0 (a new sequence:
+//       whatever an earlier occupant of the slot left there is ignored)
+//   for t < min(num_tokens[b], T):
+//     S = exp(g[b, t, h]) * S
+//     delta = beta[b, t, h] * (v[b, t, h] - S^T k[b, t, kh])
+//     S = S + k[b, t, kh] delta^T
+//     out[b, t, h] = S^T q[b, t, kh]
+//     j = t + NS - num_tokens[b]; if j >= 0: snapshot_cache[slots[b], j, h] = S
+//   out[b, t, h] = 0 for the padding tokens t >= num_tokens[b].
+// So snapshot NS-1-d holds the state after num_tokens[b] - d tokens (right-aligned); the other
+// snapshots of the slot, and state_cache, are left as they are. q and k come L2-normalised
+// and scaled already.
+//
+// Slots should be distinct. Rows that share one (CUDA-graph padding rows on a scratch slot)
+// leave each snapshot element they both write holding one of their values, unspecified which.
+// state_cache and snapshot_cache must not overlap.
+//
+// The Python reference with exactly these semantics is
+// dflash_trt.ops.gated_delta_recurrent_reference.
+
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+namespace dflash {
+
+// The head sizes the kernel runs: dk and dv multiples of 16 from 16 to 256.
+// dflash_trt.ops.gated_delta_kernel_supports mirrors this.
+constexpr bool gated_delta_supports(int key_dim, int value_dim) {
+  return key_dim >= 16 && key_dim <= 256 && key_dim % 16 == 0 && value_dim >= 16 && value_dim <= 256 &&
+         value_dim % 16 == 0;
+}
+
+// Every tensor is fp32 (indices int32) and contiguous; the float ones 16-byte aligned.
+struct GatedDeltaParams {
+  int batch = 0;               // bs, <= 65535
+  int width = 0;               // T: tokens per row, padding included
+  int num_k_heads = 0;         // Hk
+  int num_v_heads = 0;         // Hv, a multiple of Hk, <= 65535
+  int key_dim = 0;             // dk (see gated_delta_supports)
+  int value_dim = 0;           // dv
+  int num_snapshots = 0;       // NS >= 1
+
+  const float* q = nullptr;    // [bs, T, Hk, dk]
+  const float* k = nullptr;    // [bs, T, Hk, dk]
+  const float* v = nullptr;    // [bs, T, Hv, dv]
+  const float* g = nullptr;    // [bs, T, Hv] log decay
+  const float* beta = nullptr; // [bs, T, Hv]
+  const float* state_cache = nullptr;  // [num_slots, Hv, dk, dv], read only
+  float* snapshot_cache = nullptr;     // [num_slots, NS, Hv, dk, dv]
+  const int32_t* slots = nullptr;      // [bs] device
+  const int32_t* start = nullptr;      // [bs] device: 0 starts from zeros
+  const int32_t* num_tokens = nullptr; // [bs] device: real tokens of the row, in [0, T]
+  float* out = nullptr;        // [bs, T, Hv, dv]
+};
+
+// Non-null when the parameters are unsupported (the message says why).
+const char* gated_delta_recurrent_check(const GatedDeltaParams& p);
+
+// One kernel on `stream`; never reads device data on the host and allocates nothing, so it
+// can be captured in a CUDA graph. Returns cudaErrorInvalidValue for unsupported parameters.
+cudaError_t gated_delta_recurrent_launch(const GatedDeltaParams& p, cudaStream_t stream);
+
+}  // namespace dflash

@@ -1,0 +1,279 @@
+"""The gated delta rule of decode/verify passes on the cache in place (ops.gated_delta_recurrent,
+plugins/gated_delta.cu): the reference equals the old gather / reference / scatter path bit for
+bit (CPU), the wrapper rejects bad input naming it, and the CUDA kernel agrees with the
+reference over a table of shapes, in a CUDA graph too (cuda marker)."""
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dflash_trt import plugins
+from dflash_trt.gated_delta import gated_delta_rule, gated_delta_rule_on_cache, gated_delta_rule_reference, l2_normalize
+from dflash_trt.ops import gated_delta_kernel_supports, gated_delta_recurrent, gated_delta_recurrent_reference
+
+PLUGINS = Path(__file__).resolve().parent.parent / "plugins"
+
+
+def make_case(bs, T, Hk, Hv, dk, dv, NS, num_tokens, start, slots=None, num_slots=None, device="cpu", seed=0):
+    """Kwargs of gated_delta_recurrent: random normalised q/k, decays from very fast to almost
+    none, and caches full of garbage (a fresh row must ignore its slot's state, and the
+    snapshots a row does not reach must keep theirs)."""
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    num_slots = num_slots or bs + 3
+    if slots is None:
+        slots = torch.randperm(num_slots, generator=gen)[:bs].tolist()
+    case = dict(q=l2_normalize(r(bs, T, Hk, dk)) * dk**-0.5, k=l2_normalize(r(bs, T, Hk, dk)), v=r(bs, T, Hv, dv),
+                g=-F.softplus(2 * r(bs, T, Hv)), beta=torch.sigmoid(r(bs, T, Hv)),
+                state_cache=r(num_slots, Hv, dk, dv), snapshot_cache=r(num_slots, NS, Hv, dk, dv))
+    case = {name: t.to(device) for name, t in case.items()}
+    for name, values in (("slots", slots), ("start", start), ("num_tokens", num_tokens)):
+        case[name] = torch.tensor(values, dtype=torch.int32, device=device)
+    return case
+
+
+def reached(case):
+    """[num_slots, NS] bool: the snapshots a pass writes (j = t + NS - num_tokens, t < num_tokens)."""
+    NS, T = case["snapshot_cache"].shape[1], case["q"].shape[1]
+    mask = torch.zeros(case["snapshot_cache"].shape[:2], dtype=torch.bool, device=case["q"].device)
+    for slot, n in zip(case["slots"].tolist(), case["num_tokens"].tolist()):
+        for t in range(min(n, T)):
+            if t + NS - n >= 0:
+                mask[slot, t + NS - n] = True
+    return mask
+
+
+def old_path(case):
+    """What GatedDeltaNet.forward did before the op: gather, reference, scatter all NS."""
+    slots = case["slots"].long()
+    fresh = (case["start"] == 0)[:, None, None, None]
+    state = case["state_cache"][slots].masked_fill(fresh, 0)
+    NS = case["snapshot_cache"].shape[1]
+    out, snapshots = gated_delta_rule_reference(case["q"], case["k"], case["v"], case["g"], case["beta"], state,
+                                                case["num_tokens"].long(), NS)
+    cache = case["snapshot_cache"].clone()
+    cache[slots] = snapshots
+    return out, cache
+
+
+# (bs, T, Hk, Hv, dk, dv, NS, num_tokens, start)
+CPU_CASES = {
+    "decode T=1": (3, 1, 2, 4, 16, 16, 4, [1, 1, 1], [5, 0, 9]),
+    "verify ragged, one fresh": (4, 4, 1, 2, 16, 32, 4, [4, 1, 3, 0], [7, 0, 2, 1]),
+    "more tokens than snapshots": (3, 9, 2, 2, 32, 16, 4, [9, 5, 2], [0, 3, 3]),
+    "one snapshot": (2, 3, 1, 1, 16, 16, 1, [3, 2], [1, 0]),
+}
+
+
+@pytest.mark.parametrize("shape", CPU_CASES.values(), ids=CPU_CASES.keys())
+def test_reference_equals_the_gather_reference_scatter_path(shape):
+    case = make_case(*shape)
+    before, state_before = case["snapshot_cache"].clone(), case["state_cache"].clone()
+    out_old, cache_old = old_path(case)
+    out = gated_delta_recurrent(**case)  # CPU: the reference
+    T = case["q"].shape[1]
+    real = torch.arange(T) < case["num_tokens"][:, None]  # [bs, T]
+    assert out.dtype == torch.float32 and out.shape == case["v"].shape
+    assert torch.equal(out[real], out_old[real]) and not out[~real].any()  # padding outputs zeros
+    mask = reached(case)
+    assert torch.equal(case["snapshot_cache"][mask], cache_old[mask])
+    assert torch.equal(case["snapshot_cache"][~mask], before[~mask])  # the rest is left as it was
+    assert torch.equal(case["state_cache"], state_before)  # read only
+
+
+def test_a_fresh_row_ignores_what_its_slot_held():
+    shape = (2, 3, 1, 2, 16, 16, 4, [3, 2], [0, 0])
+    a, b = make_case(*shape, seed=1), make_case(*shape, seed=1)
+    b["state_cache"].normal_()  # another earlier occupant
+    torch.testing.assert_close(gated_delta_recurrent(**a), gated_delta_recurrent(**b), rtol=0, atol=0)
+    torch.testing.assert_close(a["snapshot_cache"], b["snapshot_cache"], rtol=0, atol=0)
+
+
+def test_the_model_entry_point_equals_the_gated_delta_rule_on_a_gathered_state():
+    """gated_delta_rule_on_cache (normalises q/k, then the op) against gated_delta_rule (the
+    path the model took for every pass before, and still takes for prefills): CPU bit for bit."""
+    bs, T, Hk, Hv, dk, dv, S = 3, 4, 2, 4, 16, 32, 4
+    case = make_case(bs, T, Hk, Hv, dk, dv, S, [4, 2, 1], [3, 0, 8])
+    gen = torch.Generator().manual_seed(5)
+    q, k = (torch.randn(bs, T, Hk, dk, generator=gen).bfloat16() for _ in range(2))  # raw, in the model dtype
+    v = case["v"].bfloat16()
+    slots = case["slots"].long()
+    state = case["state_cache"][slots].masked_fill((case["start"] == 0)[:, None, None, None], 0)
+    out_old, snapshots = gated_delta_rule(q, k, v, case["g"], case["beta"], state, case["num_tokens"].long(), S)
+    out = gated_delta_rule_on_cache(q, k, v, case["g"], case["beta"], case["state_cache"], case["snapshot_cache"],
+                                    case["slots"], case["start"], case["num_tokens"])
+    real = torch.arange(T) < case["num_tokens"][:, None]
+    assert out.dtype == torch.bfloat16 and torch.equal(out[real], out_old[real])
+    for row, n in enumerate(case["num_tokens"].tolist()):
+        kept = min(S, n)
+        assert torch.equal(case["snapshot_cache"][slots[row], S - kept:], snapshots[row, S - kept:])
+
+
+def bad_calls():
+    ok = make_case(2, 3, 1, 2, 16, 32, 4, [3, 1], [0, 2])
+
+    def call(**changes):
+        return lambda: gated_delta_recurrent(**{**ok, **changes})
+
+    return {
+        "q 3-D": ("q must be", call(q=ok["q"][0])),
+        "k shape": ("k must be", call(k=ok["k"][:, :2])),
+        "Hv not a multiple of Hk": ("v must be", call(q=torch.randn(2, 3, 3, 16), k=torch.randn(2, 3, 3, 16))),
+        "v dtype": ("v must be fp32", call(v=ok["v"].bfloat16())),
+        "g shape": ("g must be", call(g=ok["g"][..., :1])),
+        "beta dtype": ("beta must be fp32", call(beta=ok["beta"].double())),
+        "state_cache heads": ("state_cache must be", call(state_cache=ok["state_cache"][:, :1])),
+        "state_cache slots": ("state_cache must be", call(state_cache=ok["state_cache"][:2])),
+        "snapshot_cache 4-D": ("snapshot_cache must be", call(snapshot_cache=ok["snapshot_cache"][:, 0])),
+        "snapshot_cache strided": ("snapshot_cache must be contiguous",
+                                   call(snapshot_cache=torch.randn(5, 4, 2, 32, 16).transpose(-1, -2))),
+        "q strided": ("q must be contiguous", call(q=torch.randn(2, 3, 1, 32)[..., ::2])),
+        "slots int64": ("slots must be", call(slots=ok["slots"].long())),
+        "start size": ("start must be", call(start=ok["start"][:1])),
+        "num_tokens dtype": ("num_tokens must be", call(num_tokens=ok["num_tokens"].float())),
+    }
+
+
+@pytest.mark.parametrize("case", bad_calls().values(), ids=bad_calls().keys())
+def test_wrapper_rejects_bad_arguments_naming_them(case):
+    message, call = case
+    with pytest.raises(AssertionError, match=message):
+        call()
+
+
+SUPPORTS_PROGRAM = r"""
+#include <cstdio>
+#include "gated_delta.h"
+int main() {
+  for (int d = 0; d <= 300; ++d) std::printf("%d %d %d\n", d, dflash::gated_delta_supports(d, 16),
+                                             dflash::gated_delta_supports(16, d));
+}
+"""
+
+
+def test_kernel_supports_matches_the_header(tmp_path):
+    """ops.gated_delta_kernel_supports against dflash::gated_delta_supports (host program, no GPU)."""
+    if plugins.nvcc_path() is None:
+        pytest.skip("nvcc not found")
+    (tmp_path / "main.cpp").write_text(SUPPORTS_PROGRAM)
+    build = subprocess.run([plugins.nvcc_path(), "-std=c++17", "-I", str(PLUGINS), str(tmp_path / "main.cpp"),
+                            "-o", str(tmp_path / "main")], capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr
+    out = subprocess.run([str(tmp_path / "main")], capture_output=True, text=True, check=True).stdout.split("\n")
+    for line in filter(None, out):
+        d, as_key, as_value = map(int, line.split())
+        assert bool(as_key) == gated_delta_kernel_supports(d, 16), d
+        assert bool(as_value) == gated_delta_kernel_supports(16, d), d
+
+
+def test_the_kernel_is_part_of_the_plugin_library():
+    # The nvcc compile check (tests/test_ops.py) covers every plugins/*.cu, this one included.
+    assert "gated_delta.cu" in plugins.SOURCES and (plugins.plugin_dir() / "gated_delta.cu").is_file()
+
+
+# ----------------------------------------------------------------------------------------------
+# CUDA kernel against the reference, both on CUDA tensors. Both compute in fp32 with the same
+# algebra in another order (the kernel sums over dk in 8 strided partials and a butterfly, and
+# takes out = a S^T q + delta (k . q) from the old state). A CPU emulation of the kernel's order
+# (dk = dv = 128, 33 tokens, decays from fast to almost none) stayed within 2.2e-7 of the
+# reference, relative to the largest value; the recurrence does not amplify rounding (decay
+# <= 1, and I - beta k k^T with |k| = 1 is a contraction). 1e-5 of the largest value leaves
+# about 45x margin, while a wrong index, token or slot errs by the values' own size (order 1).
+
+TOLERANCE = 1e-5
+
+# (bs, T, Hk, Hv, dk, dv, NS, num_tokens, start); every case has fresh rows (start 0) whose
+# slots hold garbage, and snapshot caches full of garbage.
+CUDA_CASES = {
+    "qwen decode T=1 (2-warp CTAs)": (3, 1, 16, 32, 128, 128, 16, [1, 1, 1], [0, 17, 400]),
+    "qwen verify T=16 ragged": (4, 16, 16, 32, 128, 128, 16, [16, 1, 7, 0], [3, 0, 90, 5]),
+    "qwen verify batch 8 (4-warp CTAs)": (8, 16, 16, 32, 128, 128, 16, [16, 16, 3, 16, 1, 16, 9, 16],
+                                          [0, 1, 2, 3, 0, 5, 6, 7]),
+    "T=2 NS=1 MHA": (3, 2, 2, 2, 16, 32, 1, [2, 1, 2], [0, 4, 4]),
+    "T=2 NS=4 GQA": (3, 2, 1, 2, 32, 16, 4, [2, 1, 0], [1, 0, 3]),
+    "T=16 NS=4": (3, 16, 2, 4, 32, 32, 4, [16, 3, 1], [0, 2, 2]),
+    "T=33 NS=16 (three chunks)": (3, 33, 1, 2, 32, 16, 16, [33, 17, 5], [2, 0, 1]),
+    "T=33 NS=4 dk=128": (2, 33, 2, 2, 128, 16, 4, [33, 20], [6, 0]),
+    "dk=16 dv=128": (2, 16, 2, 4, 16, 128, 16, [16, 10], [0, 8]),
+    "dk=128 dv=16": (2, 16, 2, 4, 128, 16, 16, [16, 10], [8, 0]),
+    "dk=48 dv=80 (partial rows)": (2, 5, 1, 2, 48, 80, 4, [5, 2], [0, 1]),
+    "dk=dv=256": (2, 4, 1, 2, 256, 256, 4, [4, 3], [1, 0]),
+    "dk=256 dv=64 T=17": (1, 17, 1, 1, 256, 64, 16, [17], [3]),
+}
+
+
+def run_kernel_and_reference(case):
+    """(out, snapshot_cache) from the kernel, and the same from the reference on copies."""
+    assert plugins.load() is not None and gated_delta_kernel_supports(case["q"].shape[3], case["v"].shape[3])
+    ref_case = {**case, "snapshot_cache": case["snapshot_cache"].clone()}
+    state_before = case["state_cache"].clone()
+    out = gated_delta_recurrent(**case)
+    torch.cuda.synchronize()
+    ref_out = gated_delta_recurrent_reference(**ref_case)
+    assert torch.equal(case["state_cache"], state_before)  # read only
+    return (out, case["snapshot_cache"]), (ref_out, ref_case["snapshot_cache"])
+
+
+def check_close(got, ref, what):
+    assert not got.isnan().any(), f"{what}: NaN"
+    scale = max(ref.abs().max().item(), 1e-3) if ref.numel() else 1.0
+    err = (got - ref).abs().max().item() if ref.numel() else 0.0
+    assert err <= TOLERANCE * scale, f"{what}: max error {err:.3g} > {TOLERANCE} x {scale:.3g}"
+
+
+def check_against_reference(case, before):
+    """Kernel vs reference; the snapshots a pass does not reach keep their garbage bit for bit."""
+    (out, cache), (ref_out, ref_cache) = run_kernel_and_reference(case)
+    assert out.shape == ref_out.shape and out.dtype == torch.float32
+    check_close(out, ref_out, "out")
+    padding = torch.arange(out.shape[1], device="cuda") >= case["num_tokens"][:, None]
+    assert not out[padding].any(), "padding outputs must be zeros"
+    mask = reached(case)
+    check_close(cache[mask], ref_cache[mask], "snapshots")
+    assert torch.equal(cache[~mask], before[~mask]), "a snapshot the pass does not reach was written"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", CUDA_CASES.values(), ids=CUDA_CASES.keys())
+def test_cuda_kernel_matches_the_reference(shape):
+    case = make_case(*shape, device="cuda", seed=len(shape[7]))
+    check_against_reference(case, case["snapshot_cache"].clone())
+
+
+@pytest.mark.cuda
+def test_cuda_padding_rows_may_share_a_scratch_slot():
+    """CUDA-graph padding rows: same inputs, start 0, all on one scratch slot. Their snapshots
+    race, but they are equal, so the slot holds them; the real rows are unaffected."""
+    bs, T, Hk, Hv, dk, dv, NS = 5, 8, 2, 4, 32, 32, 8
+    case = make_case(bs, T, Hk, Hv, dk, dv, NS, [8, 3, 8, 8, 8], [4, 9, 0, 0, 0], slots=[0, 1, 6, 6, 6],
+                     num_slots=7, device="cuda")
+    for name in ("q", "k", "v", "g", "beta"):
+        case[name][3:] = case[name][2]
+    check_against_reference(case, case["snapshot_cache"].clone())
+
+
+@pytest.mark.cuda
+def test_cuda_kernel_replays_in_a_cuda_graph_with_new_inputs():
+    """Capture once; change every input in place (tokens, slots, starts, row lengths); replay."""
+    shape = (4, 16, 16, 32, 128, 128, 16)
+    case = make_case(*shape, [16, 16, 16, 16], [1, 1, 1, 1], slots=[0, 1, 2, 3], num_slots=8, device="cuda")
+    gated_delta_recurrent(**case)  # build and first launch outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gated_delta_recurrent(**case)
+    new = make_case(*shape, [16, 1, 9, 0], [0, 30, 2, 7], slots=[5, 2, 7, 0], num_slots=8, device="cuda", seed=3)
+    for name, t in new.items():
+        case[name].copy_(t)
+    before = case["snapshot_cache"].clone()
+    graph.replay()
+    torch.cuda.synchronize()
+    ref_case = {**case, "snapshot_cache": before.clone()}
+    ref_out = gated_delta_recurrent_reference(**ref_case)
+    check_close(out, ref_out, "out")
+    mask = reached(case)
+    check_close(case["snapshot_cache"][mask], ref_case["snapshot_cache"][mask], "snapshots")
+    assert torch.equal(case["snapshot_cache"][~mask], before[~mask])
