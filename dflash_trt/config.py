@@ -7,6 +7,7 @@ would silently patch up is rejected here with the file, key and value named.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,6 +59,21 @@ class _Fields:
 
 
 @dataclass(frozen=True, slots=True)
+class YaRN:
+    """YaRN RoPE scaling (`rope_type: "yarn"`), as transformers reads it: frequencies that
+    turn fewer than `beta_slow` times over the original context are interpolated by `factor`,
+    those turning more than `beta_fast` times are kept, a linear ramp in between; cos and sin
+    are scaled by `attention_factor`. Qwen3.6 drafters and long-context Qwen3 set it."""
+
+    factor: float
+    original_max_position_embeddings: int
+    attention_factor: float
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+
+
+@dataclass(frozen=True, slots=True)
 class LayerDims:
     """What one Qwen3 decoder layer needs; shared by the target and the drafter."""
 
@@ -71,6 +87,7 @@ class LayerDims:
     rope_theta: float
     attention_bias: bool
     max_position_embeddings: int
+    rope_yarn: YaRN | None = None  # None: plain RoPE
 
     @property
     def q_size(self) -> int:
@@ -81,14 +98,59 @@ class LayerDims:
         return self.num_key_value_heads * self.head_dim
 
 
-def _rope_theta(f: _Fields) -> float:
-    # transformers 5 writes RoPE under `rope_parameters`; older checkpoints use top-level keys.
-    params = f.data.get("rope_parameters") or f.data.get("rope_scaling") or {}
+def _rope_params(f: _Fields) -> tuple[str, dict]:
+    # transformers 5 writes RoPE under `rope_parameters`; older checkpoints use `rope_scaling`.
+    key = "rope_parameters" if f.data.get("rope_parameters") else "rope_scaling"
+    params = f.data.get(key) or {}
     if not isinstance(params, dict):
-        raise f.error("rope_parameters", f"must be an object, got {params!r}")
+        raise f.error(key, f"must be an object, got {params!r}")
     kind = params.get("rope_type", params.get("type", "default"))
-    if kind != "default":
-        raise f.error("rope_scaling", f"has rope_type {kind!r}; only default RoPE is supported yet")
+    if kind not in ("default", "yarn"):
+        raise f.error(key, f"has rope_type {kind!r}; supported: default, yarn")
+    return key, params
+
+
+def _rope_yarn(f: _Fields) -> YaRN | None:
+    key, params = _rope_params(f)
+    if params.get("rope_type", params.get("type")) != "yarn":
+        return None
+
+    def number(name, default=..., positive=True):
+        value = params.get(name, default)
+        if value is ... or value is None and default is not None:
+            raise f.error(f"{key}.{name}", "is required for YaRN")
+        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
+                                  or positive and value <= 0):
+            raise f.error(f"{key}.{name}", f"must be a positive number, got {value!r}")
+        return value
+
+    original = number("original_max_position_embeddings")
+    if not isinstance(original, int):
+        raise f.error(f"{key}.original_max_position_embeddings", f"must be an int, got {original!r}")
+    factor = number("factor", None)
+    if factor is None:  # as transformers: the context the model was extended to, over the original
+        factor = f.positive("max_position_embeddings") / original
+    attention_factor = number("attention_factor", None)
+    if attention_factor is None:
+        mscale, mscale_all_dim = number("mscale", None), number("mscale_all_dim", None)
+        attention_factor = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+                            if mscale and mscale_all_dim else _yarn_mscale(factor))
+    truncate = params.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise f.error(f"{key}.truncate", f"must be true or false, got {truncate!r}")
+    # `or`: transformers also treats an explicit null (or 0) as the default here
+    return YaRN(factor=float(factor), original_max_position_embeddings=original,
+                attention_factor=float(attention_factor), beta_fast=float(number("beta_fast", None) or 32),
+                beta_slow=float(number("beta_slow", None) or 1), truncate=truncate)
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """The YaRN paper's attention temperature: 0.1 ln(s) + 1 for a context scaled by s > 1."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _rope_theta(f: _Fields) -> float:
+    _, params = _rope_params(f)
     theta = f.data.get("rope_theta", params.get("rope_theta"))
     if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:
         raise f.error("rope_theta", f"must be a positive number, got {theta!r}")
@@ -112,6 +174,7 @@ def _layer_dims(f: _Fields) -> LayerDims:
         rope_theta=_rope_theta(f),
         attention_bias=f.get("attention_bias", bool, False),
         max_position_embeddings=f.positive("max_position_embeddings", 32768),
+        rope_yarn=_rope_yarn(f),
     )
 
 

@@ -17,6 +17,7 @@ it in the model dtype, so greedy outputs are identical in fp32 and may part ways
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Sequence
 
@@ -46,6 +47,11 @@ def to_transformers(target, attn_implementation: str = "sdpa"):
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
     cfg, d = target.config, target.config.dims
+    if cfg.model_type != "qwen3":
+        raise ConfigError(f"the transformers baseline covers Qwen3 targets only, not model_type {cfg.model_type!r}")
+    rope = {"rope_type": "default", "rope_theta": d.rope_theta}
+    if d.rope_yarn is not None:
+        rope = {**rope, "rope_type": "yarn", **dataclasses.asdict(d.rope_yarn)}
     if d.attention_bias:  # transformers' Qwen3 then also expects an o_proj bias, which ours has not
         raise ConfigError("no transformers baseline for a target with attention_bias = true")
     weight = target.lm_head.weight
@@ -53,7 +59,7 @@ def to_transformers(target, attn_implementation: str = "sdpa"):
         vocab_size=cfg.vocab_size, hidden_size=d.hidden_size, intermediate_size=d.intermediate_size,
         num_hidden_layers=d.num_hidden_layers, num_attention_heads=d.num_attention_heads,
         num_key_value_heads=d.num_key_value_heads, head_dim=d.head_dim, rms_norm_eps=d.rms_norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": d.rope_theta}, attention_bias=False,
+        rope_parameters=rope, attention_bias=False,
         max_position_embeddings=d.max_position_embeddings, tie_word_embeddings=cfg.tie_word_embeddings,
         eos_token_id=None, pad_token_id=None,  # generate_tok_s says when to stop
     )

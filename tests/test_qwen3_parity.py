@@ -1,9 +1,12 @@
 """The Qwen3 target matches transformers' Qwen3ForCausalLM (fp32, tiny random configs)."""
 
+import json
+
 import pytest
 import torch
 
 from dflash_trt.engine import load_target
+from dflash_trt.fixtures import TinyPairSpec, write_tiny_pair
 from dflash_trt.kv_cache import Batch
 
 transformers = pytest.importorskip("transformers")
@@ -44,6 +47,20 @@ def test_prefill_and_cached_decode_match_transformers(make_pair, no_tokenizer, n
     for pos in range(12, 20):  # one token at a time through the KV cache
         step = forward(target, cache, slot=1, ids=[ids[pos]], start=pos)
         assert (step[0] - expected[pos]).abs().max() <= ATOL, pos
+
+
+def test_a_yarn_scaled_target_matches_transformers(tmp_path, no_tokenizer):
+    pair = write_tiny_pair(tmp_path, TinyPairSpec(**CONFIGS["gqa4-d64-wide-sharded"], **no_tokenizer))
+    config_file = pair.target / "config.json"
+    config = json.loads(config_file.read_text())
+    config["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    config_file.write_text(json.dumps(config))
+    target = load_target(pair.target)
+    assert target.config.dims.rope_yarn is not None
+    ids = torch.randint(0, 500, (20,), generator=torch.Generator().manual_seed(2)).tolist()
+    expected = hf_logits(pair.target, ids)
+    cache = target.new_cache(num_slots=1, capacity=32)
+    assert (forward(target, cache, slot=0, ids=ids, start=0) - expected).abs().max() <= ATOL
 
 
 def test_ragged_batched_prefill_matches_one_by_one(make_pair, no_tokenizer):

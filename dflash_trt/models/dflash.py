@@ -56,7 +56,7 @@ class DFlashDrafter(nn.Module):
             for i, kind in enumerate(config.layer_types)
         )
         self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
-        self.rotary = Rotary(dims.head_dim, dims.rope_theta)  # the drafter's own RoPE config
+        self.rotary = Rotary(dims.head_dim, dims.rope_theta, dims.rope_yarn)  # the drafter's own RoPE config
 
     def bind(self, target: nn.Module) -> None:
         """Borrow the target's embedding and LM head (DFlash ships neither).

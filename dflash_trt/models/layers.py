@@ -7,11 +7,13 @@ PyTorch references are the CPU path and round exactly like the plain code they r
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
 from dflash_trt import ops
-from dflash_trt.config import LayerDims
+from dflash_trt.config import LayerDims, YaRN
 
 
 class RMSNorm(nn.Module):
@@ -30,18 +32,46 @@ class RMSNorm(nn.Module):
         return ops.add_rms_norm(x, delta, self.weight, self.eps)
 
 
-class Rotary(nn.Module):
-    """Neox-style RoPE; cos/sin are computed per call from absolute positions."""
+def rope_inv_freq(dim: int, theta: float, yarn: YaRN | None = None) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [dim / 2] fp32, the factor cos and sin are scaled by) of RoPE over
+    `dim` channels, with YaRN's blend of interpolated and original frequencies when given."""
+    # on the CPU even under torch.device("meta") (models are built there), moved on first use
+    inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim)
+    if yarn is None:
+        return inv_freq, 1.0
 
-    def __init__(self, head_dim: int, theta: float):
+    def channel_pair_turning(times: float) -> float:
+        # the channel pair whose frequency turns `times` times over the original context
+        return dim * math.log(yarn.original_max_position_embeddings / (times * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = channel_pair_turning(yarn.beta_fast), channel_pair_turning(yarn.beta_slow)
+    if yarn.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high = high + 0.001 if low == high else high  # a ramp of width 0 would divide by 0
+    # 0 below `low` (fast pairs keep their frequency), 1 above `high` (slow pairs interpolate)
+    interpolate = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    return inv_freq * (1 - interpolate) + inv_freq / yarn.factor * interpolate, yarn.attention_factor
+
+
+class Rotary(nn.Module):
+    """Neox-style RoPE (optionally YaRN-scaled); cos/sin are computed per call from
+    absolute positions."""
+
+    def __init__(self, head_dim: int, theta: float, yarn: YaRN | None = None):
         super().__init__()
-        self.head_dim, self.theta = head_dim, theta
+        self.head_dim = head_dim
+        self.inv_freq, self.scale = rope_inv_freq(head_dim, theta, yarn)  # a plain attribute: no state_dict entry
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, device=positions.device).float() / self.head_dim))
-        freqs = positions.float()[..., None] * inv_freq  # [..., d/2]
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions.float()[..., None] * self.inv_freq  # [..., d/2]
         angles = torch.cat([freqs, freqs], dim=-1)  # [..., d]
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        cos, sin = angles.cos(), angles.sin()
+        if self.scale != 1.0:
+            cos, sin = cos * self.scale, sin * self.scale
+        return cos.to(dtype), sin.to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

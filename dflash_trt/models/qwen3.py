@@ -37,7 +37,7 @@ class Qwen3Model(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, dims.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(dims, Qwen3Attention(dims, i)) for i in range(dims.num_hidden_layers))
         self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
-        self.rotary = Rotary(dims.head_dim, dims.rope_theta)
+        self.rotary = Rotary(dims.head_dim, dims.rope_theta, dims.rope_yarn)
 
     def forward(self, input_ids, batch: Batch, cache: KVCache, taps: tuple[int, ...] = ()):
         """input_ids [bs, width] -> (final hidden [bs, width, H], taps [bs, width, K*H] or None)."""

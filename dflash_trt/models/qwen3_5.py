@@ -218,7 +218,7 @@ class Qwen3_5Model(nn.Module):
             for i, kind in enumerate(config.layer_types)
         )
         self.norm = ZeroCenteredRMSNorm(d.hidden_size, d.rms_norm_eps)
-        self.rotary = Rotary(config.rotary_dim, d.rope_theta)  # partial: only rotary_dim channels turn
+        self.rotary = Rotary(config.rotary_dim, d.rope_theta, d.rope_yarn)  # partial: only rotary_dim channels turn
 
     def forward(self, input_ids, batch: Batch, cache: HybridCache, taps: tuple[int, ...] = ()):
         """input_ids [bs, width] -> (final hidden [bs, width, H], taps [bs, width, K*H] or None)."""
