@@ -3,9 +3,6 @@ plugins/gated_delta.cu): the reference equals the old gather / reference / scatt
 bit (CPU), the wrapper rejects bad input naming it, and the CUDA kernel agrees with the
 reference over a table of shapes, in a CUDA graph too (cuda marker)."""
 
-import subprocess
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,8 +10,7 @@ import torch.nn.functional as F
 from dflash_trt import plugins
 from dflash_trt.gated_delta import gated_delta_rule, gated_delta_rule_on_cache, gated_delta_rule_reference, l2_normalize
 from dflash_trt.ops import gated_delta_kernel_supports, gated_delta_recurrent, gated_delta_recurrent_reference
-
-PLUGINS = Path(__file__).resolve().parent.parent / "plugins"
+from host_program import run_host_program
 
 
 def make_case(bs, T, Hk, Hv, dk, dv, NS, num_tokens, start, slots=None, num_slots=None, device="cpu", seed=0):
@@ -156,13 +152,7 @@ int main() {
 
 def test_kernel_supports_matches_the_header(tmp_path):
     """ops.gated_delta_kernel_supports against dflash::gated_delta_supports (host program, no GPU)."""
-    if plugins.nvcc_path() is None:
-        pytest.skip("nvcc not found")
-    (tmp_path / "main.cpp").write_text(SUPPORTS_PROGRAM)
-    build = subprocess.run([plugins.nvcc_path(), "-std=c++17", "-I", str(PLUGINS), str(tmp_path / "main.cpp"),
-                            "-o", str(tmp_path / "main")], capture_output=True, text=True)
-    assert build.returncode == 0, build.stderr
-    out = subprocess.run([str(tmp_path / "main")], capture_output=True, text=True, check=True).stdout.split("\n")
+    out = run_host_program(tmp_path, SUPPORTS_PROGRAM).split("\n")
     for line in filter(None, out):
         d, as_key, as_value = map(int, line.split())
         assert bool(as_key) == gated_delta_kernel_supports(d, 16), d

@@ -4,7 +4,6 @@ the kernel supports agrees with ops.cpp and block_attention.h, and every plugins
 compiles alone with nvcc (CI, no GPU needed)."""
 
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from dflash_trt.ops import (
     paged_block_attention,
     paged_block_attention_reference,
 )
+from host_program import run_host_program
 
 
 # An independent oracle: an explicit [bs, T, L] mask over gathered keys, then SDPA.
@@ -191,13 +191,7 @@ def test_kernel_supports_matches_ops_cpp_dtype_switch():
 
 def test_kernel_supports_matches_block_attention_supports(tmp_path):
     """Compiles a host program against block_attention.h and runs it (no GPU needed)."""
-    if plugins.nvcc_path() is None:
-        pytest.skip("nvcc not found")
-    (tmp_path / "main.cpp").write_text(SUPPORTS_PROGRAM)
-    build = subprocess.run([plugins.nvcc_path(), "-std=c++17", "-I", str(PLUGINS), str(tmp_path / "main.cpp"),
-                            "-o", str(tmp_path / "main")], capture_output=True, text=True)
-    assert build.returncode == 0, build.stderr
-    lines = subprocess.run([str(tmp_path / "main")], capture_output=True, text=True, check=True).stdout.split()
+    lines = run_host_program(tmp_path, SUPPORTS_PROGRAM).split()
     in_cpp = {(DTYPE_ENUM[name], int(d)) for name, d in zip(lines[::2], lines[1::2])}
     in_python = {(t, d) for t in DTYPE_ENUM.values() for d in range(513) if block_attention_kernel_supports(t, d)}
     assert in_cpp == in_python
