@@ -6,7 +6,9 @@ Random weights of a real shape (dflash_trt.random_weights), greedy, on the GPU:
 1. the device-to-device copy bandwidth (bytes read + written per second, best of 20 copies
    of 1 GiB), and the roofline: weight bytes / copy bandwidth per AR token at batch 1;
 2. the steady-state time of one AR step, one draft pass and one verify pass (CUDA events
-   around many replays) at batch sizes 1 and 32;
+   around many replays) at batch sizes 1 and 32; the wall time of a whole AR step as the
+   engine runs it (inputs to the device, replay, token readback); for a Qwen3.5 hybrid, the
+   rollback (commit) after a verify pass;
 3. a torch.profiler trace of a few AR and DFlash steps at batch 1, summed per kernel family.
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections import defaultdict
 
 import torch
@@ -71,7 +74,7 @@ def time_ms(fn, reps=50) -> float:
     return start.elapsed_time(end) / reps
 
 
-FAMILIES = (("attention", ("block_attention",)), ("gemm", ("gemm", "gemv", "cutlass", "sm90", "xmma", "cublas", "nvjet")),
+FAMILIES = (("gated delta", ("gated_delta",)), ("attention", ("block_attention",)), ("gemm", ("gemm", "gemv", "cutlass", "sm90", "xmma", "cublas", "nvjet")),
             ("norm+rope", ("rms", "norm_rope", "rope")), ("silu*mul", ("silu",)), ("argmax/reduce", ("argmax", "reduce")),
             ("copy/index", ("copy", "index", "scatter", "gather", "fill")))
 
@@ -82,6 +85,16 @@ def family(name: str) -> str:
         if any(k in low for k in keys):
             return fam
     return "other elementwise"
+
+
+def wall_ms(fn, reps=50) -> float:
+    """Host wall time per call of fn, which ends in a host sync (a token readback)."""
+    for _ in range(3):
+        fn()
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - start) * 1e3 / reps
 
 
 def profile(fn, steps=5) -> dict[str, float]:
@@ -125,10 +138,17 @@ def main(argv=None) -> int:
             dr = time_ms(lambda: passes.draft(x))
             block = passes.draft(x)
             ve = time_ms(lambda: passes.verify(x, block))
-            result[f"batch{n}"] = {"ar_step_ms": ar, "draft_ms": dr, "verify_ms": ve, "ar_tok_s": n * 1e3 / ar,
-                                   "dflash_step_over_ar": (dr + ve) / ar}
-            print(f"batch {n}: AR step {ar:.3f} ms ({n * 1e3 / ar:.1f} tok/s), draft {dr:.3f} ms, verify {ve:.3f} ms, "
-                  f"(draft+verify)/AR {(dr + ve) / ar:.2f}", file=sys.stderr)
+            seqs = fake_running(engine, n, args.context)
+            ar_wall = wall_ms(lambda: passes.ar(passes.inputs(seqs))[1].tolist())
+            row = {"ar_step_ms": ar, "draft_ms": dr, "verify_ms": ve, "ar_tok_s": n * 1e3 / ar,
+                   "dflash_step_over_ar": (dr + ve) / ar, "ar_step_wall_ms": ar_wall}
+            if engine.target.stateful:  # the rollback after a verify that kept half the block
+                half = [engine.block_size // 2] * n
+                row["commit_ms"] = time_ms(lambda: passes.commit(x, engine.block_size, half))
+            result[f"batch{n}"] = row
+            print(f"batch {n}: AR step {ar:.3f} ms ({n * 1e3 / ar:.1f} tok/s; {ar_wall:.3f} ms with the host work), "
+                  f"draft {dr:.3f} ms, verify {ve:.3f} ms, (draft+verify)/AR {(dr + ve) / ar:.2f}"
+                  + (f", commit {row['commit_ms']:.3f} ms" if "commit_ms" in row else ""), file=sys.stderr)
         # Kernel time per family from the eager passes (the same kernels the graphs replay;
         # the graphs remove the launch gaps between them).
         x = passes.inputs(fake_running(engine, 1, args.context))
