@@ -223,7 +223,16 @@ class _Job:
     detok: IncrementalDetokenizer  # used by the sender thread only
     seq: object = None  # the engine's Sequence once admitted
     output_ids: list[int] = field(default_factory=list)  # what the client gets: end token dropped, stop-cut
-    send_failed: bool = False  # set by the sender thread; its later responses are dropped
+    # Set by the engine thread once the job leaves it (finished, failed, aborted): the sender
+    # stops polling it for cancellation.
+    done: bool = False
+    # Set by the sender thread: its client is gone (later responses are dropped) or cancelled
+    # (no more polling); either way the engine thread aborts it.
+    send_failed: bool = False
+    cancel_seen: bool = False
+
+
+_WATCH = object()  # an outbox action: poll this request for cancellation from now on
 
 
 def _log(message: str) -> None:
@@ -237,6 +246,8 @@ class EngineWorker:
     Every sink call goes through the sender's FIFO, so a request's responses keep their order
     and its final response is its last. Sending is a round trip to the Triton process (and
     the text is decoded there too); on the engine thread it would idle the GPU every step.
+    So is asking whether a client cancelled: the sender polls that too, and tells the engine
+    thread which requests to abort.
     """
 
     def __init__(self, engine, tokenizer, limits: p.Limits, *, idle_wait_s: float = 0.05,
@@ -244,10 +255,10 @@ class EngineWorker:
         self.engine, self.tokenizer, self.limits = engine, tokenizer, limits
         self._idle_wait_s = idle_wait_s
         # is_cancelled() is a round trip to the Triton process per request: poll, don't spin.
-        self._cancel_check_s, self._last_cancel_check = cancel_check_s, 0.0
+        self._cancel_check_s = cancel_check_s
         self._inbox: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._outbox: queue.SimpleQueue[tuple[_Job, Callable[[], None]] | None] = queue.SimpleQueue()
-        self._send_failures: queue.SimpleQueue[_Job] = queue.SimpleQueue()  # sender -> engine thread
+        self._outbox: queue.SimpleQueue[tuple[_Job, object] | None] = queue.SimpleQueue()
+        self._dropped: queue.SimpleQueue[_Job] = queue.SimpleQueue()  # sender -> engine thread: abort these
         self._jobs: dict[object, _Job] = {}  # Sequence -> job, admitted requests only
         self._stopping = threading.Event()
         self._closed = False  # set once the inbox is drained for good; guarded by _lock
@@ -335,33 +346,26 @@ class EngineWorker:
             self._post(job, lambda: job.sink.fail(message, client_error=True))
             return
         self._jobs[job.seq] = job
+        self._outbox.put((job, _WATCH))
+
+    def _remove(self, job: _Job) -> None:
+        self._jobs.pop(job.seq, None)
+        job.done = True
 
     def _drop_cancelled(self) -> None:
-        self._drop_unreachable()
-        now = time.monotonic()
-        if now - self._last_cancel_check < self._cancel_check_s:
-            return
-        self._last_cancel_check = now
-        for job in list(self._jobs.values()):
-            try:
-                cancelled = job.sink.is_cancelled()
-            except Exception:  # the client side is gone: treat as cancelled
-                cancelled = True
-            if cancelled:
-                self.engine.abort(job.seq)
-                del self._jobs[job.seq]
-                _log(f"request {job.seq.request_id} was cancelled by its client; its sequence is aborted")
-                self._post(job, job.sink.cancel)
-
-    def _drop_unreachable(self) -> None:
-        """Abort the requests whose response could not be sent (the client is gone)."""
+        """Abort the requests the sender found cancelled by their client, or unreachable."""
         while True:
             try:
-                job = self._send_failures.get_nowait()
+                job = self._dropped.get_nowait()
             except queue.Empty:
                 return
-            if self._jobs.pop(job.seq, None) is not None:
-                self.engine.abort(job.seq)
+            if job.seq not in self._jobs:
+                continue  # it ended meanwhile
+            self._remove(job)
+            self.engine.abort(job.seq)
+            if job.cancel_seen:
+                _log(f"request {job.seq.request_id} was cancelled by its client; its sequence is aborted")
+                self._post(job, job.sink.cancel)
 
     def _step(self) -> None:
         try:
@@ -393,7 +397,7 @@ class EngineWorker:
             ids = job.output_ids if request.exclude_input_in_output else [*request.prompt_ids, *job.output_ids]
             self._post(job, lambda: job.sink.send(Chunk(self.tokenizer.decode(ids), True, metrics)))
         if finished:
-            del self._jobs[seq]
+            self._remove(job)
 
     def _send_stream_chunk(self, job: _Job, tokens: list[int], finished: bool, metrics: dict | None) -> None:
         text = job.detok.push(tokens) + (job.detok.flush() if finished else "")
@@ -407,7 +411,7 @@ class EngineWorker:
 
     def _fail_jobs(self, jobs: list[_Job], message: str) -> None:
         for job in jobs:
-            self._jobs.pop(job.seq, None)
+            self._remove(job)
             try:
                 self.engine.abort(job.seq)
             except Exception:
@@ -433,13 +437,40 @@ class EngineWorker:
         self._outbox.put((job, send))
 
     def _send_loop(self) -> None:
-        while (item := self._outbox.get()) is not None:
-            job, send = item
-            if job.send_failed:
-                continue  # its client is gone; the engine thread aborts it
+        watched: list[_Job] = []  # admitted requests, polled for cancellation
+        next_poll = time.monotonic() + self._cancel_check_s
+        while True:
             try:
-                send()
-            except Exception:  # the client is gone: stop generating for it
-                _log(f"sending a response failed:\n{traceback.format_exc()}")
-                job.send_failed = True
-                self._send_failures.put(job)
+                item = self._outbox.get(timeout=max(0.0, next_poll - time.monotonic()))
+            except queue.Empty:
+                item = ()
+            if item is None:
+                return
+            if item:
+                job, action = item
+                if action is _WATCH:
+                    watched.append(job)
+                elif not job.send_failed:  # else its client is gone; the engine thread aborts it
+                    self._send(job, action)
+            if time.monotonic() >= next_poll:
+                watched = [job for job in watched if not (job.done or job.send_failed or job.cancel_seen)]
+                for job in watched:
+                    self._poll_cancelled(job)
+                next_poll = time.monotonic() + self._cancel_check_s
+
+    def _send(self, job: _Job, send: Callable[[], None]) -> None:
+        try:
+            send()
+        except Exception:  # the client is gone: stop generating for it
+            _log(f"sending a response failed:\n{traceback.format_exc()}")
+            job.send_failed = True
+            self._dropped.put(job)
+
+    def _poll_cancelled(self, job: _Job) -> None:
+        try:
+            cancelled = job.sink.is_cancelled()
+        except Exception:  # the client side is gone: treat as cancelled
+            cancelled = True
+        if cancelled:
+            job.cancel_seen = True
+            self._dropped.put(job)
