@@ -176,3 +176,23 @@ def test_random_weights_bench_on_the_gpu_reports_oracle_rows():
     assert result.exit_code == 0, result.output
     rows = result.stdout.strip().splitlines()[2:]
     assert len(rows) == 2 and all(r.endswith("| oracle τ=4 |") for r in rows)
+
+
+def test_a_hybrid_engine_benches_like_a_qwen3_one(tmp_path):
+    """A tiny Qwen3.5 pair (Gated DeltaNet target) through build and bench: real acceptance is
+    lossless (fp32), and oracle mode reaches its τ with the recurrent state's rollback."""
+    from dflash_trt.fixtures import TinyPairSpec, write_tiny_pair
+
+    spec = TinyPairSpec(target_type="qwen3_5", tokenizer_tokens=2000, head_dim=32, rope_theta=1e7,
+                        draft_rope_theta=1e7, target_layer_ids=(1, 3), block_size=8)
+    pair = write_tiny_pair(tmp_path / "pair", spec)
+    out = run(resolve_config(target=str(pair.target), drafter=str(pair.drafter), max_batch_size=2,
+                             max_input_len=256, max_output_len=64), tmp_path / "out")
+    hybrid = load_engine(out / "engine")
+    assert hybrid.engine.target.stateful
+    prompts = load_prompts("gsm8k", 2)
+    real, = bench.run_bench(hybrid, prompts, dataset="gsm8k", concurrencies=(2,), max_tokens=24, chat=False)
+    assert real.identical_share == 1.0 and real.mode_label == "real acceptance"
+    oracle, = bench.run_bench(hybrid, prompts, dataset="gsm8k", concurrencies=(2,), max_tokens=48,
+                              oracle_tau=4, seed=1, chat=False)
+    assert abs(oracle.tau_steps - 4) <= 1.0, oracle
