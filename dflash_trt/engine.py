@@ -16,7 +16,7 @@ from typing import Iterable
 import torch
 
 from dflash_trt.config import DraftConfig, check_pair, load_target_config
-from dflash_trt.errors import PairError, RequestError
+from dflash_trt.errors import ConfigError, PairError, RequestError
 from dflash_trt.graphs import DecodePasses, GraphedPasses, graphs_supported
 from dflash_trt.kv_cache import Batch
 from dflash_trt.models import target_class
@@ -65,9 +65,14 @@ class Engine:
         # One slot more than requests: CUDA graphs point their padding rows at it. A target
         # with recurrent state keeps a snapshot per token of the widest pass it may cut back.
         snapshots = {"num_snapshots": self.block_size} if target.stateful else {}
+        self.device = target.lm_head.weight.device
+        if self.device.type == "cuda":
+            per_slot = sum(cache_bytes(m.new_cache(1, capacity, device="meta", **kw))
+                           for m, kw in ((target, snapshots), (drafter, {})) if m is not None)
+            free, total = torch.cuda.mem_get_info(self.device)
+            check_caches_fit(per_slot, max_batch_size, max_seq_len, free, total)
         self.target_cache = target.new_cache(max_batch_size + 1, capacity, **snapshots)
         self.draft_cache = drafter.new_cache(max_batch_size + 1, capacity) if drafter else None
-        self.device = target.lm_head.weight.device
         passes = (self.target, self.drafter, self.target_cache, self.draft_cache, self.taps)
         use_graphs = cuda_graphs and graphs_supported(target, self.device)
         self.passes = GraphedPasses(*passes, max_batch_size=max_batch_size) if use_graphs else DecodePasses(*passes)
@@ -214,6 +219,38 @@ class Engine:
         while self.has_work():
             self.step()
         return [GenerationResult(s.request_id, s.prompt_ids, s.output_ids, s.finish_reason, s.stats) for s in seqs]
+
+
+# -- memory -------------------------------------------------------------------------------
+
+GiB = 1 << 30
+
+
+def cache_bytes(cache) -> int:
+    """Bytes of a cache's tensors (a "meta" cache counts without allocating)."""
+    return sum(t.numel() * t.element_size() for t in vars(cache).values() if isinstance(t, torch.Tensor))
+
+
+def check_caches_fit(per_slot: int, max_batch_size: int, max_seq_len: int, free: int, total: int) -> None:
+    """Refuse, naming the knobs, caches that would not fit next to the loaded weights.
+
+    The caches take `per_slot` bytes for each of max_batch_size + 1 slots (one is the CUDA
+    graphs' scratch slot). Beyond them a pass needs its activations and the graphs their pool:
+    a reserve of 5% of the GPU, at least 1 GiB, is kept for those (a rough bound, as vLLM's
+    gpu_memory_utilization is; an out-of-memory error past it is still possible).
+    """
+    reserve = max(GiB, total // 20)
+    need = per_slot * (max_batch_size + 1)
+    if need + reserve <= free:
+        return
+    fit = max(0, (free - reserve) // per_slot - 1)
+    advice = (f"lower max_batch_size (at most {fit} fit) or max_input_len + max_output_len" if fit else
+              "not even one request fits: lower max_input_len + max_output_len or use a larger GPU")
+    raise ConfigError(
+        f"the KV caches for max_batch_size = {max_batch_size} requests of up to max_seq_len = {max_seq_len} "
+        f"tokens need {need / GiB:.1f} GiB ({per_slot / GiB:.2f} GiB per request, Qwen3.5 rollback snapshots "
+        f"included), but only {free / GiB:.1f} GiB of the GPU are free after the weights and "
+        f"{reserve / GiB:.1f} GiB are kept for activations; {advice}")
 
 
 # -- loading ------------------------------------------------------------------------------

@@ -88,7 +88,7 @@ class DFlashDrafter(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def new_cache(self, num_slots: int, capacity: int) -> KVCache:
-        d = self.config.dims
-        w = self.fc.weight
-        return KVCache(len(self.layers), num_slots, capacity, d.num_key_value_heads, d.head_dim, w.dtype, w.device)
+    def new_cache(self, num_slots: int, capacity: int, device=None) -> KVCache:
+        d, w = self.config.dims, self.fc.weight
+        return KVCache(len(self.layers), num_slots, capacity, d.num_key_value_heads, d.head_dim, w.dtype,
+                       device or w.device)

@@ -82,7 +82,7 @@ class Qwen3ForCausalLM(nn.Module):
     def commit(self, cache: KVCache, batch: Batch, num_committed: torch.Tensor) -> None:
         """Rows past a sequence's committed length are ignored and overwritten later."""
 
-    def new_cache(self, num_slots: int, capacity: int) -> KVCache:
-        d = self.config.dims
-        w = self.lm_head.weight
-        return KVCache(d.num_hidden_layers, num_slots, capacity, d.num_key_value_heads, d.head_dim, w.dtype, w.device)
+    def new_cache(self, num_slots: int, capacity: int, device=None) -> KVCache:
+        d, w = self.config.dims, self.lm_head.weight
+        return KVCache(d.num_hidden_layers, num_slots, capacity, d.num_key_value_heads, d.head_dim, w.dtype,
+                       device or w.device)

@@ -274,7 +274,8 @@ class Qwen3_5ForCausalLM(nn.Module):
         cache.state[:, slots] = cache.state_snapshots[:, slots, index]
         cache.conv[:, slots] = cache.conv_snapshots[:, slots, index]
 
-    def new_cache(self, num_slots: int, capacity: int, num_snapshots: int = DEFAULT_SNAPSHOTS) -> HybridCache:
+    def new_cache(self, num_slots: int, capacity: int, num_snapshots: int = DEFAULT_SNAPSHOTS,
+                  device=None) -> HybridCache:
         """`num_snapshots` bounds how far commit can cut a pass back: at least the block size."""
         w = self.lm_head.weight
-        return HybridCache(self.config, num_slots, capacity, num_snapshots, w.dtype, w.device)
+        return HybridCache(self.config, num_slots, capacity, num_snapshots, w.dtype, device or w.device)
