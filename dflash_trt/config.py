@@ -115,33 +115,32 @@ def _rope_yarn(f: _Fields) -> YaRN | None:
     if params.get("rope_type", params.get("type")) != "yarn":
         return None
 
-    def number(name, default=..., positive=True):
-        value = params.get(name, default)
-        if value is ... or value is None and default is not None:
-            raise f.error(f"{key}.{name}", "is required for YaRN")
+    def number(name, zero_ok=False):
+        """An optional number; None where absent or null (transformers' defaults apply)."""
+        value = params.get(name)
         if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
-                                  or positive and value <= 0):
+                                  or value < 0 or value == 0 and not zero_ok):
             raise f.error(f"{key}.{name}", f"must be a positive number, got {value!r}")
         return value
 
-    original = number("original_max_position_embeddings")
+    # Defaults as transformers reads them: the original context is max_position_embeddings,
+    # the factor the ratio of the two, beta_fast/beta_slow 32/1 (also for an explicit 0).
+    max_position = f.positive("max_position_embeddings", 32768)
+    original = number("original_max_position_embeddings") or max_position
     if not isinstance(original, int):
         raise f.error(f"{key}.original_max_position_embeddings", f"must be an int, got {original!r}")
-    factor = number("factor", None)
-    if factor is None:  # as transformers: the context the model was extended to, over the original
-        factor = f.positive("max_position_embeddings") / original
-    attention_factor = number("attention_factor", None)
+    factor = number("factor") or max_position / original
+    attention_factor = number("attention_factor")
     if attention_factor is None:
-        mscale, mscale_all_dim = number("mscale", None), number("mscale_all_dim", None)
+        mscale, mscale_all_dim = number("mscale", zero_ok=True), number("mscale_all_dim", zero_ok=True)
         attention_factor = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
                             if mscale and mscale_all_dim else _yarn_mscale(factor))
     truncate = params.get("truncate", True)
     if not isinstance(truncate, bool):
         raise f.error(f"{key}.truncate", f"must be true or false, got {truncate!r}")
-    # `or`: transformers also treats an explicit null (or 0) as the default here
     return YaRN(factor=float(factor), original_max_position_embeddings=original,
-                attention_factor=float(attention_factor), beta_fast=float(number("beta_fast", None) or 32),
-                beta_slow=float(number("beta_slow", None) or 1), truncate=truncate)
+                attention_factor=float(attention_factor), beta_fast=float(number("beta_fast", True) or 32),
+                beta_slow=float(number("beta_slow", True) or 1), truncate=truncate)
 
 
 def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:

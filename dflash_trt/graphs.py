@@ -54,13 +54,18 @@ class DecodePasses:
         self.device = target_cache.k.device
         # One pinned staging buffer: the step's inputs go to the device in one async copy.
         # Reusing it is safe because every step ends with a host sync (the token readback),
-        # so the previous step's copy has finished before the buffer is written again.
-        self._staging = torch.zeros((3, target_cache.k.shape[1]), dtype=torch.long,
+        # so the previous step's copy has finished before the buffer is written again. Flat,
+        # so the [3, m] view of any m is contiguous (a strided one would be copied through a
+        # pageable temporary).
+        self._staging = torch.zeros(3 * target_cache.k.shape[1], dtype=torch.long,
                                     pin_memory=self.device.type == "cuda")
+
+    def _host_rows(self, m: int) -> torch.Tensor:
+        return self._staging[: 3 * m].view(3, m)
 
     def inputs(self, seqs: list[Sequence]) -> StepInputs:
         n = len(seqs)
-        host = self._staging[:, :n]
+        host = self._host_rows(n)
         host[:] = torch.tensor([[s.slot for s in seqs], [s.num_cached for s in seqs], [s.last_token for s in seqs]])
         return StepInputs(host.to(self.device, non_blocking=True), n)
 
@@ -113,7 +118,7 @@ class GraphedPasses(DecodePasses):
     def inputs(self, seqs: list[Sequence]) -> StepInputs:
         """The rows padded to the bucket on the host, so a replay needs one device copy."""
         n = len(seqs)
-        host = self._pad(self._staging[:, : self.bucket(n)], n)
+        host = self._pad(self._host_rows(self.bucket(n)), n)
         host[:, :n] = torch.tensor([[s.slot for s in seqs], [s.num_cached for s in seqs], [s.last_token for s in seqs]])
         return StepInputs(host.to(self.device, non_blocking=True), n)
 
