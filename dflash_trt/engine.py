@@ -70,6 +70,8 @@ class Engine:
             per_slot = sum(cache_bytes(m.new_cache(1, capacity, device="meta", **kw))
                            for m, kw in ((target, snapshots), (drafter, {})) if m is not None)
             free, total = torch.cuda.mem_get_info(self.device)
+            # blocks PyTorch's allocator holds but no tensor uses are free for the caches too
+            free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
             check_caches_fit(per_slot, max_batch_size, max_seq_len, free, total)
         self.target_cache = target.new_cache(max_batch_size + 1, capacity, **snapshots)
         self.draft_cache = drafter.new_cache(max_batch_size + 1, capacity) if drafter else None
