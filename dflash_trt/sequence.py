@@ -66,16 +66,16 @@ class Sequence:
         return self.finish_reason is not None
 
     def emit(self, tokens: list[int]) -> list[int]:
-        """Append generated tokens up to a stop token or max_tokens; returns those kept."""
-        kept = []
-        for token in tokens:
-            kept.append(token)
-            if token in self.stop_ids:
-                self.finish_reason = "stop"
-                break
-            if len(self.output_ids) + len(kept) >= self.params.max_tokens:
-                self.finish_reason = "length"
-                break
+        """Append generated tokens up to a stop token or max_tokens; returns those kept.
+
+        A stop token is kept and wins over max_tokens when it is also the last one allowed.
+        (Runs for every sequence every step: set operations instead of a per-token loop.)"""
+        kept = tokens[: max(1, self.params.max_tokens - len(self.output_ids))]
+        if not self.stop_ids.isdisjoint(kept):
+            cut = next(i for i, token in enumerate(kept) if token in self.stop_ids)
+            kept, self.finish_reason = kept[: cut + 1], "stop"
+        elif kept and len(self.output_ids) + len(kept) >= self.params.max_tokens:
+            self.finish_reason = "length"
         self.output_ids += kept
         self.stats.output_tokens = len(self.output_ids)
         now = time.perf_counter()
