@@ -285,7 +285,8 @@ def gated_delta_recurrent(q, k, v, g, beta, state_cache, snapshot_cache, slots, 
 
     q, k [bs, T, Hk, dk] (L2-normalised, q scaled); v [bs, T, Hv, dv]; g (log decay) and beta
     [bs, T, Hv]; state_cache [num_slots, Hv, dk, dv], one layer of HybridCache.state, read
-    only; snapshot_cache [num_slots, NS, Hv, dk, dv], one layer of state_snapshots; slots,
+    only (unless snapshot_cache is state_cache.unsqueeze(1), NS = 1: an in-place step);
+    snapshot_cache [num_slots, NS, Hv, dk, dv], one layer of state_snapshots; slots,
     start, num_tokens [bs] int32. Row b starts from state_cache[slots[b]] (zeros when
     start[b] == 0) and writes snapshot j of its slot after token t = j + num_tokens[b] - NS for
     0 <= t < num_tokens[b]; the slot's other snapshots stay as they were. Padding tokens

@@ -18,7 +18,9 @@
 //
 // Slots should be distinct. Rows that share one (CUDA-graph padding rows on a scratch slot)
 // leave each snapshot element they both write holding one of their values, unspecified which.
-// state_cache and snapshot_cache must not overlap.
+// state_cache and snapshot_cache must not overlap, except that with NS = 1 snapshot_cache may
+// be state_cache itself (an in-place step): each lane writes only the slice of the state it
+// read, once, after its last token.
 //
 // The Python reference with exactly these semantics is
 // dflash_trt.ops.gated_delta_recurrent_reference.

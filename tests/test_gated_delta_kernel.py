@@ -267,3 +267,26 @@ def test_cuda_kernel_replays_in_a_cuda_graph_with_new_inputs():
     mask = reached(case)
     check_close(case["snapshot_cache"][mask], ref_case["snapshot_cache"][mask], "snapshots")
     assert torch.equal(case["snapshot_cache"][~mask], before[~mask])
+
+
+def in_place_step(case):
+    """The same pass with NS = 1 and the snapshot written over the state itself (an AR step):
+    returns (out, state_cache after) and (out, the snapshot) of the ordinary two-buffer op."""
+    apart = {**case, "snapshot_cache": torch.zeros_like(case["state_cache"]).unsqueeze(1)}
+    aliased = {**case, "state_cache": case["state_cache"].clone()}
+    aliased["snapshot_cache"] = aliased["state_cache"].unsqueeze(1)
+    return ((gated_delta_recurrent(**aliased), aliased["state_cache"]),
+            (gated_delta_recurrent(**apart), apart["snapshot_cache"][:, 0]))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("T", [1, 3])
+def test_with_one_snapshot_the_state_can_be_stepped_in_place(device, T):
+    case = make_case(3, T, 2, 4, 32, 32, 1, [T, T, max(1, T - 1)], [0, 5, 2], num_slots=5, device=device)
+    (out, state), (want_out, snapshot) = in_place_step(case)
+    slots = case["slots"].long()
+    check_close(out, want_out, "out")
+    check_close(state[slots], snapshot[slots], "state stepped in place")
+    others = torch.ones(5, dtype=torch.bool, device=device)
+    others[slots] = False
+    assert torch.equal(state[others], case["state_cache"][others]), "other slots must stay as they were"

@@ -13,7 +13,8 @@ Two layer kinds, each followed by the usual SwiGLU MLP, all norms zero-centred (
 Rollback. Full-attention rows roll back by length as for Qwen3. A recurrent state cannot
 be cropped, so a pass never overwrites the committed state: it writes *snapshots*, the
 state and conv window after each of its last S tokens, and `commit` copies the snapshot
-of each row's committed length into the state.
+of each row's committed length into the state. A one-token pass (an AR step) keeps all it
+runs, so it steps the state in place and its commit has nothing to do.
 
 Why snapshots rather than replay (re-running the recurrence over the accepted prefix from
 the untouched start state, spec section 4): commit is then one gather of fixed shape, the
@@ -162,8 +163,14 @@ class GatedDeltaNet(nn.Module):
         fresh = (batch.start == 0)[:, None, None]
         window = cache.conv[layer, batch.slots].masked_fill(fresh, 0)
 
-        qkv, windows = causal_conv1d(qkv, window, self.conv1d.weight[:, 0], batch.num_tokens, S)
-        cache.conv_snapshots[layer, batch.slots] = windows
+        # A one-token pass (an AR step) is never cut back: it steps the committed window and
+        # state in place, rather than writing a snapshot for commit to copy back.
+        in_place = batch.width == 1
+        qkv, windows = causal_conv1d(qkv, window, self.conv1d.weight[:, 0], batch.num_tokens, 1 if in_place else S)
+        if in_place:
+            cache.conv[layer, batch.slots] = windows[:, 0]
+        else:
+            cache.conv_snapshots[layer, batch.slots] = windows
         q, k, v = qkv.split([lin.key_size, lin.key_size, lin.value_size], dim=-1)
         q = q.unflatten(-1, (lin.num_key_heads, lin.key_head_dim))
         k = k.unflatten(-1, (lin.num_key_heads, lin.key_head_dim))
@@ -174,8 +181,8 @@ class GatedDeltaNet(nn.Module):
             # Decode/verify: the state is read from the cache and the snapshots written into it
             # in place (one kernel on CUDA), never gathered or scattered.
             slots, _, start, num_tokens = lengths
-            out = gated_delta_rule_on_cache(q, k, v, g, beta, cache.state[layer], cache.state_snapshots[layer],
-                                            slots, start, num_tokens)
+            snapshots = cache.state[layer].unsqueeze(1) if in_place else cache.state_snapshots[layer]
+            out = gated_delta_rule_on_cache(q, k, v, g, beta, cache.state[layer], snapshots, slots, start, num_tokens)
         else:  # prefill
             state = cache.state[layer, batch.slots].masked_fill(fresh[..., None], 0)
             out, states = gated_delta_rule(q, k, v, g, beta, state, batch.num_tokens, S)
@@ -263,6 +270,8 @@ class Qwen3_5ForCausalLM(nn.Module):
     def commit(self, cache: HybridCache, batch: Batch, num_committed: torch.Tensor) -> None:
         """Set each row's linear-attention state to the state after its first num_committed[i]
         tokens of the last pass; attention rows past that are ignored and overwritten later."""
+        if batch.width == 1:
+            return  # a one-token pass stepped the state in place (GatedDeltaNet.forward)
         S = cache.num_snapshots
         dropped = batch.num_tokens - num_committed  # 0 <= dropped < num_tokens, by the engine
         if batch.width > S:  # only then can a cut reach past the snapshots (checked on the host:
