@@ -223,8 +223,6 @@ def gated_delta_rows() -> list[dict]:
                              fla_max_abs_diff=f_diff))
             print(f"T={T:<2} batch={batch:<2} kernel {k_us:8.1f} us ({100 * gbps / copy_gbps:4.0f}% copy bw)  "
                   f"today {t_us:9.1f} us  fla {f_us or float('nan'):8.1f} us", file=sys.stderr)
-            del args, state_cache, snapshot_cache
-            torch.cuda.empty_cache()
     return rows
 
 

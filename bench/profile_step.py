@@ -74,7 +74,8 @@ def time_ms(fn, reps=50) -> float:
     return start.elapsed_time(end) / reps
 
 
-FAMILIES = (("gated delta", ("gated_delta",)), ("attention", ("block_attention",)), ("gemm", ("gemm", "gemv", "cutlass", "sm90", "xmma", "cublas", "nvjet")),
+FAMILIES = (("gated delta", ("gated_delta",)), ("attention", ("block_attention",)),
+            ("gemm", ("gemm", "gemv", "cutlass", "sm90", "xmma", "cublas", "nvjet")),
             ("norm+rope", ("rms", "norm_rope", "rope")), ("silu*mul", ("silu",)), ("argmax/reduce", ("argmax", "reduce")),
             ("copy/index", ("copy", "index", "scatter", "gather", "fill")))
 

@@ -20,7 +20,8 @@ ops.gated_delta_recurrent reads the committed state from the cache and writes th
 into it in place (plugins/gated_delta.cu on CUDA, no gathered copy of either). A wider pass
 (a prefill) runs `gated_delta_rule` on a gathered state and returns all S snapshots for the
 caller to scatter; on CUDA its head runs through flash-linear-attention's chunked kernel when
-`fla` is installed (UNTESTED: written against fla-core 0.6.0 without a GPU).
+`fla` is installed (UNTESTED: written against fla-core 0.6.0 without a GPU), and the rest
+(or, without fla, all of it) through the same recurrent kernel.
 
 The recurrent form below (`gated_delta_rule_reference`) is the reference: the CPU path of
 both entry points and the test oracle.
@@ -141,9 +142,23 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     k = l2_normalize(k.float())
     if q.is_cuda and T > num_snapshots and _fla_chunk() is not None:
         out, snapshots = _chunked_head_then_recurrent_tail(q, k, v, g, beta, state, num_tokens, num_snapshots)
-    else:
-        out, snapshots = gated_delta_rule_reference(q, k, v, g, beta, state, num_tokens, num_snapshots)
+    else:  # the recurrent kernel on CUDA (a token at a time, but one launch), else the reference
+        out, snapshots = recurrent_pass(q, k, v, g, beta, state, num_tokens, num_snapshots)
     return out.to(v.dtype), snapshots
+
+
+def recurrent_pass(q, k, v, g, beta, state, num_tokens, num_snapshots):
+    """gated_delta_rule_reference's contract (q, k normalised and scaled) through
+    ops.gated_delta_recurrent: one kernel on CUDA, the reference on the CPU. The rows' states
+    serve as a cache of bs slots; snapshots a row does not reach stay zero, as there."""
+    bs = q.shape[0]
+    snapshots = torch.zeros((bs, num_snapshots, *state.shape[1:]), dtype=torch.float32, device=state.device)
+    i32 = dict(dtype=torch.int32, device=q.device)
+    # start = 1: the given states are the starting points (a new sequence's is zeros already)
+    out = gated_delta_recurrent(q.float().contiguous(), k.float().contiguous(), v.float().contiguous(),
+                                g.float().contiguous(), beta.float().contiguous(), state.float().contiguous(),
+                                snapshots, torch.arange(bs, **i32), torch.ones(bs, **i32), num_tokens.to(**i32))
+    return out, snapshots
 
 
 # -- CUDA: flash-linear-attention for long passes (UNTESTED, see the module docstring) --------
@@ -161,8 +176,8 @@ def _fla_chunk():
 
 def _chunked_head_then_recurrent_tail(q, k, v, g, beta, state, num_tokens, num_snapshots):
     """Each row's tokens before its last S run through fla's chunked kernel (packed varlen,
-    final state only); the last S run through the reference recurrence, which keeps the
-    snapshots. q and k come normalised and scaled."""
+    final state only); the last S run through recurrent_pass, which keeps the snapshots. q and
+    k come normalised and scaled."""
     bs, T = q.shape[:2]
     S = num_snapshots
     head = (num_tokens - S).clamp(min=0)  # [bs] tokens before the snapshot window
@@ -185,8 +200,8 @@ def _chunked_head_then_recurrent_tail(q, k, v, g, beta, state, num_tokens, num_s
     # the tail: positions head .. head + S - 1 of each row (those past num_tokens are padding)
     index = (head[:, None] + torch.arange(S, device=q.device)).clamp(max=T - 1)  # [bs, S]
     take = lambda x: x.gather(1, index.view(bs, S, *([1] * (x.dim() - 2))).expand(-1, -1, *x.shape[2:]))  # noqa: E731
-    tail_out, snapshots = gated_delta_rule_reference(take(q), take(k), take(v), take(g), take(beta), mid_state,
-                                                     num_tokens - head, S)
+    tail_out, snapshots = recurrent_pass(take(q), take(k), take(v), take(g), take(beta), mid_state,
+                                         num_tokens - head, S)
     valid = torch.arange(S, device=q.device)[None, :] < (num_tokens - head)[:, None]
     out[torch.arange(bs, device=q.device)[:, None].expand(-1, S)[valid], index[valid]] = tail_out[valid]
     return out, snapshots

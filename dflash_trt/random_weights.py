@@ -85,7 +85,8 @@ def random_pair(sources: PairPaths, device, dtype, seed: int = 0):
     draft_config = DraftConfig.from_dir(sources.drafter, target_config.dims.num_hidden_layers)
     check_pair(target_config, draft_config, sources.drafter)
     models = []
-    for cls, config, model_seed in ((target_class(target_config.model_type), target_config, seed), (DFlashDrafter, draft_config, seed + 1)):
+    target_cls = target_class(target_config.model_type)
+    for cls, config, model_seed in ((target_cls, target_config, seed), (DFlashDrafter, draft_config, seed + 1)):
         with torch.device("meta"):
             model = cls(config)
         model = model.to(dtype).to_empty(device=device)

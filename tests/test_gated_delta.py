@@ -70,3 +70,29 @@ def test_fla_chunked_head_on_the_gpu_matches_the_reference(dtype):
         kept = min(S, n)
         ref = ref_snapshots[row, S - kept:]
         assert (snapshots[row, S - kept:] - ref).abs().max() <= tol * ref.abs().max(), row
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("with_fla", [False, True])
+def test_a_prefill_on_the_gpu_matches_the_reference(monkeypatch, with_fla):
+    """gated_delta_rule for a pass wider than the snapshots: fla's chunked head (when installed)
+    and the recurrent kernel for the rest, or the kernel alone."""
+    if with_fla:
+        pytest.importorskip("fla.ops.gated_delta_rule", reason="needs flash-linear-attention (fla-core)")
+    else:
+        monkeypatch.setattr(gated_delta, "_fla_chunk", lambda: None)
+    gen = torch.Generator().manual_seed(5)
+    r = lambda *s: torch.randn(*s, generator=gen).cuda()  # noqa: E731
+    bs, T, Hk, Hv, dk, S = 3, 40, 2, 4, 32, 16
+    q, k, v = r(bs, T, Hk, dk), r(bs, T, Hk, dk), r(bs, T, Hv, dk)
+    g, beta, state = -torch.nn.functional.softplus(r(bs, T, Hv)), torch.sigmoid(r(bs, T, Hv)), r(bs, Hv, dk, dk)
+    num_tokens = torch.tensor([40, 23, 5], device="cuda")
+    out, snapshots = gated_delta.gated_delta_rule(q, k, v, g, beta, state, num_tokens, S)
+    qn, kn = l2_normalize(q) * dk**-0.5, l2_normalize(k)
+    ref_out, ref_snapshots = gated_delta_rule_reference(qn, kn, v, g, beta, state, num_tokens, S)
+    tol = 2e-2 if with_fla else 1e-5  # fla multiplies in tf32
+    for row, n in enumerate(num_tokens.tolist()):
+        assert (out[row, :n] - ref_out[row, :n]).abs().max() <= tol * ref_out[row, :n].abs().max(), row
+        kept = min(S, n)
+        ref = ref_snapshots[row, S - kept:]
+        assert (snapshots[row, S - kept:] - ref).abs().max() <= tol * ref.abs().max(), row
