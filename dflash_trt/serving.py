@@ -247,7 +247,9 @@ class EngineWorker:
     and its final response is its last. Sending is a round trip to the Triton process (and
     the text is decoded there too); on the engine thread it would idle the GPU every step.
     So is asking whether a client cancelled: the sender polls that too, and tells the engine
-    thread which requests to abort.
+    thread which requests to abort. Both calls release the GIL while they wait on Triton
+    (python_backend r24.10: ResponseSender::Send, PbCancel::IsCancelled), so the engine thread
+    keeps stepping meanwhile.
     """
 
     def __init__(self, engine, tokenizer, limits: p.Limits, *, idle_wait_s: float = 0.05,
