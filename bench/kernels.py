@@ -25,30 +25,21 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from dflash_trt import plugins  # noqa: E402
+from dflash_trt.ops import attention_mask  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 TOKENS, BATCHES, CONTEXTS = (1, 8, 16), (1, 8, 32), (512, 4096, 32768)
 PAGE = 16
 
 
-
-
-# The SDPA baseline: an explicit [bs, T, L] mask over gathered K/V, as the engine did before
-# the kernel (and as tests/test_ops.py keeps as its oracle).
-def attention_mask(q_pos, k_pos, k_valid, causal, window):
-    mask = k_valid[:, None, :].expand(-1, q_pos.shape[1], -1)
-    if causal:
-        mask = mask & (k_pos[:, None, :] <= q_pos[:, :, None])
-    if window is not None:
-        mask = mask & (k_pos[:, None, :] > q_pos[:, :, None] - window)
-    return mask
-
-
-def block_attention_reference(q, k, v, mask, scale):
+# The SDPA baseline: an explicit [bs, T, L] mask (ops.attention_mask) over gathered K/V, as
+# the engine did before the kernel.
+def sdpa_with_mask(q, k, v, mask, scale):
     out = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None], scale=scale,
         enable_gqa=True)
     return out.transpose(1, 2).flatten(2)
+
 
 def time_us(fn, budget_s: float = 0.05) -> tuple[float, str]:
     """Mean GPU time of fn() in microseconds, from replaying a CUDA graph of it (eager launches
@@ -301,7 +292,7 @@ def main() -> None:
 
                         def sdpa():
                             k, v = k_cache[slots.long(), :length], v_cache[slots.long(), :length]
-                            return block_attention_reference(q, k, v, mask, scale)
+                            return sdpa_with_mask(q, k, v, mask, scale)
                     else:  # draft: context from the cache, the block's K/V transient
                         ctx_len = q_start
                         blk = (k_blk, v_blk)
@@ -312,7 +303,7 @@ def main() -> None:
                         def sdpa():
                             k = torch.cat([k_cache[slots.long(), :ctx], k_blk], 1)
                             v = torch.cat([v_cache[slots.long(), :ctx], v_blk], 1)
-                            return block_attention_reference(q, k, v, mask, scale)
+                            return sdpa_with_mask(q, k, v, mask, scale)
 
                     def kernel():
                         return torch.ops.dflash.block_attention(q, k_cache, v_cache, slots, ctx_len, q_start, *blk,

@@ -10,6 +10,18 @@ import torch
 import torch.nn.functional as F
 
 
+def attention_mask(q_pos, k_pos, k_valid, causal: bool, window: int | None) -> torch.Tensor:
+    """[bs, T, L] bool, True where query t may see key l: q_pos [bs, T] and k_pos [bs, L] are
+    positions, k_valid [bs, L] marks keys holding data; causal: key <= query; window (None or
+    <= 0: none): key > query - window. Also the SDPA baseline of bench/kernels.py."""
+    visible = k_valid[:, None, :].expand(-1, q_pos.shape[1], -1)
+    if causal:
+        visible = visible & (k_pos[:, None, :] <= q_pos[:, :, None])
+    if window is not None and window > 0:
+        visible = visible & (k_pos[:, None, :] > q_pos[:, :, None] - window)
+    return visible
+
+
 def paged_block_attention_reference(q, k_cache, v_cache, slots, ctx_len, q_start, k_blk, v_blk, causal, window, scale):
     """Block attention over a KV cache, written plainly (the oracle of plugins/block_attention.cu).
 
@@ -35,11 +47,7 @@ def paged_block_attention_reference(q, k_cache, v_cache, slots, ctx_len, q_start
         k, v = torch.cat([k, k_blk.float()], 1), torch.cat([v, v_blk.float()], 1)
         k_pos = torch.cat([k_pos, q_pos], 1)
         k_valid = torch.cat([k_valid, torch.ones(bs, T, dtype=torch.bool, device=dev)], 1)
-    visible = k_valid[:, None, :].expand(-1, T, -1)  # [bs, T, L]
-    if causal:
-        visible = visible & (k_pos[:, None, :] <= q_pos[:, :, None])
-    if window is not None and window > 0:
-        visible = visible & (k_pos[:, None, :] > q_pos[:, :, None] - window)
+    visible = attention_mask(q_pos, k_pos, k_valid, causal, window)  # [bs, T, L]
     # softmax(q.k * scale, masked) @ v in fp32; enable_gqa: query head h reads KV head h // G.
     out = F.scaled_dot_product_attention(q.float().transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                          attn_mask=visible[:, None], scale=scale, enable_gqa=True).transpose(1, 2)
