@@ -90,10 +90,8 @@ class DecodePasses:
     def commit(self, x: StepInputs, width: int, num_committed: list[int]) -> None:
         """After a pass of `width` tokens per row, keep the first num_committed[i] of row i.
         Skipped for targets without recurrent state, so their decode step pays no copy for it."""
-        if not self.target.stateful:
-            return
-        kept = torch.tensor(num_committed, device=self.device)
-        self.target.commit(self.target_cache, self._batch(x, width), kept)
+        if self.target.stateful:
+            self.target.commit(self.target_cache, self._batch(x, width), num_committed)
 
 
 class GraphedPasses(DecodePasses):

@@ -2,7 +2,7 @@
 
 A target class takes its config and offers `forward(input_ids, batch, cache, taps)`,
 `logits(hidden)`, `new_cache(num_slots, capacity, device=None)` (device "meta" sizes a cache
-without allocating it), `commit(cache, batch, num_committed)`
+without allocating it), `commit(cache, batch, num_committed)` (a [bs] tensor or list)
 and `tie_weights()`. `commit` is called after every target pass with the number of tokens
 of each row that stay (all of them for prefill and AR, the accepted prefix + 1 after a
 verify); attention-only targets roll back by length, have nothing to do there and say so

@@ -267,11 +267,12 @@ class Qwen3_5ForCausalLM(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def commit(self, cache: HybridCache, batch: Batch, num_committed: torch.Tensor) -> None:
+    def commit(self, cache: HybridCache, batch: Batch, num_committed: torch.Tensor | list[int]) -> None:
         """Set each row's linear-attention state to the state after its first num_committed[i]
         tokens of the last pass; attention rows past that are ignored and overwritten later."""
         if batch.width == 1:
             return  # a one-token pass stepped the state in place (GatedDeltaNet.forward)
+        num_committed = torch.as_tensor(num_committed, device=batch.slots.device)  # a host list: one copy
         S = cache.num_snapshots
         dropped = batch.num_tokens - num_committed  # 0 <= dropped < num_tokens, by the engine
         if batch.width > S:  # only then can a cut reach past the snapshots (checked on the host:
