@@ -348,7 +348,7 @@ def _hybrid_layer_types(f: _Fields, num_layers: int) -> tuple[str, ...]:
 
 
 def _partial_rotary_factor(f: _Fields, head_dim: int) -> float:
-    params = f.data.get("rope_parameters") or f.data.get("rope_scaling") or {}
+    _, params = _rope_params(f)
     factor = f.data.get("partial_rotary_factor", params.get("partial_rotary_factor", 0.25))  # transformers' default
     if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not 0 < factor <= 1:
         raise f.error("partial_rotary_factor", f"must be a number in (0, 1], got {factor!r}")
