@@ -31,19 +31,19 @@ ORACLES = {
 }
 
 
-def engine_for(make_pair, pair_name, block_size, max_batch_size=8):
+def engine_for(make_pair, pair_name, block_size, device, max_batch_size=8):
     pair = make_pair(**PAIRS[pair_name], **HYBRID, block_size=block_size)
-    return load_pair(pair.target, pair.drafter, max_seq_len=96, max_batch_size=max_batch_size)
+    return load_pair(pair.target, pair.drafter, device=device, max_seq_len=96, max_batch_size=max_batch_size)
 
 
 @pytest.fixture(scope="module")
-def ar_engine(make_pair):
+def ar_engine(make_pair, device):
     """(engine, its greedy AR results for PROMPTS), one per pair layout and block size."""
     made = {}
 
     def get(pair_name, block_size):
         if (pair_name, block_size) not in made:
-            engine = engine_for(make_pair, pair_name, block_size)
+            engine = engine_for(make_pair, pair_name, block_size, device)
             made[pair_name, block_size] = engine, engine.generate(PROMPTS, PARAMS, mode="ar")
         return made[pair_name, block_size]
 
@@ -77,9 +77,9 @@ def test_greedy_dflash_equals_ar_on_a_hybrid_target(ar_engine, pair_name, block_
 
 
 @pytest.mark.parametrize("oracle", ["bonus-only", "random-acceptance"])
-def test_blocks_wider_than_sixteen_keep_a_snapshot_per_block_token(make_pair, oracle):
+def test_blocks_wider_than_sixteen_keep_a_snapshot_per_block_token(make_pair, device, oracle):
     # A cut of up to 23 tokens needs 24 snapshots: the engine sizes the cache by its block.
-    engine = engine_for(make_pair, "qwen3.5-like", 24)
+    engine = engine_for(make_pair, "qwen3.5-like", 24, device)
     assert engine.target_cache.num_snapshots == 24
     params = SamplingParams(max_tokens=60, ignore_eos=True)
     ar = engine.generate(PROMPTS, params, mode="ar")
@@ -87,14 +87,14 @@ def test_blocks_wider_than_sixteen_keep_a_snapshot_per_block_token(make_pair, or
     assert [d.token_ids for d in dflash] == [a.token_ids for a in ar]
 
 
-def test_requests_join_and_leave_and_reused_slots_start_from_zero_state(make_pair, ar_engine):
+def test_requests_join_and_leave_and_reused_slots_start_from_zero_state(make_pair, device, ar_engine):
     """Two slots for four requests of mixed lengths: slots are reused while others run.
     The reference is an engine with a slot per request, so state leaking from a slot's
     previous occupant shows up even though AR and DFlash would leak alike."""
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (5, 19, 2, 11)]
     _, wide = ar_engine("qwen3.5-like", 4)
     reference = [r.token_ids[:p.max_tokens] for r, p in zip(wide, params)]
-    narrow = engine_for(make_pair, "qwen3.5-like", 4, max_batch_size=2)
+    narrow = engine_for(make_pair, "qwen3.5-like", 4, device, max_batch_size=2)
     ar = narrow.generate(PROMPTS, params, mode="ar")
     dflash = dflash_with_oracle(narrow, PROMPTS, params, wide, ORACLES["random-acceptance"])
     assert [a.token_ids for a in ar] == reference
