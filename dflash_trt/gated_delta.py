@@ -20,7 +20,7 @@ ops.gated_delta_recurrent reads the committed state from the cache and writes th
 into it in place (plugins/gated_delta.cu on CUDA, no gathered copy of either). A wider pass
 (a prefill) runs `gated_delta_rule` on a gathered state and returns all S snapshots for the
 caller to scatter; on CUDA its head runs through flash-linear-attention's chunked kernel when
-`fla` is installed (UNTESTED: written against fla-core 0.6.0 without a GPU), and the rest
+`fla` is installed (tested on the GPU with fla-core 0.6.0), and the rest
 (or, without fla, all of it) through the same recurrent kernel.
 
 The recurrent form below (`gated_delta_rule_reference`) is the reference: the CPU path of
@@ -161,7 +161,7 @@ def recurrent_pass(q, k, v, g, beta, state, num_tokens, num_snapshots):
     return out, snapshots
 
 
-# -- CUDA: flash-linear-attention for long passes (UNTESTED, see the module docstring) --------
+# -- CUDA: flash-linear-attention for long passes ---------------------------------------------
 
 
 @functools.cache
