@@ -63,7 +63,7 @@ class Engine:
         self._check_mode(self.mode)
         capacity = max_seq_len + self.block_size  # a verify block may run past the last kept token
         # One slot more than requests: CUDA graphs point their padding rows at it. A target
-        # with recurrent state keeps a snapshot per token of the widest pass it may cut back.
+        # with recurrent state is sized for cutting back the widest pass (the block).
         snapshots = {"num_snapshots": self.block_size} if target.stateful else {}
         self.device = target.lm_head.weight.device
         if self.device.type == "cuda":

@@ -9,19 +9,19 @@ Per value head the layer keeps a state matrix S [dk, dv] and, for token t,
 with q, k L2-normalised and q scaled by dk^-1/2. Before that, q, k and v pass through a
 depthwise causal conv (kernel K, SiLU) whose window is the previous K-1 inputs.
 
-A pass over T tokens never overwrites the state it starts from. It records *snapshots*: the
-state (and conv window) after each of the row's last S tokens, right-aligned, so index
-S-1-d holds the state after `num_tokens - d` tokens. Committing n tokens copies snapshot
-S-1-(num_tokens-n) into the cache; a verify block of B <= S tokens can thus be cut after
-any prefix. Rows are ragged: tokens at t >= num_tokens are padding, never snapshotted.
+A pass over T tokens never overwrites the state it starts from. It may record *snapshots*:
+the state (and conv window) after each of the row's last S tokens, right-aligned, so index
+S-1-d holds the state after `num_tokens - d` tokens. Rows are ragged: tokens at
+t >= num_tokens are padding, never snapshotted.
 
-Two entry points. A pass of at most S tokens (decode, verify) runs `gated_delta_rule_on_cache`:
-ops.gated_delta_recurrent reads the committed state from the cache and writes the snapshots
-into it in place (plugins/gated_delta.cu on CUDA, no gathered copy of either). A wider pass
-(a prefill) runs `gated_delta_rule` on a gathered state and returns all S snapshots for the
-caller to scatter; on CUDA its head runs through flash-linear-attention's chunked kernel when
-`fla` is installed (tested on the GPU with fla-core 0.6.0), and the rest
-(or, without fla, all of it) through the same recurrent kernel.
+Two entry points. A pass of at most S tokens (decode, verify) runs ops.gated_delta_recurrent
+on `recurrence_inputs`: it reads the committed state from the cache in place
+(plugins/gated_delta.cu on CUDA, no gathered copy) and writes at most one state, the new one
+of an AR step; the model rolls a verify back by replaying its accepted tokens (models/
+qwen3_5.py). A wider pass (a prefill) runs `gated_delta_rule` on a gathered state and
+returns its final state; on CUDA its head runs through flash-linear-attention's chunked
+kernel when `fla` is installed (tested on the GPU with fla-core 0.6.0), and the rest (or,
+without fla, all of it) through the same recurrent kernel.
 
 The recurrent form below (`gated_delta_rule_reference`) is the reference: the CPU path of
 both entry points and the test oracle.
@@ -95,38 +95,29 @@ def gated_delta_rule_reference(q, k, v, g, beta, state, num_tokens, num_snapshot
         delta = (v[:, t] - predicted) * beta[:, t, :, None]
         state = decayed + k[:, t, :, :, None] * delta[:, :, None, :]
         out[:, t] = (state * q[:, t, :, :, None]).sum(-2)  # S^T q
-        slot = t + num_snapshots - num_tokens  # right-aligned: the row's last token lands at S-1
-        keep = ((slot >= 0) & (t < num_tokens))[:, None, None, None]
-        slot = slot.clamp(0, num_snapshots - 1)  # no host sync: rows that keep nothing rewrite a value
-        snapshots[rows, slot] = torch.where(keep, state, snapshots[rows, slot])
+        if num_snapshots:
+            slot = t + num_snapshots - num_tokens  # right-aligned: the row's last token lands at S-1
+            keep = ((slot >= 0) & (t < num_tokens))[:, None, None, None]
+            slot = slot.clamp(0, num_snapshots - 1)  # no host sync: rows that keep nothing rewrite a value
+            snapshots[rows, slot] = torch.where(keep, state, snapshots[rows, slot])
     return out, snapshots
 
 
-def gated_delta_rule_on_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                              state_cache: torch.Tensor, snapshot_cache: torch.Tensor, slots: torch.Tensor,
-                              start: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:
-    """A decode/verify pass on the cache in place -> out [bs, T, Hv, dv] in v's dtype.
-
-    q, k, v, g, beta as for gated_delta_rule; state_cache [num_slots, Hv, dk, dv] and
-    snapshot_cache [num_slots, S, Hv, dk, dv] are one layer of HybridCache; slots, start,
-    num_tokens [bs] int32. Row i starts from state_cache[slots[i]] (zeros when start[i] == 0)
-    and writes the snapshots its tokens reach into snapshot_cache[slots[i]] (right-aligned, as
-    gated_delta_rule returns them; the ones before a short row's first token are left as
-    they were, and commit never reads them). Padding tokens output zeros.
-    """
+def recurrence_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+                      ) -> tuple[torch.Tensor, ...]:
+    """(q, k, v, g, beta) as ops.gated_delta_recurrent takes them, for a decode/verify pass on
+    the cache: fp32 and contiguous, q and k L2-normalised, q scaled by dk^-1/2. The model
+    keeps a verify pass's copy so that commit can replay the accepted tokens exactly."""
     dk = q.shape[-1]
-    q = (l2_normalize(q.float()) * dk**-0.5).contiguous()
-    k = l2_normalize(k.float()).contiguous()
-    out = gated_delta_recurrent(q, k, v.float().contiguous(), g.float().contiguous(), beta.float().contiguous(),
-                                state_cache, snapshot_cache, slots, start, num_tokens)
-    return out.to(v.dtype)
+    return ((l2_normalize(q.float()) * dk**-0.5).contiguous(), l2_normalize(k.float()).contiguous(),
+            v.float().contiguous(), g.float().contiguous(), beta.float().contiguous())
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      state: torch.Tensor, num_tokens: torch.Tensor, num_snapshots: int
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """One pass of the gated delta rule -> (out [bs, T, Hv, dv] in v's dtype, snapshots); the
-    model runs it for prefills (wider than S), and gated_delta_rule_on_cache for the rest.
+    model runs it for prefills (wider than S, with S = 1: only the final state is kept).
 
     q, k [bs, T, Hk, dk] raw (normalised and scaled here); v [bs, T, Hv, dv]; g (log decay,
     <= 0) and beta [bs, T, Hv]; state [bs, Hv, dk, dv] fp32, read only; num_tokens [bs].

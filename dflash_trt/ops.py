@@ -294,8 +294,8 @@ def gated_delta_recurrent(q, k, v, g, beta, state_cache, snapshot_cache, slots, 
     q, k [bs, T, Hk, dk] (L2-normalised, q scaled); v [bs, T, Hv, dv]; g (log decay) and beta
     [bs, T, Hv]; state_cache [num_slots, Hv, dk, dv], one layer of HybridCache.state, read
     only (unless snapshot_cache is state_cache.unsqueeze(1), NS = 1: an in-place step);
-    snapshot_cache [num_slots, NS, Hv, dk, dv], one layer of state_snapshots; slots,
-    start, num_tokens [bs] int32. Row b starts from state_cache[slots[b]] (zeros when
+    snapshot_cache [num_slots, NS, Hv, dk, dv] (NS = 0: the pass writes nothing but its
+    output); slots, start, num_tokens [bs] int32. Row b starts from state_cache[slots[b]] (zeros when
     start[b] == 0) and writes snapshot j of its slot after token t = j + num_tokens[b] - NS for
     0 <= t < num_tokens[b]; the slot's other snapshots stay as they were. Padding tokens
     output zeros. All float tensors fp32 and contiguous. Slots should be distinct: rows sharing
@@ -308,7 +308,7 @@ def gated_delta_recurrent(q, k, v, g, beta, state_cache, snapshot_cache, slots, 
     assert Hk > 0 and v.dim() == 4 and v.shape[:2] == (bs, T) and v.shape[2] % Hk == 0, \
         f"v must be [{bs}, {T}, Hv, dv] with Hv a multiple of {Hk}, got {tuple(v.shape)}"
     Hv, dv = v.shape[2:]
-    assert snapshot_cache.dim() == 5 and snapshot_cache.shape[1] >= 1, \
+    assert snapshot_cache.dim() == 5, \
         f"snapshot_cache must be [num_slots, NS, {Hv}, {dk}, {dv}], got {tuple(snapshot_cache.shape)}"
     num_slots, NS = snapshot_cache.shape[:2]
     shapes = {"q": (q, (bs, T, Hk, dk)), "k": (k, (bs, T, Hk, dk)), "v": (v, (bs, T, Hv, dv)), "g": (g, (bs, T, Hv)),

@@ -1,6 +1,8 @@
 // Gated DeltaNet recurrence of a decode/verify pass, on the cache in place (semantics in
-// gated_delta.h): reads each row's committed state from state_cache, writes the per-token
-// snapshots into snapshot_cache, one launch per layer.
+// gated_delta.h): reads each row's committed state from state_cache, writes the state after
+// the row's last NS tokens into snapshot_cache, one launch per layer. The engine uses NS = 0
+// (outputs only: a verify pass) and NS = 1 in place (an AR step, and the replay of a verify's
+// accepted tokens at commit).
 //
 // Work split. Column j of the state S [dk, dv] evolves on its own: its update needs only the
 // sums S[:, j]^T k and S[:, j]^T q over dk, and v[j]. So a warp owns 16 value columns of one
@@ -209,13 +211,14 @@ const char* gated_delta_recurrent_check(const GatedDeltaParams& p) {
     return "num_v_heads must be a positive multiple of num_k_heads, at most 65535";
   if (!gated_delta_supports(p.key_dim, p.value_dim))
     return "key_dim and value_dim must be multiples of 16 in [16, 256]";
-  if (p.num_snapshots < 1) return "num_snapshots must be at least 1";
+  if (p.num_snapshots < 0) return "num_snapshots must not be negative";
   if (p.batch == 0 || p.width == 0) return nullptr;  // nothing to read: empty tensors may have null data
-  if (!p.q || !p.k || !p.v || !p.g || !p.beta || !p.state_cache || !p.snapshot_cache || !p.slots || !p.start ||
-      !p.num_tokens || !p.out)
+  const bool snapshots = p.num_snapshots > 0;  // else snapshot_cache is never written and may be null
+  if (!p.q || !p.k || !p.v || !p.g || !p.beta || !p.state_cache || (snapshots && !p.snapshot_cache) || !p.slots ||
+      !p.start || !p.num_tokens || !p.out)
     return "null pointer";
   if (!aligned16(p.q) || !aligned16(p.k) || !aligned16(p.v) || !aligned16(p.state_cache) ||
-      !aligned16(p.snapshot_cache) || !aligned16(p.out))
+      (snapshots && !aligned16(p.snapshot_cache)) || !aligned16(p.out))
     return "q, k, v, out and the caches must be 16-byte aligned";
   return nullptr;
 }

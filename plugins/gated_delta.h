@@ -13,8 +13,8 @@
 //     j = t + NS - num_tokens[b]; if j >= 0: snapshot_cache[slots[b], j, h] = S
 //   out[b, t, h] = 0 for the padding tokens t >= num_tokens[b].
 // So snapshot NS-1-d holds the state after num_tokens[b] - d tokens (right-aligned); the other
-// snapshots of the slot, and state_cache, are left as they are. q and k come L2-normalised
-// and scaled already.
+// snapshots of the slot, and state_cache, are left as they are. With NS = 0 the pass writes
+// only out. q and k come L2-normalised and scaled already.
 //
 // Slots should be distinct. Rows that share one (CUDA-graph padding rows on a scratch slot)
 // leave each snapshot element they both write holding one of their values, unspecified which.
@@ -48,7 +48,7 @@ struct GatedDeltaParams {
   int num_v_heads = 0;         // Hv, a multiple of Hk, <= 65535
   int key_dim = 0;             // dk (see gated_delta_supports)
   int value_dim = 0;           // dv
-  int num_snapshots = 0;       // NS >= 1
+  int num_snapshots = 0;       // NS >= 0; with 0 nothing is written but out
 
   const float* q = nullptr;    // [bs, T, Hk, dk]
   const float* k = nullptr;    // [bs, T, Hk, dk]
@@ -56,7 +56,7 @@ struct GatedDeltaParams {
   const float* g = nullptr;    // [bs, T, Hv] log decay
   const float* beta = nullptr; // [bs, T, Hv]
   const float* state_cache = nullptr;  // [num_slots, Hv, dk, dv], read only
-  float* snapshot_cache = nullptr;     // [num_slots, NS, Hv, dk, dv]
+  float* snapshot_cache = nullptr;     // [num_slots, NS, Hv, dk, dv]; may be null when NS == 0
   const int32_t* slots = nullptr;      // [bs] device
   const int32_t* start = nullptr;      // [bs] device: 0 starts from zeros
   const int32_t* num_tokens = nullptr; // [bs] device: real tokens of the row, in [0, T]

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash_trt import plugins
-from dflash_trt.gated_delta import gated_delta_rule, gated_delta_rule_on_cache, gated_delta_rule_reference, l2_normalize
+from dflash_trt.gated_delta import gated_delta_rule, gated_delta_rule_reference, l2_normalize, recurrence_inputs
 from dflash_trt.ops import gated_delta_kernel_supports, gated_delta_recurrent, gated_delta_recurrent_reference
 from host_program import run_host_program
 
@@ -61,6 +61,7 @@ CPU_CASES = {
     "verify ragged, one fresh": (4, 4, 1, 2, 16, 32, 4, [4, 1, 3, 0], [7, 0, 2, 1]),
     "more tokens than snapshots": (3, 9, 2, 2, 32, 16, 4, [9, 5, 2], [0, 3, 3]),
     "one snapshot": (2, 3, 1, 1, 16, 16, 1, [3, 2], [1, 0]),
+    "no snapshots (a verify pass)": (2, 3, 1, 2, 16, 16, 0, [3, 2], [1, 0]),
 }
 
 
@@ -89,8 +90,8 @@ def test_a_fresh_row_ignores_what_its_slot_held():
 
 
 def test_the_model_entry_point_equals_the_gated_delta_rule_on_a_gathered_state():
-    """gated_delta_rule_on_cache (normalises q/k, then the op) against gated_delta_rule (the
-    path the model took for every pass before, and still takes for prefills): CPU bit for bit."""
+    """The op on recurrence_inputs (normalised q/k) against gated_delta_rule (the path the
+    model took for every pass before, and still takes for prefills): CPU bit for bit."""
     bs, T, Hk, Hv, dk, dv, S = 3, 4, 2, 4, 16, 32, 4
     case = make_case(bs, T, Hk, Hv, dk, dv, S, [4, 2, 1], [3, 0, 8])
     gen = torch.Generator().manual_seed(5)
@@ -99,13 +100,33 @@ def test_the_model_entry_point_equals_the_gated_delta_rule_on_a_gathered_state()
     slots = case["slots"].long()
     state = case["state_cache"][slots].masked_fill((case["start"] == 0)[:, None, None, None], 0)
     out_old, snapshots = gated_delta_rule(q, k, v, case["g"], case["beta"], state, case["num_tokens"].long(), S)
-    out = gated_delta_rule_on_cache(q, k, v, case["g"], case["beta"], case["state_cache"], case["snapshot_cache"],
-                                    case["slots"], case["start"], case["num_tokens"])
+    out = gated_delta_recurrent(*recurrence_inputs(q, k, v, case["g"], case["beta"]), case["state_cache"],
+                                case["snapshot_cache"], case["slots"], case["start"], case["num_tokens"])
     real = torch.arange(T) < case["num_tokens"][:, None]
-    assert out.dtype == torch.bfloat16 and torch.equal(out[real], out_old[real])
+    assert torch.equal(out.bfloat16()[real], out_old[real])
     for row, n in enumerate(case["num_tokens"].tolist()):
         kept = min(S, n)
         assert torch.equal(case["snapshot_cache"][slots[row], S - kept:], snapshots[row, S - kept:])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_replaying_the_kept_tokens_in_place_gives_the_snapshot_of_that_prefix(device):
+    """Commit's replay (models/qwen3_5.py): a pass that writes nothing, then NS = 1 in place
+    over the first n tokens, leaves each slot the state a snapshot pass recorded after n
+    tokens: bit for bit, since the kernel runs the same token loop either way."""
+    bs, T, Hk, Hv, dk, dv = 4, 16, 2, 4, 32, 32
+    kept = [16, 1, 7, 3]
+    snap = make_case(bs, T, Hk, Hv, dk, dv, T, [T] * bs, [3, 0, 9, 1], device=device)
+    state = snap["state_cache"].clone()
+    replay = {**snap, "state_cache": state, "snapshot_cache": state.new_zeros((state.shape[0], 0, Hv, dk, dv))}
+    out_snap = gated_delta_recurrent(**snap)
+    before = state.clone()
+    out = gated_delta_recurrent(**replay)
+    assert torch.equal(state, before) and torch.equal(out, out_snap)  # the pass wrote nothing
+    gated_delta_recurrent(**{**replay, "snapshot_cache": state.unsqueeze(1),
+                             "num_tokens": torch.tensor(kept, dtype=torch.int32, device=device)})
+    for row, (slot, n) in enumerate(zip(snap["slots"].tolist(), kept)):
+        assert torch.equal(state[slot], snap["snapshot_cache"][slot, T - 1 - (T - n)]), row
 
 
 def bad_calls():
@@ -192,6 +213,7 @@ CUDA_CASES = {
     "dk=48 dv=80 (partial rows)": (2, 5, 1, 2, 48, 80, 4, [5, 2], [0, 1]),
     "dk=dv=256": (2, 4, 1, 2, 256, 256, 4, [4, 3], [1, 0]),
     "dk=256 dv=64 T=17": (1, 17, 1, 1, 256, 64, 16, [17], [3]),
+    "qwen verify, no snapshots": (4, 16, 16, 32, 128, 128, 0, [16, 1, 7, 0], [3, 0, 90, 5]),
 }
 
 

