@@ -109,6 +109,7 @@ class GraphedPasses(DecodePasses):
         self.scratch_slot = self.target_cache.k.shape[1] - 1
         self._pool = torch.cuda.graph_pool_handle()
         self._graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, StepInputs, object]] = {}
+        self._kept: dict[int, torch.Tensor] = {}  # per bucket: the commit graph's kept counts
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
@@ -134,6 +135,7 @@ class GraphedPasses(DecodePasses):
             self.ar(x)
             if self.drafter is not None:
                 self.verify(x, self.draft(x))
+                self.commit(x, self.block_size, [1] * size)
 
     def ar(self, x: StepInputs):
         hidden, token = self._replay("ar", x, lambda s: DecodePasses.ar(self, s))
@@ -149,6 +151,20 @@ class GraphedPasses(DecodePasses):
         assert block.data_ptr() == static_block.data_ptr(), "verify expects the draft graph's block"
         hidden, accepted, bonus = self._replay("verify", x, lambda s: DecodePasses.verify(self, s, static_block))
         return hidden[: x.size], accepted[: x.size], bonus[: x.size]
+
+    def commit(self, x: StepInputs, width: int, num_committed: list[int]) -> None:
+        """A hybrid target's commit after a verify (a replay of the kept tokens, one kernel per
+        linear layer) runs as a graph too: eagerly, launching it cost more than its work at
+        batch 1. The kept counts go to a static buffer; padding rows keep one token of the
+        scratch slot's. Everything else commits eagerly (nothing, or an in-place AR step)."""
+        if not self.target.stateful or width != self.block_size:
+            return super().commit(x, width, num_committed)
+        b = self.bucket(x.size)
+        if b not in self._kept:
+            self._kept[b] = torch.ones(b, dtype=torch.long, device=self.device)
+        kept = self._kept[b]
+        kept[: x.size].copy_(torch.tensor(num_committed))
+        self._replay("commit", x, lambda s: self.target.commit(self.target_cache, self._batch(s, width), kept))
 
     def _replay(self, name: str, x: StepInputs, fn):
         key = (name, self.bucket(x.size))
