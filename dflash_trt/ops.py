@@ -122,17 +122,20 @@ def _layer_kernel_ready(t: torch.Tensor) -> bool:
     return plugins.load() is not None
 
 
-def rms_norm_reference(x, weight, eps):
-    """layers.RMSNorm: normalise in fp32, round to weight's dtype, scale in weight's dtype."""
+def rms_norm_reference(x, weight, eps, zero_centered=False):
+    """layers.RMSNorm: normalise in fp32, round to weight's dtype, scale in weight's dtype.
+    zero_centered (qwen3_5.ZeroCenteredRMSNorm): scale by 1 + weight in fp32, round once."""
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if zero_centered:
+        return (x32 * (1.0 + weight.float())).to(weight.dtype)
     return weight * x32.to(weight.dtype)
 
 
-def add_rms_norm_reference(x, delta, weight, eps):
+def add_rms_norm_reference(x, delta, weight, eps, zero_centered=False):
     """(s, y): s = x.float() + delta (fp32, the residual stream), y = rms_norm(s)."""
     s = x.float() + delta
-    return s, rms_norm_reference(s, weight, eps)
+    return s, rms_norm_reference(s, weight, eps, zero_centered)
 
 
 def _rope_reference(x, cos, sin):
@@ -184,20 +187,21 @@ def _check_rms_args(x, delta, weight):
         assert delta.device == x.device and delta.is_contiguous(), "delta must be contiguous on x's device"
 
 
-def rms_norm(x, weight, eps: float):
-    """RMSNorm of x [..., H] (fp32 or weight's dtype) -> [..., H] in weight's dtype (layers.RMSNorm)."""
+def rms_norm(x, weight, eps: float, zero_centered: bool = False):
+    """RMSNorm of x [..., H] (fp32 or weight's dtype) -> [..., H] in weight's dtype: layers.RMSNorm,
+    or with zero_centered the Qwen3.5 one (qwen3_5.ZeroCenteredRMSNorm)."""
     _check_rms_args(x, None, weight)
     if _layer_kernel_ready(weight):
-        return torch.ops.dflash.rms_norm(x, weight, float(eps))
-    return rms_norm_reference(x, weight, eps)
+        return torch.ops.dflash.rms_norm(x, weight, float(eps), zero_centered)
+    return rms_norm_reference(x, weight, eps, zero_centered)
 
 
-def add_rms_norm(x, delta, weight, eps: float):
+def add_rms_norm(x, delta, weight, eps: float, zero_centered: bool = False):
     """(s, y): s = x.float() + delta [..., H] fp32, y = rms_norm(s) in weight's dtype; delta in weight's dtype."""
     _check_rms_args(x, delta, weight)
     if _layer_kernel_ready(weight):
-        return torch.ops.dflash.add_rms_norm(x, delta, weight, float(eps))
-    return add_rms_norm_reference(x, delta, weight, eps)
+        return torch.ops.dflash.add_rms_norm(x, delta, weight, float(eps), zero_centered)
+    return add_rms_norm_reference(x, delta, weight, eps, zero_centered)
 
 
 def qk_norm_rope(qkv, num_q_heads: int, num_kv_heads: int, q_weight, k_weight, eps: float, cos, sin, k_cache=None,

@@ -161,7 +161,11 @@ __global__ void __launch_bounds__(kNormMaxThreads) rms_norm_kernel(RmsNormParams
       float w[V], y[V];
       load<V>(weight + i, w);
 #pragma unroll
-      for (int k = 0; k < V; ++k) y[k] = __fmul_rn(w[k], rounded<T>(__fmul_rn(s[it][k], inv)));
+      for (int k = 0; k < V; ++k) {
+        const float n = __fmul_rn(s[it][k], inv);
+        // Qwen3 rounds n to the model dtype and scales in it; Qwen3.5 scales by 1 + w in fp32
+        y[k] = p.zero_centered ? __fmul_rn(n, __fadd_rn(1.0f, w[k])) : __fmul_rn(w[k], rounded<T>(n));
+      }
       store<V>(out + i, y);
     }
   }

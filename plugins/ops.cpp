@@ -137,7 +137,7 @@ void check_launch(cudaError_t err, const char* op) {
 // x [..., H] fp32 or weight's dtype, contiguous; weight [H]; delta (add_rms_norm) like x in
 // weight's dtype. Returns (sum, y); sum is undefined without delta.
 std::tuple<at::Tensor, at::Tensor> rms_norm_common(const at::Tensor& x, const at::Tensor* delta,
-                                                   const at::Tensor& weight, double eps) {
+                                                   const at::Tensor& weight, double eps, bool zero_centered) {
   TORCH_CHECK(weight.is_cuda() && weight.dim() == 1 && weight.size(0) > 0 && weight.is_contiguous(),
               "weight must be a contiguous non-empty [H] CUDA tensor");
   const dflash::DType dtype = model_dtype(weight, "weight");
@@ -161,6 +161,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_common(const at::Tensor& x, const at
   dflash::RmsNormParams p;
   p.dtype = dtype;
   p.x_fp32 = x.scalar_type() == at::kFloat;
+  p.zero_centered = zero_centered;
   p.hidden = static_cast<int>(weight.size(0));
   p.rows = x.numel() / p.hidden;
   p.x = x.data_ptr();
@@ -174,13 +175,13 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_common(const at::Tensor& x, const at
   return {sum, y};
 }
 
-at::Tensor rms_norm_cuda(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  return std::get<1>(rms_norm_common(x, nullptr, weight, eps));
+at::Tensor rms_norm_cuda(const at::Tensor& x, const at::Tensor& weight, double eps, bool zero_centered) {
+  return std::get<1>(rms_norm_common(x, nullptr, weight, eps, zero_centered));
 }
 
 std::tuple<at::Tensor, at::Tensor> add_rms_norm_cuda(const at::Tensor& x, const at::Tensor& delta,
-                                                     const at::Tensor& weight, double eps) {
-  return rms_norm_common(x, &delta, weight, eps);
+                                                     const at::Tensor& weight, double eps, bool zero_centered) {
+  return rms_norm_common(x, &delta, weight, eps, zero_centered);
 }
 
 void check_rows(const at::Tensor& t, const char* name, const at::Tensor& qkv, int64_t width) {
@@ -295,12 +296,12 @@ at::Tensor silu_mul_cuda(const at::Tensor& gate_up) {
 }
 
 // Shape-only versions for tracing (torch.compile, fake tensors).
-at::Tensor rms_norm_meta(const at::Tensor& x, const at::Tensor& weight, double) {
+at::Tensor rms_norm_meta(const at::Tensor& x, const at::Tensor& weight, double, bool) {
   return at::empty(x.sizes(), weight.options());
 }
 
 std::tuple<at::Tensor, at::Tensor> add_rms_norm_meta(const at::Tensor& x, const at::Tensor&, const at::Tensor& weight,
-                                                     double) {
+                                                     double, bool) {
   return {at::empty(x.sizes(), x.options().dtype(at::kFloat)), at::empty(x.sizes(), weight.options())};
 }
 
@@ -395,8 +396,8 @@ TORCH_LIBRARY(dflash, m) {
       "block_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor ctx_len, Tensor q_start, "
       "Tensor? k_blk, Tensor? v_blk, bool causal, int window, float scale, int max_keys=0, int num_splits=0) "
       "-> Tensor");
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.def("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, bool zero_centered=False) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps, bool zero_centered=False) -> (Tensor, Tensor)");
   m.def(
       "qk_norm_rope(Tensor qkv, int num_q_heads, int num_kv_heads, Tensor? q_weight, Tensor k_weight, float eps, "
       "Tensor cos, Tensor sin, Tensor(a!)? k_cache=None, Tensor(b!)? v_cache=None, Tensor? slots=None, "

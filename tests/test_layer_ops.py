@@ -11,6 +11,7 @@ import torch
 from dflash_trt import plugins
 from dflash_trt.config import LayerDims
 from dflash_trt.models.layers import MLP, AttentionProjections, RMSNorm, Rotary, apply_rope
+from dflash_trt.models.qwen3_5 import ZeroCenteredRMSNorm
 from dflash_trt.ops import (add_rms_norm, add_rms_norm_reference, qk_norm_rope, qk_norm_rope_reference, rms_norm,
                             rms_norm_reference, silu_mul, silu_mul_reference)
 
@@ -46,6 +47,13 @@ def plain_rms_norm(x, weight, eps):
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(weight.dtype)
+
+
+def plain_zero_centered_rms_norm(x, weight, eps):
+    """Qwen3.5's RMSNorm as the model wrote it before the op: fp32 throughout, one rounding."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (x32 * (1.0 + weight.float())).to(weight.dtype)
 
 
 def plain_qkv(attn, x, cos, sin):
@@ -92,6 +100,22 @@ def test_add_rms_norm_reference_is_the_residual_add_then_rmsnorm(dtype, x_kind):
     assert y.dtype == dtype and torch.equal(y, plain_rms_norm(expected_s, norm.weight, EPS))
     s_ref, y_ref = add_rms_norm_reference(x, delta, norm.weight, EPS)
     assert torch.equal(s_ref, s) and torch.equal(y_ref, y)
+
+
+@pytest.mark.parametrize("x_kind", ["fp32 residual", "model dtype"])
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@torch.no_grad()
+def test_zero_centered_references_are_the_qwen3_5_norm_and_its_residual_add(dtype, x_kind):
+    norm = ZeroCenteredRMSNorm(96, EPS).to(dtype)
+    norm.weight.data = (0.5 * torch.randn(96, generator=torch.Generator().manual_seed(3))).to(dtype)  # offsets from 1
+    x = rand(2, 5, 96, dtype=torch.float32 if x_kind == "fp32 residual" else dtype, scale=3.0)
+    delta = rand(2, 5, 96, dtype=dtype, seed=1)
+    y = rms_norm(x, norm.weight, EPS, zero_centered=True)
+    assert y.dtype == dtype and torch.equal(y, plain_zero_centered_rms_norm(x, norm.weight, EPS))
+    assert torch.equal(norm(x), y) and torch.equal(rms_norm_reference(x, norm.weight, EPS, zero_centered=True), y)
+    assert not torch.equal(y, rms_norm(x, norm.weight, EPS))  # not Qwen3's norm
+    s, y = norm.add_and_norm(x, delta)
+    assert torch.equal(s, x.float() + delta) and torch.equal(y, plain_zero_centered_rms_norm(s, norm.weight, EPS))
 
 
 # (Hq, Hkv, d)
@@ -295,20 +319,22 @@ HIDDEN = [256, 1004, 4096, 8192]  # 1004: not a multiple of 8, the scalar path
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("norm", ["qwen3", "zero-centered"])
 @pytest.mark.parametrize("x_kind", ["fp32", "model"])
 @pytest.mark.parametrize("H", HIDDEN)
 @pytest.mark.parametrize("N", ROWS)
 @pytest.mark.parametrize("dtype", CUDA_DTYPES.values(), ids=CUDA_DTYPES.keys())
-def test_cuda_rms_norms_match_the_reference(dtype, N, H, x_kind):
+def test_cuda_rms_norms_match_the_reference(dtype, N, H, x_kind, norm):
     assert plugins.load() is not None
-    w = cuda_norm_weight(H, dtype, seed=H)
+    zc = norm == "zero-centered"
+    w = cuda_norm_weight(H, dtype, seed=H) - (1 if zc else 0)  # a zero-centred weight is an offset from 1
     x = rand(N, H, dtype=torch.float32 if x_kind == "fp32" else dtype, device="cuda", seed=N, scale=4.0)
     delta = rand(N, H, dtype=dtype, device="cuda", seed=N + 1)
     two_ulp = lambda ref: 2 * ulp(ref, dtype)  # noqa: E731
-    y_ref = rms_norm_reference(x, w, EPS)
-    check_close("rms_norm", rms_norm(x, w, EPS), y_ref, two_ulp(y_ref))
-    s, y = add_rms_norm(x, delta, w, EPS)
-    s_ref, y_ref = add_rms_norm_reference(x, delta, w, EPS)
+    y_ref = rms_norm_reference(x, w, EPS, zc)
+    check_close("rms_norm", rms_norm(x, w, EPS, zc), y_ref, two_ulp(y_ref))
+    s, y = add_rms_norm(x, delta, w, EPS, zc)
+    s_ref, y_ref = add_rms_norm_reference(x, delta, w, EPS, zc)
     assert s.dtype == torch.float32 and torch.equal(s, s_ref)
     check_close("add_rms_norm", y, y_ref, two_ulp(y_ref))
 

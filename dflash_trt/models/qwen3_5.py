@@ -36,6 +36,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from dflash_trt import ops
 from dflash_trt.config import HybridTargetConfig
 from dflash_trt.gated_delta import causal_conv1d, gated_delta_rule, recurrence_inputs
 from dflash_trt.kv_cache import Batch, KVCache
@@ -107,10 +108,13 @@ class ZeroCenteredRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # fp32 throughout, then the model dtype (the input may be the fp32 residual stream)
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * (1.0 + self.weight.float())).to(self.weight.dtype)
+        # fp32 throughout, then the model dtype (the input may be the fp32 residual stream);
+        # one fused kernel on CUDA (ops.rms_norm), which wants its rows contiguous
+        return ops.rms_norm(x.contiguous(), self.weight, self.eps, zero_centered=True)
+
+    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta in fp32, its norm): a residual add fused into the norm that follows it."""
+        return ops.add_rms_norm(x, delta, self.weight, self.eps, zero_centered=True)
 
 
 class GatedRMSNorm(nn.Module):
@@ -240,13 +244,20 @@ class HybridDecoderLayer(nn.Module):
         self.post_attention_layernorm = ZeroCenteredRMSNorm(d.hidden_size, d.rms_norm_eps)
         self.mlp = MLP(d)
 
-    def forward(self, x, cos, sin, lengths, batch: Batch, cache: HybridCache):
-        h = self.input_layernorm(x)
-        if self.is_linear:
-            x = x + self.linear_attn(h, batch, cache, lengths)
+    def forward(self, x, mlp_out, cos, sin, lengths, batch: Batch, cache: HybridCache):
+        """As layers.DecoderLayer: x is the fp32 residual stream without the previous layer's
+        MLP output `mlp_out` (None before the first layer), whose add is fused into this
+        layer's input norm; returns (x, this layer's MLP output), likewise left to the caller."""
+        if mlp_out is None:
+            h = self.input_layernorm(x)
         else:
-            x = x + self.self_attn(h, cos, sin, lengths, batch, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+            x, h = self.input_layernorm.add_and_norm(x, mlp_out)
+        if self.is_linear:
+            delta = self.linear_attn(h, batch, cache, lengths)
+        else:
+            delta = self.self_attn(h, cos, sin, lengths, batch, cache)
+        x, h = self.post_attention_layernorm.add_and_norm(x, delta)
+        return x, self.mlp(h)
 
 
 class Qwen3_5Model(nn.Module):
@@ -267,13 +278,13 @@ class Qwen3_5Model(nn.Module):
         x = self.embed_tokens(input_ids).float()  # fp32 residual stream, as in the Qwen3 target
         cos, sin = self.rotary(batch.positions, self.embed_tokens.weight.dtype)
         lengths = (batch.slots.int(), (batch.start + batch.num_tokens).int(), batch.start.int(), batch.num_tokens.int())
-        tapped = []
+        tapped, mlp_out = [], None
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, lengths, batch, cache)
+            x, mlp_out = layer(x, mlp_out, cos, sin, lengths, batch, cache)
             if i in taps:  # the output of layer i, whatever its kind (HF hidden_states[i + 1])
-                tapped.append(x)
+                tapped.append(x + mlp_out)
         tapped = [tapped[sorted(set(taps)).index(t)] for t in taps]  # back to the config's order
-        return self.norm(x), (torch.cat(tapped, dim=-1) if taps else None)
+        return self.norm.add_and_norm(x, mlp_out)[1], (torch.cat(tapped, dim=-1) if taps else None)
 
 
 class Qwen3_5ForCausalLM(nn.Module):
