@@ -138,6 +138,11 @@ def add_rms_norm_reference(x, delta, weight, eps, zero_centered=False):
     return s, rms_norm_reference(s, weight, eps, zero_centered)
 
 
+def gated_rms_norm_reference(x, gate, weight, eps):
+    """qwen3_5.GatedRMSNorm: rms_norm_reference(x), then times silu(gate) in fp32, rounded."""
+    return (rms_norm_reference(x, weight, eps) * F.silu(gate.float())).to(weight.dtype)
+
+
 def _rope_reference(x, cos, sin):
     """layers.apply_rope on x [N, heads, d] with cos/sin [N, 1, d]."""
     half = x.shape[-1] // 2
@@ -175,16 +180,17 @@ def silu_mul_reference(gate_up):
     return F.silu(gate) * up
 
 
-def _check_rms_args(x, delta, weight):
+def _check_rms_args(x, delta, weight, delta_name="delta"):
     assert weight.dim() == 1 and weight.is_contiguous(), f"weight must be a contiguous [H] tensor, got {weight.shape}"
     assert x.dim() >= 1 and x.shape[-1] == weight.shape[0], f"x must be [..., {weight.shape[0]}], got {x.shape}"
     assert x.dtype in (torch.float32, weight.dtype), f"x must be fp32 or weight's {weight.dtype}, got {x.dtype}"
     assert x.device == weight.device, f"x on {x.device}, weight on {weight.device}"
     assert x.is_contiguous(), "x must be contiguous"
     if delta is not None:
-        assert delta.shape == x.shape, f"delta must have x's shape {x.shape}, got {delta.shape}"
-        assert delta.dtype == weight.dtype, f"delta must have weight's {weight.dtype}, got {delta.dtype}"
-        assert delta.device == x.device and delta.is_contiguous(), "delta must be contiguous on x's device"
+        name = delta_name
+        assert delta.shape == x.shape, f"{name} must have x's shape {x.shape}, got {delta.shape}"
+        assert delta.dtype == weight.dtype, f"{name} must have weight's {weight.dtype}, got {delta.dtype}"
+        assert delta.device == x.device and delta.is_contiguous(), f"{name} must be contiguous on x's device"
 
 
 def rms_norm(x, weight, eps: float, zero_centered: bool = False):
@@ -194,6 +200,15 @@ def rms_norm(x, weight, eps: float, zero_centered: bool = False):
     if _layer_kernel_ready(weight):
         return torch.ops.dflash.rms_norm(x, weight, float(eps), zero_centered)
     return rms_norm_reference(x, weight, eps, zero_centered)
+
+
+def gated_rms_norm(x, gate, weight, eps: float):
+    """RMSNorm of x [..., H] (weight's dtype) times silu(gate) -> [..., H] in weight's dtype
+    (qwen3_5.GatedRMSNorm, the linear-attention output's norm); gate like x, contiguous."""
+    _check_rms_args(x, gate, weight, "gate")
+    if _layer_kernel_ready(weight):
+        return torch.ops.dflash.gated_rms_norm(x, gate, weight, float(eps))
+    return gated_rms_norm_reference(x, gate, weight, eps)
 
 
 def add_rms_norm(x, delta, weight, eps: float, zero_centered: bool = False):

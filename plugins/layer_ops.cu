@@ -166,6 +166,12 @@ __global__ void __launch_bounds__(kNormMaxThreads) rms_norm_kernel(RmsNormParams
         // Qwen3 rounds n to the model dtype and scales in it; Qwen3.5 scales by 1 + w in fp32
         y[k] = p.zero_centered ? __fmul_rn(n, __fadd_rn(1.0f, w[k])) : __fmul_rn(w[k], rounded<T>(n));
       }
+      if (p.gate) {  // the scaled value, rounded, times torch's silu of the gate in fp32
+        float z[V];
+        load<V>(static_cast<const T*>(p.gate) + base + i, z);
+#pragma unroll
+        for (int k = 0; k < V; ++k) y[k] = __fmul_rn(rounded<T>(y[k]), z[k] / (1.0f + expf(-z[k])));
+      }
       store<V>(out + i, y);
     }
   }
@@ -174,7 +180,8 @@ __global__ void __launch_bounds__(kNormMaxThreads) rms_norm_kernel(RmsNormParams
 // The vector width: 16-byte loads of T (8 elements) when every row and pointer allows it.
 int norm_vec(const RmsNormParams& p) {
   const bool ok = p.hidden % 8 == 0 && aligned(p.x, 16) && aligned(p.weight, 16) && aligned(p.out, 16) &&
-                  (p.delta == nullptr || (aligned(p.delta, 16) && aligned(p.sum, 16)));
+                  (p.delta == nullptr || (aligned(p.delta, 16) && aligned(p.sum, 16))) &&
+                  (p.gate == nullptr || aligned(p.gate, 16));
   return ok ? 8 : 1;
 }
 
@@ -284,6 +291,7 @@ const char* rms_norm_check(const RmsNormParams& p) {
   if (p.hidden < 1) return "hidden must be positive";
   if (p.rows > 0 && (!p.x || !p.weight || !p.out)) return "null pointer";
   if (p.rows > 0 && p.delta && !p.sum) return "add_rms_norm needs the sum output";
+  if (p.gate && p.zero_centered) return "a gated norm is not zero-centred";
   if (p.hidden > kNormMaxIters * kNormMaxThreads * norm_vec(p))
     return "hidden too large (at most 65536, or 8192 when rows are not 16-byte aligned)";
   return nullptr;

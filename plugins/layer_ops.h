@@ -2,7 +2,7 @@
 // so a torch op (ops.cpp) and a TensorRT IPluginV3 can both wrap it.
 //
 //   rms_norm / add_rms_norm  RMSNorm of a row, optionally after adding a residual delta
-//                            (Qwen3's, or the zero-centred one of Qwen3.5/3.6)
+//                            (Qwen3's, or the zero-centred or gated ones of Qwen3.5/3.6)
 //   qk_norm_rope             per-head q/k RMSNorm + neox RoPE on the packed qkv output, and
 //                            optionally the K/V cache write, in one launch
 //   silu_mul                 silu(gate) * up of the packed gate_up output
@@ -31,10 +31,13 @@ namespace dflash {
 //   y = round(float(weight) * float(round(n)))      (round: to dtype, nearest even)
 //   zero_centered (Qwen3.5/3.6's RMSNorm, whose weight is an offset from 1):
 //   y = round(n * (1 + float(weight)))              (fp32 throughout, one rounding)
+//   with gate (Qwen3.5/3.6's gated norm of the linear-attention output), z = float(gate):
+//   y = round(float(round(float(weight) * float(round(n)))) * z / (1 + exp(-z)))
 struct RmsNormParams {
-  DType dtype = DType::kBFloat16;  // of weight, delta and y
+  DType dtype = DType::kBFloat16;  // of weight, delta, gate and y
   bool x_fp32 = false;             // x is fp32 (the residual stream); else `dtype`
-  bool zero_centered = false;      // scale by 1 + weight, as above
+  bool zero_centered = false;      // scale by 1 + weight, as above; not with gate
+  const void* gate = nullptr;      // [rows, H] or null
   int64_t rows = 0;
   int hidden = 0;                  // H, >= 1
   const void* x = nullptr;         // [rows, H]

@@ -137,7 +137,8 @@ void check_launch(cudaError_t err, const char* op) {
 // x [..., H] fp32 or weight's dtype, contiguous; weight [H]; delta (add_rms_norm) like x in
 // weight's dtype. Returns (sum, y); sum is undefined without delta.
 std::tuple<at::Tensor, at::Tensor> rms_norm_common(const at::Tensor& x, const at::Tensor* delta,
-                                                   const at::Tensor& weight, double eps, bool zero_centered) {
+                                                   const at::Tensor& weight, double eps, bool zero_centered,
+                                                   const at::Tensor* gate = nullptr) {
   TORCH_CHECK(weight.is_cuda() && weight.dim() == 1 && weight.size(0) > 0 && weight.is_contiguous(),
               "weight must be a contiguous non-empty [H] CUDA tensor");
   const dflash::DType dtype = model_dtype(weight, "weight");
@@ -151,6 +152,11 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_common(const at::Tensor& x, const at
     TORCH_CHECK(delta->scalar_type() == weight.scalar_type(), "delta must have weight's dtype");
     TORCH_CHECK(delta->sizes() == x.sizes() && delta->is_contiguous(), "delta must be contiguous with x's shape");
   }
+  if (gate) {
+    TORCH_CHECK(gate->is_cuda() && gate->device() == x.device(), "gate must be on x's CUDA device");
+    TORCH_CHECK(gate->scalar_type() == weight.scalar_type(), "gate must have weight's dtype");
+    TORCH_CHECK(gate->sizes() == x.sizes() && gate->is_contiguous(), "gate must be contiguous with x's shape");
+  }
 
   const c10::cuda::CUDAGuard guard(x.device());
   auto y = at::empty(x.sizes(), weight.options());
@@ -162,6 +168,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_common(const at::Tensor& x, const at
   p.dtype = dtype;
   p.x_fp32 = x.scalar_type() == at::kFloat;
   p.zero_centered = zero_centered;
+  p.gate = gate ? gate->data_ptr() : nullptr;
   p.hidden = static_cast<int>(weight.size(0));
   p.rows = x.numel() / p.hidden;
   p.x = x.data_ptr();
@@ -182,6 +189,10 @@ at::Tensor rms_norm_cuda(const at::Tensor& x, const at::Tensor& weight, double e
 std::tuple<at::Tensor, at::Tensor> add_rms_norm_cuda(const at::Tensor& x, const at::Tensor& delta,
                                                      const at::Tensor& weight, double eps, bool zero_centered) {
   return rms_norm_common(x, &delta, weight, eps, zero_centered);
+}
+
+at::Tensor gated_rms_norm_cuda(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& weight, double eps) {
+  return std::get<1>(rms_norm_common(x, nullptr, weight, eps, false, &gate));
 }
 
 void check_rows(const at::Tensor& t, const char* name, const at::Tensor& qkv, int64_t width) {
@@ -305,6 +316,10 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm_meta(const at::Tensor& x, const 
   return {at::empty(x.sizes(), x.options().dtype(at::kFloat)), at::empty(x.sizes(), weight.options())};
 }
 
+at::Tensor gated_rms_norm_meta(const at::Tensor& x, const at::Tensor&, const at::Tensor& weight, double) {
+  return at::empty(x.sizes(), weight.options());
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> qk_norm_rope_meta(
     const at::Tensor& qkv, int64_t num_q_heads, int64_t num_kv_heads, const std::optional<at::Tensor>&,
     const at::Tensor&, double, const at::Tensor& cos, const at::Tensor&, const std::optional<at::Tensor>& k_cache,
@@ -398,6 +413,7 @@ TORCH_LIBRARY(dflash, m) {
       "-> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps, bool zero_centered=False) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps, bool zero_centered=False) -> (Tensor, Tensor)");
+  m.def("gated_rms_norm(Tensor x, Tensor gate, Tensor weight, float eps) -> Tensor");
   m.def(
       "qk_norm_rope(Tensor qkv, int num_q_heads, int num_kv_heads, Tensor? q_weight, Tensor k_weight, float eps, "
       "Tensor cos, Tensor sin, Tensor(a!)? k_cache=None, Tensor(b!)? v_cache=None, Tensor? slots=None, "
@@ -412,6 +428,7 @@ TORCH_LIBRARY_IMPL(dflash, CUDA, m) {
   m.impl("block_attention", &block_attention_cuda);
   m.impl("rms_norm", &rms_norm_cuda);
   m.impl("add_rms_norm", &add_rms_norm_cuda);
+  m.impl("gated_rms_norm", &gated_rms_norm_cuda);
   m.impl("qk_norm_rope", &qk_norm_rope_cuda);
   m.impl("silu_mul", &silu_mul_cuda);
   m.impl("gated_delta_recurrent", &gated_delta_recurrent_cuda);
@@ -421,6 +438,7 @@ TORCH_LIBRARY_IMPL(dflash, Meta, m) {
   m.impl("block_attention", &block_attention_meta);
   m.impl("rms_norm", &rms_norm_meta);
   m.impl("add_rms_norm", &add_rms_norm_meta);
+  m.impl("gated_rms_norm", &gated_rms_norm_meta);
   m.impl("qk_norm_rope", &qk_norm_rope_meta);
   m.impl("silu_mul", &silu_mul_meta);
   m.impl("gated_delta_recurrent", &gated_delta_recurrent_meta);

@@ -11,9 +11,10 @@ import torch
 from dflash_trt import plugins
 from dflash_trt.config import LayerDims
 from dflash_trt.models.layers import MLP, AttentionProjections, RMSNorm, Rotary, apply_rope
-from dflash_trt.models.qwen3_5 import ZeroCenteredRMSNorm
-from dflash_trt.ops import (add_rms_norm, add_rms_norm_reference, qk_norm_rope, qk_norm_rope_reference, rms_norm,
-                            rms_norm_reference, silu_mul, silu_mul_reference)
+from dflash_trt.models.qwen3_5 import GatedRMSNorm, ZeroCenteredRMSNorm
+from dflash_trt.ops import (add_rms_norm, add_rms_norm_reference, gated_rms_norm, gated_rms_norm_reference,
+                            qk_norm_rope, qk_norm_rope_reference, rms_norm, rms_norm_reference, silu_mul,
+                            silu_mul_reference)
 
 EPS = 1e-6
 
@@ -54,6 +55,13 @@ def plain_zero_centered_rms_norm(x, weight, eps):
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return (x32 * (1.0 + weight.float())).to(weight.dtype)
+
+
+def plain_gated_rms_norm(x, gate, weight, eps):
+    """Qwen3.5's gated norm of the linear-attention output, as the model wrote it before the op."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * x32.to(weight.dtype) * torch.nn.functional.silu(gate.float())).to(weight.dtype)
 
 
 def plain_qkv(attn, x, cos, sin):
@@ -116,6 +124,19 @@ def test_zero_centered_references_are_the_qwen3_5_norm_and_its_residual_add(dtyp
     assert not torch.equal(y, rms_norm(x, norm.weight, EPS))  # not Qwen3's norm
     s, y = norm.add_and_norm(x, delta)
     assert torch.equal(s, x.float() + delta) and torch.equal(y, plain_zero_centered_rms_norm(s, norm.weight, EPS))
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@torch.no_grad()
+def test_gated_rms_norm_reference_is_the_qwen3_5_gated_norm(dtype):
+    norm = randomise(GatedRMSNorm(32, EPS).to(dtype))
+    x, gate = rand(3, 4, 32, dtype=dtype, scale=3.0), rand(3, 4, 32, dtype=dtype, seed=1, scale=3.0)
+    y = gated_rms_norm(x, gate, norm.weight, EPS)
+    assert y.dtype == dtype and torch.equal(y, plain_gated_rms_norm(x, gate, norm.weight, EPS))
+    assert torch.equal(norm(x, gate), y) and torch.equal(gated_rms_norm_reference(x, gate, norm.weight, EPS), y)
+    # the model hands over strided views (heads of a packed projection): the module copies them
+    packed = rand(3, 4, 64, dtype=dtype, seed=2)
+    assert torch.equal(norm(x, packed[..., 32:]), plain_gated_rms_norm(x, packed[..., 32:], norm.weight, EPS))
 
 
 # (Hq, Hkv, d)
@@ -217,6 +238,9 @@ def bad_calls():
         "rms_norm strided x": ("x must be contiguous", lambda: rms_norm(torch.randn(16, 3).t(), torch.ones(16), EPS)),
         "add_rms_norm delta shape": ("delta must have x's shape", lambda: add_rms_norm(x, x[:2], w, EPS)),
         "add_rms_norm delta dtype": ("delta must have weight's", lambda: add_rms_norm(x, x.bfloat16(), w, EPS)),
+        "gated_rms_norm gate shape": ("gate must have x's shape", lambda: gated_rms_norm(x, x[:2], w, EPS)),
+        "gated_rms_norm strided gate": ("gate must be contiguous",
+                                        lambda: gated_rms_norm(x, torch.randn(16, 3).t(), w, EPS)),
         "qk qkv width": ("qkv must be", lambda: qk_norm_rope(qkv[:, 1:], 2, 1, w8, w8, EPS, cs, cs)),
         "qk cos dtype": ("cos", lambda: qk_norm_rope(qkv, 2, 1, w8, w8, EPS, cs.double(), cs.double())),
         "qk k_weight size": ("k_weight must be", lambda: qk_norm_rope(qkv, 2, 1, w8, w, EPS, cs, cs)),
@@ -337,6 +361,19 @@ def test_cuda_rms_norms_match_the_reference(dtype, N, H, x_kind, norm):
     s_ref, y_ref = add_rms_norm_reference(x, delta, w, EPS, zc)
     assert s.dtype == torch.float32 and torch.equal(s, s_ref)
     check_close("add_rms_norm", y, y_ref, two_ulp(y_ref))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("H", [128, 1004])  # Qwen3.5's value head; the scalar path
+@pytest.mark.parametrize("N", ROWS)
+@pytest.mark.parametrize("dtype", CUDA_DTYPES.values(), ids=CUDA_DTYPES.keys())
+def test_cuda_gated_rms_norm_matches_the_reference(dtype, N, H):
+    assert plugins.load() is not None
+    w = cuda_norm_weight(H, dtype, seed=H)
+    x = rand(N, H, dtype=dtype, device="cuda", seed=N, scale=4.0)
+    gate = rand(N, H, dtype=dtype, device="cuda", seed=N + 1, scale=4.0)
+    y_ref = gated_rms_norm_reference(x, gate, w, EPS)
+    check_close("gated_rms_norm", gated_rms_norm(x, gate, w, EPS), y_ref, 2 * ulp(y_ref, dtype))
 
 
 @pytest.mark.cuda
