@@ -15,7 +15,7 @@ S-1-d holds the state after `num_tokens - d` tokens. Rows are ragged: tokens at
 t >= num_tokens are padding, never snapshotted.
 
 Two entry points. A pass of at most S tokens (decode, verify) runs ops.gated_delta_recurrent
-on `recurrence_inputs`: it reads the committed state from the cache in place
+on the inputs ops.gated_delta_prepare makes from the projections: it reads the committed state from the cache in place
 (plugins/gated_delta.cu on CUDA, no gathered copy) and writes at most one state, the new one
 of an AR step; the model rolls a verify back by replaying its accepted tokens (models/
 qwen3_5.py). A wider pass (a prefill) runs `gated_delta_rule` on a gathered state and
@@ -37,8 +37,10 @@ import torch.nn.functional as F
 from dflash_trt.ops import gated_delta_recurrent
 
 
-def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    # eps inside the root, as fla and transformers do
+L2_EPS = 1e-6  # of the q/k L2 norm, inside the root, as fla and transformers have it
+
+
+def l2_normalize(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
 
@@ -46,12 +48,13 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def causal_conv1d(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor, num_tokens: torch.Tensor,
-                  num_snapshots: int) -> tuple[torch.Tensor, torch.Tensor]:
+                  num_snapshots: int, full_rows: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv + SiLU over a pass, continuing from `window`.
 
     x [bs, T, C] this pass's inputs; window [bs, K-1, C] the K-1 inputs before it (zeros
     for a new sequence); weight [C, K]; num_tokens [bs]. Returns (out [bs, T, C] in x's
     dtype, window snapshots [bs, S, K-1, C]: the window after each of the last S tokens).
+    `full_rows` (known on the host): every row has T tokens, so the snapshots are a slice.
     """
     bs, T, C = x.shape
     W = weight.shape[1] - 1
@@ -60,8 +63,13 @@ def causal_conv1d(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor, n
     full = torch.cat([window.to(x.dtype), x], dim=1)  # [bs, W + T, C]; input t sits at W + t
     weight = weight.to(x.dtype)
     # out[t] = sum_j weight[:, j] * full[t + j]: tap W (the last) meets input t itself
-    out = F.silu(sum(full[:, j: j + T] * weight[:, j] for j in range(W + 1)))
+    acc = full[:, :T] * weight[:, 0]
+    for j in range(1, W + 1):
+        acc = acc + full[:, j: j + T] * weight[:, j]
+    out = F.silu(acc)
     # The window after n tokens is full[n : n + W]; snapshot j is for n = num_tokens - S + 1 + j.
+    if full_rows and num_snapshots <= T + 1:  # n = T - S + 1 + j >= 0 for every row: one slice
+        return out, full.unfold(1, W, 1)[:, T - num_snapshots + 1:].transpose(-1, -2)
     n = (num_tokens[:, None] - num_snapshots + 1 + torch.arange(num_snapshots, device=x.device)).clamp(min=0)
     index = n[:, :, None] + torch.arange(W, device=x.device)  # [bs, S, W]
     snapshots = full.gather(1, index.flatten(1)[:, :, None].expand(-1, -1, C)).unflatten(1, (num_snapshots, W))
@@ -101,16 +109,6 @@ def gated_delta_rule_reference(q, k, v, g, beta, state, num_tokens, num_snapshot
             slot = slot.clamp(0, num_snapshots - 1)  # no host sync: rows that keep nothing rewrite a value
             snapshots[rows, slot] = torch.where(keep, state, snapshots[rows, slot])
     return out, snapshots
-
-
-def recurrence_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
-                      ) -> tuple[torch.Tensor, ...]:
-    """(q, k, v, g, beta) as ops.gated_delta_recurrent takes them, for a decode/verify pass on
-    the cache: fp32 and contiguous, q and k L2-normalised, q scaled by dk^-1/2. The model
-    keeps a verify pass's copy so that commit can replay the accepted tokens exactly."""
-    dk = q.shape[-1]
-    return ((l2_normalize(q.float()) * dk**-0.5).contiguous(), l2_normalize(k.float()).contiguous(),
-            v.float().contiguous(), g.float().contiguous(), beta.float().contiguous())
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

@@ -26,7 +26,8 @@ class Batch:
     Row i carries `num_tokens[i]` real tokens (the rest is padding up to `width`) at
     positions `start[i] .. start[i] + num_tokens[i] - 1`. `max_end` is a host-side upper
     bound on start + num_tokens (how many cache rows a pass may read); it only tunes how
-    the attention kernel splits long contexts.
+    the attention kernel splits long contexts. `full_rows`, also known on the host: every
+    row carries `width` tokens (decode passes), which lets some layers skip ragged handling.
     """
 
     slots: torch.Tensor  # [bs] long
@@ -35,6 +36,7 @@ class Batch:
     positions: torch.Tensor  # [bs, width] long
     width: int
     max_end: int
+    full_rows: bool = False
 
     @classmethod
     def make(cls, slots: list[int], start: list[int], num_tokens: list[int], width: int, device) -> "Batch":
@@ -42,13 +44,14 @@ class Batch:
         s = as_tensor(start)
         return cls(slots=as_tensor(slots), start=s, num_tokens=as_tensor(num_tokens),
                    positions=s[:, None] + torch.arange(width, device=device), width=width,
-                   max_end=max(a + b for a, b in zip(start, num_tokens)))
+                   max_end=max(a + b for a, b in zip(start, num_tokens)), full_rows=set(num_tokens) == {width})
 
     @classmethod
     def full(cls, slots: torch.Tensor, start: torch.Tensor, width: int, max_end: int) -> "Batch":
         """Every row carries `width` tokens; built from device tensors without a host sync."""
         return cls(slots=slots, start=start, num_tokens=torch.full_like(start, width),
-                   positions=start[:, None] + torch.arange(width, device=start.device), width=width, max_end=max_end)
+                   positions=start[:, None] + torch.arange(width, device=start.device), width=width, max_end=max_end,
+                   full_rows=True)
 
     @property
     def size(self) -> int:

@@ -285,6 +285,50 @@ def gated_delta_kernel_supports(key_dim: int, value_dim: int) -> bool:
     return all(16 <= d <= 256 and d % 16 == 0 for d in (key_dim, value_dim))
 
 
+def gated_delta_prepare_reference(qkv, a, b, neg_a, dt_bias, num_k_heads, key_dim, value_dim, eps, q_scale):
+    """The kernel's semantics (plugins/gated_delta.h, GatedDeltaPrepareParams) as PyTorch ops:
+    what GatedDeltaNet.forward computed before the kernel, op for op."""
+    Hv = neg_a.shape[0]
+    q, k, v = qkv.split([num_k_heads * key_dim, num_k_heads * key_dim, Hv * value_dim], dim=-1)
+    q, k = (x.unflatten(-1, (num_k_heads, key_dim)).float() for x in (q, k))
+    q = (q * torch.rsqrt(q.pow(2).sum(-1, keepdim=True) + eps) * q_scale).contiguous()
+    k = (k * torch.rsqrt(k.pow(2).sum(-1, keepdim=True) + eps)).contiguous()
+    v = v.unflatten(-1, (Hv, value_dim)).float().contiguous()
+    g = (neg_a * F.softplus(a + dt_bias)).contiguous()  # a is promoted to fp32
+    return q, k, v, g, b.float().sigmoid().contiguous()
+
+
+def gated_delta_prepare(qkv, a, b, neg_a, dt_bias, num_k_heads: int, key_dim: int, value_dim: int, eps: float,
+                        q_scale: float):
+    """The recurrence's inputs of a decode/verify pass from a Gated DeltaNet layer's projections
+    -> (q, k [..., Hk, dk] L2-normalised, q times q_scale; v [..., Hv, dv]; g = neg_a *
+    softplus(a + dt_bias) and beta = sigmoid(b) [..., Hv]), all fp32 and contiguous.
+
+    qkv [..., 2 Hk dk + Hv dv] after the causal conv, contiguous; a, b [..., Hv] in qkv's
+    dtype (views of the packed projection: the last dim contiguous); neg_a = -exp(A_log) and
+    dt_bias [Hv] fp32. plugins/gated_delta.cu on CUDA (one launch), else the reference.
+    """
+    Hv = neg_a.shape[0] if neg_a.dim() == 1 else -1
+    width = 2 * num_k_heads * key_dim + Hv * value_dim
+    assert Hv > 0 and qkv.shape[-1] == width, f"qkv must be [..., {width}] for {Hv} value heads, got {tuple(qkv.shape)}"
+    assert qkv.is_contiguous(), "qkv must be contiguous"
+    for name, t in (("a", a), ("b", b)):
+        assert t.shape == (*qkv.shape[:-1], Hv) and t.dtype == qkv.dtype and t.device == qkv.device, \
+            f"{name} must be [..., {Hv}] in qkv's {qkv.dtype} on its device, got {t.dtype} {tuple(t.shape)}"
+        assert t.stride(-1) == 1, f"{name} must have a contiguous last dim"
+    for name, t in (("neg_a", neg_a), ("dt_bias", dt_bias)):
+        assert t.shape == (Hv,) and t.dtype == torch.float32 and t.device == qkv.device and t.is_contiguous(), \
+            f"{name} must be a contiguous fp32 [{Hv}] on qkv's device"
+    if qkv.is_cuda and 1 <= key_dim <= 256 and a.dim() == 3 and a.stride() == b.stride() and \
+            a.stride(0) == a.stride(1) * a.shape[1]:
+        from dflash_trt import plugins
+
+        if plugins.load() is not None:
+            return torch.ops.dflash.gated_delta_prepare(qkv, a, b, neg_a, dt_bias, num_k_heads, key_dim, value_dim,
+                                                        float(eps), float(q_scale))
+    return gated_delta_prepare_reference(qkv, a, b, neg_a, dt_bias, num_k_heads, key_dim, value_dim, eps, q_scale)
+
+
 def gated_delta_recurrent_reference(q, k, v, g, beta, state_cache, snapshot_cache, slots, start, num_tokens):
     """The kernel's semantics (plugins/gated_delta.h) on gated_delta.gated_delta_rule_reference.
 

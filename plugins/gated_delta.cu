@@ -34,6 +34,8 @@
 
 #include "gated_delta.h"
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -202,7 +204,79 @@ int warps_per_cta(const GatedDeltaParams& p) {
   return warps;
 }
 
+// -- prepare: one CTA per token; warp w takes the q/k heads w, w + warps, ... (a head's sum
+// of squares over dk is a warp sum), then the CTA streams v and the gates.
+
+constexpr int kPrepareThreads = 256;
+
+__device__ __forceinline__ float load_as_float(const void* base, int64_t i, DType dtype) {
+  switch (dtype) {
+    case DType::kBFloat16: return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[i]);
+    case DType::kFloat16: return __half2float(static_cast<const __half*>(base)[i]);
+    default: return static_cast<const float*>(base)[i];
+  }
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = __fadd_rn(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+
+__global__ void __launch_bounds__(kPrepareThreads) gated_delta_prepare_kernel(GatedDeltaPrepareParams p) {
+  const int64_t n = blockIdx.x;
+  const int Hk = p.num_k_heads, Hv = p.num_v_heads, dk = p.key_dim, dv = p.value_dim;
+  const int64_t row = 2 * static_cast<int64_t>(Hk) * dk + static_cast<int64_t>(Hv) * dv;
+  const int64_t in0 = n * row;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  // q heads are 0 .. Hk-1, k heads Hk .. 2Hk-1: both L2-normalised, q then scaled
+  for (int h = warp; h < 2 * Hk; h += warps) {
+    float x[8];  // dk <= 256: a lane holds elements lane + 32 i
+    float sq = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int e = lane + 32 * i;
+      x[i] = e < dk ? load_as_float(p.qkv, in0 + static_cast<int64_t>(h) * dk + e, p.dtype) : 0.0f;
+      sq = __fadd_rn(sq, __fmul_rn(x[i], x[i]));
+    }
+    const float r = rsqrtf(__fadd_rn(warp_sum(sq), p.eps));
+    const bool is_q = h < Hk;
+    float* out = (is_q ? p.q + (n * Hk + h) * dk : p.k + (n * Hk + h - Hk) * dk);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int e = lane + 32 * i;
+      if (e < dk) out[e] = is_q ? __fmul_rn(__fmul_rn(x[i], r), p.q_scale) : __fmul_rn(x[i], r);
+    }
+  }
+  const int64_t v0 = in0 + 2 * static_cast<int64_t>(Hk) * dk;
+  for (int e = threadIdx.x; e < Hv * dv; e += blockDim.x) p.v[n * Hv * dv + e] = load_as_float(p.qkv, v0 + e, p.dtype);
+  for (int h = threadIdx.x; h < Hv; h += blockDim.x) {
+    const float x = __fadd_rn(load_as_float(p.a, n * p.ab_stride + h, p.dtype), p.dt_bias[h]);
+    const float softplus = x > 20.0f ? x : log1pf(expf(x));  // torch's threshold
+    p.g[n * Hv + h] = __fmul_rn(p.neg_a[h], softplus);
+    p.beta[n * Hv + h] = 1.0f / (1.0f + expf(-load_as_float(p.b, n * p.ab_stride + h, p.dtype)));
+  }
+}
+
 }  // namespace
+
+const char* gated_delta_prepare_check(const GatedDeltaPrepareParams& p) {
+  if (p.tokens < 0 || p.tokens > 0x7fffffff) return "tokens must be in [0, 2^31)";
+  if (p.num_k_heads < 1 || p.num_v_heads < 1) return "head counts must be positive";
+  if (p.key_dim < 1 || p.key_dim > 256 || p.value_dim < 1) return "key_dim must be in [1, 256], value_dim positive";
+  if (p.ab_stride < p.num_v_heads) return "ab_stride must be at least num_v_heads";
+  if (p.tokens == 0) return nullptr;
+  if (!p.qkv || !p.a || !p.b || !p.neg_a || !p.dt_bias || !p.q || !p.k || !p.v || !p.g || !p.beta)
+    return "null pointer";
+  return nullptr;
+}
+
+cudaError_t gated_delta_prepare_launch(const GatedDeltaPrepareParams& p, cudaStream_t stream) {
+  if (gated_delta_prepare_check(p) != nullptr) return cudaErrorInvalidValue;
+  if (p.tokens == 0) return cudaSuccess;
+  gated_delta_prepare_kernel<<<static_cast<unsigned>(p.tokens), kPrepareThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
 
 const char* gated_delta_recurrent_check(const GatedDeltaParams& p) {
   if (p.batch < 0 || p.batch > 65535) return "batch must be in [0, 65535]";

@@ -31,6 +31,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include "block_attention.h"  // dflash::DType
+
 namespace dflash {
 
 // The head sizes the kernel runs: dk and dv multiples of 16 from 16 to 256.
@@ -69,5 +71,44 @@ const char* gated_delta_recurrent_check(const GatedDeltaParams& p);
 // One kernel on `stream`; never reads device data on the host and allocates nothing, so it
 // can be captured in a CUDA graph. Returns cudaErrorInvalidValue for unsupported parameters.
 cudaError_t gated_delta_recurrent_launch(const GatedDeltaParams& p, cudaStream_t stream);
+
+// The recurrence's inputs for a decode/verify pass, from the layer's projections: one launch
+// for what PyTorch runs as about 25 small kernels (dflash_trt.gated_delta.recurrence_inputs
+// and the gates in models/qwen3_5.py). For token n (of N) and head h, in fp32:
+//   xq = float(qkv[n, h dk ..]), xk = float(qkv[n, (Hk + h) dk ..])           (h < Hk, dk each)
+//   q[n, h] = round(round(xq * rsqrt(sum(xq^2) + eps)) * q_scale)
+//   k[n, h] = xk * rsqrt(sum(xk^2) + eps)
+//   v[n]    = float(qkv[n, 2 Hk dk ..])                                       (Hv dv)
+//   g[n, h] = neg_a[h] * softplus(float(a[n, h]) + dt_bias[h])                  (h < Hv)
+//            softplus(x) = x > 20 ? x : log1p(exp(x))
+//   beta[n, h] = 1 / (1 + exp(-float(b[n, h])))
+// rounding (to fp32) after each operation as PyTorch does; only the sums over dk run in
+// another order (a few fp32 ulps). The Python reference is dflash_trt.ops.gated_delta_prepare_reference.
+struct GatedDeltaPrepareParams {
+  DType dtype = DType::kBFloat16;  // of qkv, a and b
+  int64_t tokens = 0;              // N
+  int num_k_heads = 0;             // Hk
+  int num_v_heads = 0;             // Hv
+  int key_dim = 0;                 // dk, 1 .. 256
+  int value_dim = 0;               // dv
+  float eps = 1e-6f;
+  float q_scale = 1.0f;
+
+  const void* qkv = nullptr;       // [N, 2 Hk dk + Hv dv], contiguous rows
+  const void* a = nullptr;         // [N, Hv], rows `ab_stride` elements apart
+  const void* b = nullptr;         // [N, Hv], likewise
+  int64_t ab_stride = 0;
+  const float* neg_a = nullptr;    // [Hv]: -exp(A_log)
+  const float* dt_bias = nullptr;  // [Hv]
+
+  float* q = nullptr;              // [N, Hk, dk], contiguous like the rest of the outputs
+  float* k = nullptr;              // [N, Hk, dk]
+  float* v = nullptr;              // [N, Hv, dv]
+  float* g = nullptr;              // [N, Hv]
+  float* beta = nullptr;           // [N, Hv]
+};
+
+const char* gated_delta_prepare_check(const GatedDeltaPrepareParams& p);
+cudaError_t gated_delta_prepare_launch(const GatedDeltaPrepareParams& p, cudaStream_t stream);
 
 }  // namespace dflash

@@ -398,6 +398,87 @@ at::Tensor gated_delta_recurrent_cuda(const at::Tensor& q, const at::Tensor& k, 
   return out;
 }
 
+// qkv [..., 2 Hk dk + Hv dv] (bf16, fp16 or fp32, contiguous); a, b [..., Hv] in qkv's dtype
+// with a contiguous last dim (views of the packed projection); neg_a, dt_bias [Hv] fp32.
+// Returns q, k [..., Hk, dk], v [..., Hv, dv], g, beta [..., Hv], all fp32 and contiguous.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_delta_prepare_cuda(
+    const at::Tensor& qkv, const at::Tensor& a, const at::Tensor& b, const at::Tensor& neg_a,
+    const at::Tensor& dt_bias, int64_t num_k_heads, int64_t key_dim, int64_t value_dim, double eps, double q_scale) {
+  const auto dtype = attention_dtype(qkv.scalar_type());
+  TORCH_CHECK(qkv.is_cuda() && dtype, "qkv must be a bf16, fp16 or fp32 CUDA tensor");
+  TORCH_CHECK(qkv.dim() >= 1 && qkv.is_contiguous(), "qkv must be contiguous");
+  const int64_t Hv = neg_a.numel(), width = 2 * num_k_heads * key_dim + Hv * value_dim;
+  TORCH_CHECK(qkv.size(-1) == width, "qkv must be [..., ", width, "], got ", qkv.sizes());
+  const int64_t N = qkv.numel() / width;
+  for (const auto* t : {&a, &b}) {
+    TORCH_CHECK(t->is_cuda() && t->device() == qkv.device() && t->scalar_type() == qkv.scalar_type(),
+                "a and b must be on qkv's device in its dtype");
+    TORCH_CHECK(t->dim() >= 2 && t->size(-1) == Hv && t->stride(-1) == 1 && t->numel() == N * Hv,
+                "a and b must be [..., Hv] with a contiguous last dim, got ", t->sizes());
+    // the rows are evenly spaced: [..., Hv] views of one [N, P] projection output
+    TORCH_CHECK(t->dim() == 2 || t->stride(-2) * t->size(-2) == t->stride(-3), "a and b rows must be evenly spaced");
+  }
+  TORCH_CHECK(a.stride(-2) == b.stride(-2), "a and b must have the same row stride");
+  for (const auto* t : {&neg_a, &dt_bias}) {
+    TORCH_CHECK(t->is_cuda() && t->device() == qkv.device() && t->scalar_type() == at::kFloat &&
+                    t->dim() == 1 && t->numel() == Hv && t->is_contiguous(),
+                "neg_a and dt_bias must be contiguous fp32 [Hv] CUDA tensors");
+  }
+  const c10::cuda::CUDAGuard guard(qkv.device());
+  auto lead = qkv.sizes().vec();
+  lead.pop_back();
+  auto shape = [&](std::initializer_list<int64_t> tail) {
+    auto s = lead;
+    s.insert(s.end(), tail);
+    return s;
+  };
+  const auto f32 = qkv.options().dtype(at::kFloat);
+  auto q = at::empty(shape({num_k_heads, key_dim}), f32), k = at::empty(shape({num_k_heads, key_dim}), f32);
+  auto v = at::empty(shape({Hv, value_dim}), f32);
+  auto g = at::empty(shape({Hv}), f32), beta = at::empty(shape({Hv}), f32);
+
+  dflash::GatedDeltaPrepareParams p;
+  p.dtype = *dtype;
+  p.tokens = N;
+  p.num_k_heads = static_cast<int>(num_k_heads);
+  p.num_v_heads = static_cast<int>(Hv);
+  p.key_dim = static_cast<int>(key_dim);
+  p.value_dim = static_cast<int>(value_dim);
+  p.eps = static_cast<float>(eps);
+  p.q_scale = static_cast<float>(q_scale);
+  p.qkv = qkv.data_ptr();
+  p.a = a.data_ptr();
+  p.b = b.data_ptr();
+  p.ab_stride = a.dim() >= 2 ? a.stride(-2) : Hv;
+  p.neg_a = neg_a.data_ptr<float>();
+  p.dt_bias = dt_bias.data_ptr<float>();
+  p.q = q.data_ptr<float>();
+  p.k = k.data_ptr<float>();
+  p.v = v.data_ptr<float>();
+  p.g = g.data_ptr<float>();
+  p.beta = beta.data_ptr<float>();
+  if (const char* why = dflash::gated_delta_prepare_check(p)) TORCH_CHECK(false, "gated_delta_prepare: ", why);
+  check_launch(dflash::gated_delta_prepare_launch(p, c10::cuda::getCurrentCUDAStream().stream()),
+               "gated_delta_prepare");
+  return {q, k, v, g, beta};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_delta_prepare_meta(
+    const at::Tensor& qkv, const at::Tensor&, const at::Tensor&, const at::Tensor& neg_a, const at::Tensor&,
+    int64_t num_k_heads, int64_t key_dim, int64_t value_dim, double, double) {
+  auto lead = qkv.sizes().vec();
+  lead.pop_back();
+  auto shape = [&](std::initializer_list<int64_t> tail) {
+    auto s = lead;
+    s.insert(s.end(), tail);
+    return s;
+  };
+  const auto f32 = qkv.options().dtype(at::kFloat);
+  const int64_t Hv = neg_a.numel();
+  return {at::empty(shape({num_k_heads, key_dim}), f32), at::empty(shape({num_k_heads, key_dim}), f32),
+          at::empty(shape({Hv, value_dim}), f32), at::empty(shape({Hv}), f32), at::empty(shape({Hv}), f32)};
+}
+
 at::Tensor gated_delta_recurrent_meta(const at::Tensor& q, const at::Tensor&, const at::Tensor& v, const at::Tensor&,
                                       const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                       const at::Tensor&, const at::Tensor&) {
@@ -422,6 +503,9 @@ TORCH_LIBRARY(dflash, m) {
   m.def(
       "gated_delta_recurrent(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor state_cache, "
       "Tensor(a!) snapshot_cache, Tensor slots, Tensor start, Tensor num_tokens) -> Tensor");
+  m.def(
+      "gated_delta_prepare(Tensor qkv, Tensor a, Tensor b, Tensor neg_a, Tensor dt_bias, int num_k_heads, "
+      "int key_dim, int value_dim, float eps, float q_scale) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(dflash, CUDA, m) {
@@ -432,6 +516,7 @@ TORCH_LIBRARY_IMPL(dflash, CUDA, m) {
   m.impl("qk_norm_rope", &qk_norm_rope_cuda);
   m.impl("silu_mul", &silu_mul_cuda);
   m.impl("gated_delta_recurrent", &gated_delta_recurrent_cuda);
+  m.impl("gated_delta_prepare", &gated_delta_prepare_cuda);
 }
 
 TORCH_LIBRARY_IMPL(dflash, Meta, m) {
@@ -442,4 +527,5 @@ TORCH_LIBRARY_IMPL(dflash, Meta, m) {
   m.impl("qk_norm_rope", &qk_norm_rope_meta);
   m.impl("silu_mul", &silu_mul_meta);
   m.impl("gated_delta_recurrent", &gated_delta_recurrent_meta);
+  m.impl("gated_delta_prepare", &gated_delta_prepare_meta);
 }

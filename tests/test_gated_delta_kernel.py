@@ -8,8 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from dflash_trt import plugins
-from dflash_trt.gated_delta import gated_delta_rule, gated_delta_rule_reference, l2_normalize, recurrence_inputs
-from dflash_trt.ops import gated_delta_kernel_supports, gated_delta_recurrent, gated_delta_recurrent_reference
+from dflash_trt.gated_delta import L2_EPS, gated_delta_rule, gated_delta_rule_reference, l2_normalize
+from dflash_trt.ops import (gated_delta_kernel_supports, gated_delta_prepare, gated_delta_prepare_reference,
+                            gated_delta_recurrent, gated_delta_recurrent_reference)
 from host_program import run_host_program
 
 
@@ -89,19 +90,45 @@ def test_a_fresh_row_ignores_what_its_slot_held():
     torch.testing.assert_close(a["snapshot_cache"], b["snapshot_cache"], rtol=0, atol=0)
 
 
+def packed_projection(bs, T, Hk, Hv, dk, dv, dtype=torch.bfloat16, device="cpu", seed=5):
+    """What GatedDeltaNet.forward hands gated_delta_prepare: qkv after the conv, and a, b as
+    views of the packed projection (rows 2 Hv + 3 elements apart), with weight-like constants."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(bs, T, 2 * Hk * dk + Hv * dv, generator=gen).to(dtype)
+    packed = (2 * torch.randn(bs, T, 2 * Hv + 3, generator=gen)).to(dtype)
+    neg_a = -torch.empty(Hv).uniform_(0.5, 8.0, generator=gen)
+    dt_bias = 1.0 + 0.1 * torch.randn(Hv, generator=gen)
+    return dict(qkv=qkv.to(device), a=packed[..., 3: 3 + Hv].to(device), b=packed[..., 3 + Hv:].to(device),
+                neg_a=neg_a.to(device), dt_bias=dt_bias.to(device), num_k_heads=Hk, key_dim=dk, value_dim=dv,
+                eps=L2_EPS, q_scale=dk**-0.5)
+
+
+def test_prepare_reference_is_what_the_layer_computed_before_the_kernel():
+    case = packed_projection(2, 3, 2, 4, 16, 32)
+    Hk, dk = 2, 16
+    q, k, v = case["qkv"].split([Hk * dk, Hk * dk, 4 * 32], dim=-1)
+    got = gated_delta_prepare(**case)
+    expected = ((l2_normalize(q.unflatten(-1, (Hk, dk)).float()) * dk**-0.5),
+                l2_normalize(k.unflatten(-1, (Hk, dk)).float()), v.unflatten(-1, (4, 32)).float(),
+                case["neg_a"] * F.softplus(case["a"].float() + case["dt_bias"]), case["b"].float().sigmoid())
+    for name, x, y in zip("q k v g beta".split(), got, expected):
+        assert x.dtype == torch.float32 and x.is_contiguous() and torch.equal(x, y), name
+
+
 def test_the_model_entry_point_equals_the_gated_delta_rule_on_a_gathered_state():
-    """The op on recurrence_inputs (normalised q/k) against gated_delta_rule (the path the
+    """The op on gated_delta_prepare's inputs against gated_delta_rule on raw q/k (the path the
     model took for every pass before, and still takes for prefills): CPU bit for bit."""
     bs, T, Hk, Hv, dk, dv, S = 3, 4, 2, 4, 16, 32, 4
     case = make_case(bs, T, Hk, Hv, dk, dv, S, [4, 2, 1], [3, 0, 8])
-    gen = torch.Generator().manual_seed(5)
-    q, k = (torch.randn(bs, T, Hk, dk, generator=gen).bfloat16() for _ in range(2))  # raw, in the model dtype
-    v = case["v"].bfloat16()
+    proj = packed_projection(bs, T, Hk, Hv, dk, dv)
+    inputs = gated_delta_prepare(**proj)
+    q, k, v = proj["qkv"].split([Hk * dk, Hk * dk, Hv * dv], dim=-1)
+    q, k, v = q.unflatten(-1, (Hk, dk)), k.unflatten(-1, (Hk, dk)), v.unflatten(-1, (Hv, dv))
     slots = case["slots"].long()
     state = case["state_cache"][slots].masked_fill((case["start"] == 0)[:, None, None, None], 0)
-    out_old, snapshots = gated_delta_rule(q, k, v, case["g"], case["beta"], state, case["num_tokens"].long(), S)
-    out = gated_delta_recurrent(*recurrence_inputs(q, k, v, case["g"], case["beta"]), case["state_cache"],
-                                case["snapshot_cache"], case["slots"], case["start"], case["num_tokens"])
+    out_old, snapshots = gated_delta_rule(q, k, v, inputs[3], inputs[4], state, case["num_tokens"].long(), S)
+    out = gated_delta_recurrent(*inputs, case["state_cache"], case["snapshot_cache"], case["slots"], case["start"],
+                                case["num_tokens"])
     real = torch.arange(T) < case["num_tokens"][:, None]
     assert torch.equal(out.bfloat16()[real], out_old[real])
     for row, n in enumerate(case["num_tokens"].tolist()):
@@ -127,6 +154,41 @@ def test_replaying_the_kept_tokens_in_place_gives_the_snapshot_of_that_prefix(de
                              "num_tokens": torch.tensor(kept, dtype=torch.int32, device=device)})
     for row, (slot, n) in enumerate(zip(snap["slots"].tolist(), kept)):
         assert torch.equal(state[slot], snap["snapshot_cache"][slot, T - 1 - (T - n)]), row
+
+
+def test_prepare_rejects_bad_arguments_naming_them():
+    ok = packed_projection(2, 3, 2, 4, 16, 32)
+    for changes, message in (({"qkv": ok["qkv"][..., 1:]}, "qkv must be"),
+                             ({"a": ok["a"].float()}, "a must be"),
+                             ({"b": ok["b"][:, :2]}, "b must be"),
+                             ({"neg_a": ok["neg_a"][:2]}, "qkv must be"),
+                             ({"dt_bias": ok["dt_bias"].double()}, "dt_bias must be")):
+        with pytest.raises(AssertionError, match=message):
+            gated_delta_prepare(**{**ok, **changes})
+
+
+# (bs, T, Hk, Hv, dk, dv)
+PREPARE_CASES = {"qwen3.5-9b decode": (1, 1, 16, 32, 128, 128), "qwen3.5-9b verify": (8, 16, 16, 32, 128, 128),
+                 "tiny": (3, 5, 2, 4, 16, 16), "dk=256, odd": (2, 3, 1, 3, 256, 48), "dk=40": (2, 2, 2, 2, 40, 16)}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("shape", PREPARE_CASES.values(), ids=PREPARE_CASES.keys())
+def test_cuda_prepare_kernel_matches_the_reference(shape, dtype):
+    assert plugins.load() is not None
+    case = packed_projection(*shape, dtype=dtype, device="cuda")
+    got = torch.ops.dflash.gated_delta_prepare(*case.values())
+    ref = gated_delta_prepare_reference(**case)
+    # v is a conversion (exact); q and k differ only by the order of the sums over dk, and the
+    # gates use the same libm calls as torch's kernels: a few fp32 ulps at most
+    tolerance = {"q": 4e-7, "k": 4e-7, "v": 0.0, "g": 1e-6, "beta": 1e-6}
+    for (name, tol), x, y in zip(tolerance.items(), got, ref):
+        assert x.shape == y.shape and x.dtype == torch.float32 and x.is_contiguous(), name
+        torch.testing.assert_close(x, y, rtol=tol, atol=tol, msg=name)
+    # the wrapper takes the kernel for the model's views of the packed projection
+    for x, y in zip(gated_delta_prepare(**case), got):
+        assert torch.equal(x, y)
 
 
 def bad_calls():

@@ -38,10 +38,10 @@ import torch.nn.functional as F
 
 from dflash_trt import ops
 from dflash_trt.config import HybridTargetConfig
-from dflash_trt.gated_delta import causal_conv1d, gated_delta_rule, recurrence_inputs
+from dflash_trt.gated_delta import L2_EPS, causal_conv1d, gated_delta_rule
 from dflash_trt.kv_cache import Batch, KVCache
 from dflash_trt.models.layers import MLP, PackedLinear, Rotary, apply_rope
-from dflash_trt.ops import gated_delta_recurrent, paged_block_attention
+from dflash_trt.ops import gated_delta_prepare, gated_delta_recurrent, paged_block_attention
 
 log = logging.getLogger(__name__)
 
@@ -183,6 +183,16 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(lin.num_value_heads))
         self.norm = GatedRMSNorm(lin.value_head_dim, config.dims.rms_norm_eps)
         self.out_proj = nn.Linear(lin.value_size, H, bias=False)
+        self._constants = None
+
+    def _decay_constants(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(-exp(A_log), dt_bias) in fp32: functions of the weights alone, made once rather
+        than in every pass (four kernels a layer). Keyed by the weights' storage, so a reload
+        or a move to another device makes them again."""
+        key = (self.A_log.data_ptr(), self.dt_bias.data_ptr(), self.A_log.device)
+        if self._constants is None or self._constants[0] != key:
+            self._constants = key, (-self.A_log.float().exp(), self.dt_bias.float())
+        return self._constants[1]
 
     def forward(self, x, batch: Batch, cache: HybridCache, lengths):
         """`lengths`: (slots, end, start, num_tokens) of the batch as int32, made once per pass."""
@@ -199,32 +209,35 @@ class GatedDeltaNet(nn.Module):
         in_place = batch.width == 1
         # A prefill (wider than S) commits all its tokens: its window goes straight to the cache.
         to_cache = in_place or batch.width > S
-        qkv, windows = causal_conv1d(qkv, window, self.conv1d.weight[:, 0], batch.num_tokens, 1 if to_cache else S)
+        qkv, windows = causal_conv1d(qkv, window, self.conv1d.weight[:, 0], batch.num_tokens, 1 if to_cache else S,
+                                     batch.full_rows)
         if to_cache:
             cache.conv[layer, batch.slots] = windows[:, 0]
         else:
             cache.conv_snapshots[layer, batch.slots] = windows
-        q, k, v = qkv.split([lin.key_size, lin.key_size, lin.value_size], dim=-1)
-        q = q.unflatten(-1, (lin.num_key_heads, lin.key_head_dim))
-        k = k.unflatten(-1, (lin.num_key_heads, lin.key_head_dim))
-        v = v.unflatten(-1, (lin.num_value_heads, lin.value_head_dim))
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # log decay <= 0
-        beta = b.float().sigmoid()
+        neg_a, dt_bias = self._decay_constants()
         if batch.width <= S:
-            # Decode/verify: the state is read from the cache in place (one kernel on CUDA),
-            # never gathered. An AR step writes the new state over it; a wider pass writes
-            # nothing and saves its inputs, from which commit replays the accepted tokens.
+            # Decode/verify: the recurrence's inputs in one kernel on CUDA (normalised q/k, v,
+            # gates, all fp32); the state is read from the cache in place, never gathered. An
+            # AR step writes the new state over it; a wider pass writes nothing and saves its
+            # inputs, from which commit replays the accepted tokens.
             slots, _, start, num_tokens = lengths
-            inputs = recurrence_inputs(q, k, v, g, beta)
+            inputs = gated_delta_prepare(qkv, a, b, neg_a, dt_bias, lin.num_key_heads, lin.key_head_dim,
+                                         lin.value_head_dim, L2_EPS, lin.key_head_dim**-0.5)
             if in_place:
                 written = cache.state[layer].unsqueeze(1)
             else:
                 cache.save_replay_inputs(layer, inputs)
                 written = cache.no_snapshots
-            out = gated_delta_recurrent(*inputs, cache.state[layer], written, slots, start, num_tokens).to(v.dtype)
+            out = gated_delta_recurrent(*inputs, cache.state[layer], written, slots, start, num_tokens).to(x.dtype)
         else:  # prefill: all of it is committed, so only the final state is kept
+            q, k, v = qkv.split([lin.key_size, lin.key_size, lin.value_size], dim=-1)
+            q = q.unflatten(-1, (lin.num_key_heads, lin.key_head_dim))
+            k = k.unflatten(-1, (lin.num_key_heads, lin.key_head_dim))
+            v = v.unflatten(-1, (lin.num_value_heads, lin.value_head_dim))
+            g = neg_a * F.softplus(a + dt_bias)  # log decay <= 0, fp32 (a is promoted)
             state = cache.state[layer, batch.slots].masked_fill(fresh[..., None], 0)
-            out, final = gated_delta_rule(q, k, v, g, beta, state, batch.num_tokens, 1)
+            out, final = gated_delta_rule(q, k, v, g, b.float().sigmoid(), state, batch.num_tokens, 1)
             cache.state[layer, batch.slots] = final[:, 0]
 
         out = self.norm(out, z.unflatten(-1, (lin.num_value_heads, lin.value_head_dim)))
