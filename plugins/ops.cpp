@@ -398,6 +398,20 @@ at::Tensor gated_delta_recurrent_cuda(const at::Tensor& q, const at::Tensor& k, 
   return out;
 }
 
+// q, k [..., Hk, dk], v [..., Hv, dv], g, beta [..., Hv]: fp32, the leading dims of qkv.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_delta_prepare_outputs(
+    const at::Tensor& qkv, int64_t Hv, int64_t num_k_heads, int64_t key_dim, int64_t value_dim) {
+  auto shape = [&](std::initializer_list<int64_t> tail) {
+    auto s = qkv.sizes().vec();
+    s.pop_back();
+    s.insert(s.end(), tail);
+    return s;
+  };
+  const auto f32 = qkv.options().dtype(at::kFloat);
+  return {at::empty(shape({num_k_heads, key_dim}), f32), at::empty(shape({num_k_heads, key_dim}), f32),
+          at::empty(shape({Hv, value_dim}), f32), at::empty(shape({Hv}), f32), at::empty(shape({Hv}), f32)};
+}
+
 // qkv [..., 2 Hk dk + Hv dv] (bf16, fp16 or fp32, contiguous); a, b [..., Hv] in qkv's dtype
 // with a contiguous last dim (views of the packed projection); neg_a, dt_bias [Hv] fp32.
 // Returns q, k [..., Hk, dk], v [..., Hv, dv], g, beta [..., Hv], all fp32 and contiguous.
@@ -425,17 +439,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_del
                 "neg_a and dt_bias must be contiguous fp32 [Hv] CUDA tensors");
   }
   const c10::cuda::CUDAGuard guard(qkv.device());
-  auto lead = qkv.sizes().vec();
-  lead.pop_back();
-  auto shape = [&](std::initializer_list<int64_t> tail) {
-    auto s = lead;
-    s.insert(s.end(), tail);
-    return s;
-  };
-  const auto f32 = qkv.options().dtype(at::kFloat);
-  auto q = at::empty(shape({num_k_heads, key_dim}), f32), k = at::empty(shape({num_k_heads, key_dim}), f32);
-  auto v = at::empty(shape({Hv, value_dim}), f32);
-  auto g = at::empty(shape({Hv}), f32), beta = at::empty(shape({Hv}), f32);
+  auto [q, k, v, g, beta] = gated_delta_prepare_outputs(qkv, Hv, num_k_heads, key_dim, value_dim);
 
   dflash::GatedDeltaPrepareParams p;
   p.dtype = *dtype;
@@ -466,17 +470,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_del
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_delta_prepare_meta(
     const at::Tensor& qkv, const at::Tensor&, const at::Tensor&, const at::Tensor& neg_a, const at::Tensor&,
     int64_t num_k_heads, int64_t key_dim, int64_t value_dim, double, double) {
-  auto lead = qkv.sizes().vec();
-  lead.pop_back();
-  auto shape = [&](std::initializer_list<int64_t> tail) {
-    auto s = lead;
-    s.insert(s.end(), tail);
-    return s;
-  };
-  const auto f32 = qkv.options().dtype(at::kFloat);
-  const int64_t Hv = neg_a.numel();
-  return {at::empty(shape({num_k_heads, key_dim}), f32), at::empty(shape({num_k_heads, key_dim}), f32),
-          at::empty(shape({Hv, value_dim}), f32), at::empty(shape({Hv}), f32), at::empty(shape({Hv}), f32)};
+  return gated_delta_prepare_outputs(qkv, neg_a.numel(), num_k_heads, key_dim, value_dim);
 }
 
 at::Tensor gated_delta_recurrent_meta(const at::Tensor& q, const at::Tensor&, const at::Tensor& v, const at::Tensor&,
