@@ -11,21 +11,21 @@ Two layer kinds, each followed by the usual SwiGLU MLP, all norms zero-centred (
   recurrent state matrix per head, kept per slot in the cache.
 
 Rollback. Full-attention rows roll back by length as for Qwen3. A recurrent state cannot
-be cropped, so a pass never overwrites the committed state: it writes *snapshots*, the
-state and conv window after each of its last S tokens, and `commit` copies the snapshot
-of each row's committed length into the state. A one-token pass (an AR step) keeps all it
-runs, so it steps the state in place and its commit has nothing to do.
+be cropped, so a verify pass never overwrites the committed state: it computes its outputs
+from it, keeps its recurrence inputs (q, k, v and the gates of each token), and `commit`
+replays the accepted tokens over the committed state in place, with the same kernel and the
+same token loop, so the result is bit for bit the state the pass went through. The conv
+window is small: a pass records it after each of its last S tokens and commit copies the
+kept one. A one-token pass (an AR step) keeps all it runs, so it steps both in place and
+its commit has nothing to do; a prefill commits all it runs and writes them directly.
 
-Why snapshots rather than replay (re-running the recurrence over the accepted prefix from
-the untouched start state, spec section 4): commit is then one gather of fixed shape, the
-same work for any acceptance length, with no host sync, so it fits the CUDA-graphed decode
-step; and the committed state is exactly the one the verify pass computed its logits from,
-while a replay on GPU may run a different kernel than the pass did. The same per-token
-states are what SGLang and vLLM keep for this. The price is memory: S x (value heads x dk
-x dv) fp32 per linear layer and slot, e.g. 768 MiB per slot for Qwen3.5-9B (24 layers x
-16 x 2 MiB) and 2.3 GiB for Qwen3.5-27B. Replay would keep only the pass's inputs; as a
-pass already leaves the committed state alone, switching changes only what a pass records
-and what `commit` does.
+Why replay rather than per-token state snapshots (spec section 4, measured in
+BENCHMARKS.md): snapshots cost S x (value heads x dk x dv) fp32 of writes per linear layer
+and row in every verify (34 MB for Qwen3.5-9B at S = 16, more than the pass's own
+recurrence), plus a gather-and-scatter commit, and S times the state in memory (768 MiB
+per slot for Qwen3.5-9B); on the H100 that was 25% of a DFlash step at batch 32. The replay
+re-runs ~tau tokens from inputs of 33 KB per token and layer; its commit is graphed like
+the passes.
 """
 
 from __future__ import annotations
