@@ -279,6 +279,50 @@ def silu_mul(gate_up):
 # snapshot_cache[slots], with no gathered copy of either.
 
 
+def causal_conv_reference(x, weight, conv_cache, snapshots, slots, start):
+    """The kernel's semantics (layer_ops.h, CausalConvParams) through gated_delta.causal_conv1d,
+    the path of every pass: the window from the cache (zeros for a new sequence), then the
+    window after all T tokens into conv_cache, or after each of the last NS into snapshots."""
+    from dflash_trt.gated_delta import causal_conv1d  # that module imports this one
+
+    slots = slots.long()
+    window = conv_cache[slots].masked_fill((start == 0)[:, None, None], 0)
+    num_tokens = torch.full((x.shape[0],), x.shape[1], device=x.device)
+    out, windows = causal_conv1d(x, window, weight, num_tokens, 1 if snapshots is None else snapshots.shape[1],
+                                 full_rows=True)
+    if snapshots is None:
+        conv_cache[slots] = windows[:, 0]
+    else:
+        snapshots[slots] = windows
+    return out
+
+
+def causal_conv(x, weight, conv_cache, snapshots, slots, start):
+    """The causal conv + SiLU of a Gated DeltaNet decode pass (every row T tokens) -> out
+    [bs, T, C] in x's dtype, continuing each row's window in conv_cache [num_slots, K-1, C]
+    (zeros where start == 0); the window after the pass goes back to conv_cache (snapshots
+    None), or the one after each of the last NS <= T + 1 tokens to snapshots [num_slots, NS,
+    K-1, C]. x [bs, T, C] may be a view of a packed projection (channels contiguous); weight
+    [C, K]; slots, start [bs] int32. plugins/layer_ops.cu on CUDA for bf16/fp16 (K <= 8)."""
+    assert x.dim() == 3 and x.stride(-1) == 1, f"x must be [bs, T, C] with contiguous channels, got {tuple(x.shape)}"
+    bs, T, C = x.shape
+    assert weight.dim() == 2 and weight.shape[0] == C and weight.is_contiguous(), f"weight must be [{C}, K]"
+    W = weight.shape[1] - 1
+    assert conv_cache.dim() == 3 and conv_cache.shape[1:] == (W, C) and conv_cache.is_contiguous(), \
+        f"conv_cache must be [num_slots, {W}, {C}] contiguous, got {tuple(conv_cache.shape)}"
+    if snapshots is not None:
+        assert snapshots.dim() == 4 and snapshots.shape[0] == conv_cache.shape[0] and snapshots.shape[2:] == (W, C) \
+            and snapshots.is_contiguous() and snapshots.shape[1] <= T + 1, \
+            f"snapshots must be [num_slots, NS <= {T + 1}, {W}, {C}] contiguous, got {tuple(snapshots.shape)}"
+    for name, t in (("weight", weight), ("conv_cache", conv_cache), ("snapshots", snapshots)):
+        assert t is None or (t.dtype == x.dtype and t.device == x.device), f"{name} must have x's dtype and device"
+    for name, t in (("slots", slots), ("start", start)):
+        assert t.dtype == torch.int32 and t.shape == (bs,) and t.device == x.device, f"{name} must be int32 [{bs}]"
+    if _layer_kernel_ready(x) and W + 1 <= 8 and x.stride(0) == x.stride(1) * T:
+        return torch.ops.dflash.causal_conv(x, weight, conv_cache, snapshots, slots, start)
+    return causal_conv_reference(x, weight, conv_cache, snapshots, slots, start)
+
+
 def gated_delta_kernel_supports(key_dim: int, value_dim: int) -> bool:
     """Whether plugins/gated_delta.cu runs these head sizes (dflash::gated_delta_supports):
     dk and dv multiples of 16 from 16 to 256. Pure: loads nothing."""

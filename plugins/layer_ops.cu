@@ -281,6 +281,59 @@ __global__ void __launch_bounds__(kSiluThreads) silu_mul_kernel(SiluMulParams p)
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// causal_conv: a thread per (row, channel) keeps the channel's last W inputs in registers and
+// walks the row's T tokens; neighbouring threads take neighbouring channels (coalesced).
+
+constexpr int kConvThreads = 256;
+constexpr int kConvMaxTaps = 8;
+
+template <typename T>
+__global__ void __launch_bounds__(kConvThreads) causal_conv_kernel(CausalConvParams p) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= static_cast<int64_t>(p.batch) * p.channels) return;
+  const int b = static_cast<int>(i / p.channels), c = static_cast<int>(i % p.channels);
+  const int K = p.kernel_size, W = K - 1, T_ = p.width, C = p.channels;
+  const int64_t slot = p.slots[b];
+  T* cache = static_cast<T*>(p.conv_cache) + slot * W * C + c;
+  float w[kConvMaxTaps], win[kConvMaxTaps];
+  const T* weight = static_cast<const T*>(p.weight) + static_cast<int64_t>(c) * K;
+  const bool fresh = p.start[b] == 0;
+#pragma unroll
+  for (int j = 0; j < kConvMaxTaps; ++j) {
+    w[j] = j < K ? to_float(weight[j]) : 0.0f;
+    win[j] = j < W && !fresh ? to_float(cache[static_cast<int64_t>(j) * C]) : 0.0f;
+  }
+  T* snapshots = p.num_snapshots > 0 ? static_cast<T*>(p.snapshots) + slot * p.num_snapshots * W * C + c : nullptr;
+  const int first = T_ - p.num_snapshots + 1;  // tokens seen by snapshot 0 (>= 0)
+  auto snapshot = [&](int n) {  // the window after n tokens, if a snapshot wants it
+    const int j = n - first;
+    if (snapshots == nullptr || j < 0) return;
+    for (int k = 0; k < W; ++k) snapshots[(static_cast<int64_t>(j) * W + k) * C] = from_float<T>(win[k]);
+  };
+  snapshot(0);
+  const T* x = static_cast<const T*>(p.x) + static_cast<int64_t>(b) * T_ * p.x_stride + c;
+  T* out = static_cast<T*>(p.out) + static_cast<int64_t>(b) * T_ * C + c;
+  for (int t = 0; t < T_; ++t) {
+    const float xt = to_float(x[t * p.x_stride]);
+    win[W] = xt;  // tap W meets the token itself
+    float acc = rounded<T>(__fmul_rn(win[0], w[0]));
+#pragma unroll
+    for (int j = 1; j < kConvMaxTaps; ++j) {
+      if (j <= W) acc = rounded<T>(__fadd_rn(acc, rounded<T>(__fmul_rn(win[j], w[j]))));
+    }
+    out[static_cast<int64_t>(t) * C] = from_float<T>(acc / (1.0f + expf(-acc)));
+#pragma unroll
+    for (int j = 0; j + 1 < kConvMaxTaps; ++j) {
+      if (j < W) win[j] = win[j + 1];
+    }
+    snapshot(t + 1);
+  }
+  if (snapshots == nullptr) {
+    for (int k = 0; k < W; ++k) cache[static_cast<int64_t>(k) * C] = from_float<T>(win[k]);
+  }
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -375,6 +428,30 @@ cudaError_t silu_mul_launch(const SiluMulParams& p, cudaStream_t stream) {
     else silu_mul_kernel<T, 1><<<blocks, kSiluThreads, 0, stream>>>(p);
     return cudaGetLastError();
   });
+}
+
+const char* causal_conv_check(const CausalConvParams& p) {
+  if (p.batch < 0 || p.channels < 1 || p.width < 1) return "batch must not be negative, channels and width positive";
+  if (p.kernel_size < 2 || p.kernel_size > kConvMaxTaps) return "kernel_size must be in [2, 8]";
+  if (p.num_snapshots < 0 || p.num_snapshots > p.width + 1) return "num_snapshots must be in [0, width + 1]";
+  if (p.x_stride < p.channels) return "x_stride must be at least channels";
+  if (p.batch > 0 && (!p.x || !p.weight || !p.conv_cache || !p.slots || !p.start || !p.out ||
+                      (p.num_snapshots > 0 && !p.snapshots)))
+    return "null pointer";
+  return nullptr;
+}
+
+cudaError_t causal_conv_launch(const CausalConvParams& p, cudaStream_t stream) {
+  if (causal_conv_check(p) != nullptr) return cudaErrorInvalidValue;
+  if (p.batch == 0) return cudaSuccess;
+  const int64_t threads = static_cast<int64_t>(p.batch) * p.channels;
+  const unsigned blocks = static_cast<unsigned>((threads + kConvThreads - 1) / kConvThreads);
+  by_dtype(p.dtype, [&](auto t) {
+    using T = typename decltype(t)::type;
+    causal_conv_kernel<T><<<blocks, kConvThreads, 0, stream>>>(p);
+    return 0;
+  });
+  return cudaGetLastError();
 }
 
 }  // namespace dflash

@@ -6,6 +6,7 @@
 //   qk_norm_rope             per-head q/k RMSNorm + neox RoPE on the packed qkv output, and
 //                            optionally the K/V cache write, in one launch
 //   silu_mul                 silu(gate) * up of the packed gate_up output
+//   causal_conv              the Gated DeltaNet conv + SiLU of a decode pass, with its window
 //
 // Every op rounds exactly where the PyTorch model code does (bf16/fp16 elementwise ops
 // compute in fp32 and round after each op); the only difference from torch is the order
@@ -103,5 +104,34 @@ struct SiluMulParams {
 
 const char* silu_mul_check(const SiluMulParams& p);
 cudaError_t silu_mul_launch(const SiluMulParams& p, cudaStream_t stream);
+
+// The depthwise causal conv + SiLU of a Gated DeltaNet decode pass (Qwen3.5/3.6), every row
+// T tokens, continuing each row's window in the cache. Row b, channel c, K = W + 1 taps:
+//   full = [window (W inputs; zeros when start[b] == 0), x[b, 0..T-1]]   (the inputs, in dtype)
+//   acc_t = round(full[t] w[0]); acc_t = round(acc_t + round(full[t + j] w[j])) for j = 1..W
+//   out[b, t] = round(acc_t / (1 + exp(-acc_t)))                         (torch's silu, fp32)
+// and then, with NS == 0, conv_cache[slots[b]] = full[T .. T + W - 1] (the window after all T
+// tokens, in place); with NS > 0 (NS <= T + 1), snapshots[slots[b], j] = full[n .. n + W - 1]
+// for n = T - NS + 1 + j (the window after each of the last NS tokens; conv_cache is read only).
+// Every value is an input, copied: the writes are exact.
+struct CausalConvParams {
+  DType dtype = DType::kBFloat16;  // of x, weight, conv_cache, snapshots and out
+  int batch = 0;                   // bs
+  int width = 0;                   // T >= 1
+  int channels = 0;                // C
+  int kernel_size = 0;             // K = W + 1, 2 .. 8
+  int num_snapshots = 0;           // NS
+  const void* x = nullptr;         // [bs, T, C], token rows `x_stride` elements apart
+  int64_t x_stride = 0;
+  const void* weight = nullptr;    // [C, K] contiguous
+  void* conv_cache = nullptr;      // [num_slots, W, C] contiguous (one layer of the cache)
+  void* snapshots = nullptr;       // [num_slots, NS, W, C] contiguous, when NS > 0
+  const int32_t* slots = nullptr;  // [bs] device
+  const int32_t* start = nullptr;  // [bs] device: 0 starts from a zero window
+  void* out = nullptr;             // [bs, T, C] contiguous
+};
+
+const char* causal_conv_check(const CausalConvParams& p);
+cudaError_t causal_conv_launch(const CausalConvParams& p, cudaStream_t stream);
 
 }  // namespace dflash

@@ -329,6 +329,58 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> qk_norm_rope_meta(
           at::empty({rows, num_kv_heads, d}, qkv.options())};
 }
 
+// x [bs, T, C] (token rows evenly spaced, channels contiguous: a view of the packed
+// projection); conv_cache [num_slots, W, C]; snapshots [num_slots, NS, W, C] or None (then
+// the window goes to conv_cache in place); weight [C, K]; slots, start [bs] int32.
+at::Tensor causal_conv_cuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& conv_cache,
+                            const std::optional<at::Tensor>& snapshots, const at::Tensor& slots,
+                            const at::Tensor& start) {
+  const dflash::DType dtype = model_dtype(x, "x");
+  TORCH_CHECK(x.is_cuda() && x.dim() == 3 && x.stride(2) == 1 && x.stride(0) == x.stride(1) * x.size(1),
+              "x must be a [bs, T, C] CUDA tensor with contiguous channels and evenly spaced tokens");
+  const int64_t bs = x.size(0), T = x.size(1), C = x.size(2);
+  TORCH_CHECK(weight.dim() == 2 && weight.size(0) == C && weight.is_contiguous(), "weight must be [C, K] contiguous");
+  const int64_t K = weight.size(1);
+  TORCH_CHECK(conv_cache.dim() == 3 && conv_cache.size(1) == K - 1 && conv_cache.size(2) == C &&
+                  conv_cache.is_contiguous(), "conv_cache must be [num_slots, K - 1, C] contiguous");
+  for (const at::Tensor* t : {&weight, &conv_cache}) {
+    TORCH_CHECK(t->device() == x.device() && t->scalar_type() == x.scalar_type(), "weight and caches need x's dtype");
+  }
+  if (snapshots) {
+    TORCH_CHECK(snapshots->dim() == 4 && snapshots->size(0) == conv_cache.size(0) && snapshots->size(2) == K - 1 &&
+                    snapshots->size(3) == C && snapshots->is_contiguous() && snapshots->device() == x.device() &&
+                    snapshots->scalar_type() == x.scalar_type(),
+                "snapshots must be [num_slots, NS, K - 1, C] contiguous in x's dtype");
+  }
+  check_index(slots, "slots", x);
+  check_index(start, "start", x);
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto out = at::empty({bs, T, C}, x.options());
+  dflash::CausalConvParams p;
+  p.dtype = dtype;
+  p.batch = static_cast<int>(bs);
+  p.width = static_cast<int>(T);
+  p.channels = static_cast<int>(C);
+  p.kernel_size = static_cast<int>(K);
+  p.num_snapshots = snapshots ? static_cast<int>(snapshots->size(1)) : 0;
+  p.x = x.data_ptr();
+  p.x_stride = x.stride(1);
+  p.weight = weight.data_ptr();
+  p.conv_cache = conv_cache.data_ptr();
+  p.snapshots = snapshots ? snapshots->data_ptr() : nullptr;
+  p.slots = slots.data_ptr<int32_t>();
+  p.start = start.data_ptr<int32_t>();
+  p.out = out.data_ptr();
+  if (const char* why = dflash::causal_conv_check(p)) TORCH_CHECK(false, "causal_conv: ", why);
+  check_launch(dflash::causal_conv_launch(p, c10::cuda::getCurrentCUDAStream().stream()), "causal_conv");
+  return out;
+}
+
+at::Tensor causal_conv_meta(const at::Tensor& x, const at::Tensor&, const at::Tensor&,
+                            const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&) {
+  return at::empty(x.sizes(), x.options());
+}
+
 at::Tensor silu_mul_meta(const at::Tensor& gate_up) {
   auto sizes = gate_up.sizes().vec();
   sizes.back() /= 2;
@@ -495,6 +547,9 @@ TORCH_LIBRARY(dflash, m) {
       "Tensor? positions=None) -> (Tensor, Tensor, Tensor)");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def(
+      "causal_conv(Tensor x, Tensor weight, Tensor(a!) conv_cache, Tensor(b!)? snapshots, Tensor slots, "
+      "Tensor start) -> Tensor");
+  m.def(
       "gated_delta_recurrent(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor state_cache, "
       "Tensor(a!) snapshot_cache, Tensor slots, Tensor start, Tensor num_tokens) -> Tensor");
   m.def(
@@ -509,6 +564,7 @@ TORCH_LIBRARY_IMPL(dflash, CUDA, m) {
   m.impl("gated_rms_norm", &gated_rms_norm_cuda);
   m.impl("qk_norm_rope", &qk_norm_rope_cuda);
   m.impl("silu_mul", &silu_mul_cuda);
+  m.impl("causal_conv", &causal_conv_cuda);
   m.impl("gated_delta_recurrent", &gated_delta_recurrent_cuda);
   m.impl("gated_delta_prepare", &gated_delta_prepare_cuda);
 }
@@ -520,6 +576,7 @@ TORCH_LIBRARY_IMPL(dflash, Meta, m) {
   m.impl("gated_rms_norm", &gated_rms_norm_meta);
   m.impl("qk_norm_rope", &qk_norm_rope_meta);
   m.impl("silu_mul", &silu_mul_meta);
+  m.impl("causal_conv", &causal_conv_meta);
   m.impl("gated_delta_recurrent", &gated_delta_recurrent_meta);
   m.impl("gated_delta_prepare", &gated_delta_prepare_meta);
 }

@@ -12,9 +12,10 @@ from dflash_trt import plugins
 from dflash_trt.config import LayerDims
 from dflash_trt.models.layers import MLP, AttentionProjections, RMSNorm, Rotary, apply_rope
 from dflash_trt.models.qwen3_5 import GatedRMSNorm, ZeroCenteredRMSNorm
-from dflash_trt.ops import (add_rms_norm, add_rms_norm_reference, gated_rms_norm, gated_rms_norm_reference,
-                            qk_norm_rope, qk_norm_rope_reference, rms_norm, rms_norm_reference, silu_mul,
-                            silu_mul_reference)
+from dflash_trt.gated_delta import causal_conv1d
+from dflash_trt.ops import (add_rms_norm, add_rms_norm_reference, causal_conv, causal_conv_reference, gated_rms_norm,
+                            gated_rms_norm_reference, qk_norm_rope, qk_norm_rope_reference, rms_norm,
+                            rms_norm_reference, silu_mul, silu_mul_reference)
 
 EPS = 1e-6
 
@@ -139,6 +140,39 @@ def test_gated_rms_norm_reference_is_the_qwen3_5_gated_norm(dtype):
     assert torch.equal(norm(x, packed[..., 32:]), plain_gated_rms_norm(x, packed[..., 32:], norm.weight, EPS))
 
 
+def conv_case(bs, T, C, K, NS, dtype=torch.float32, device="cpu", seed=0):
+    """causal_conv's arguments: x a view of a packed projection, garbage in every cache slot
+    (row 1 starts a sequence and must ignore its slot's window), distinct slots."""
+    packed = rand(bs, T, C + 5, dtype=dtype, device=device, seed=seed, scale=2.0)
+    num_slots = bs + 2
+    return dict(x=packed[..., 5:], weight=rand(C, K, dtype=dtype, device=device, seed=seed + 1),
+                conv_cache=rand(num_slots, K - 1, C, dtype=dtype, device=device, seed=seed + 2),
+                snapshots=None if NS == 0 else rand(num_slots, NS, K - 1, C, dtype=dtype, device=device, seed=seed + 3),
+                slots=torch.arange(bs, dtype=torch.int32, device=device).flip(0) + 1,
+                start=torch.tensor(([5, 0] + [2] * bs)[:bs], dtype=torch.int32, device=device))
+
+
+@pytest.mark.parametrize("T, NS", [(1, 0), (3, 0), (4, 4), (4, 5), (4, 1)])
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_causal_conv_reference_is_the_layer_conv_with_its_window(dtype, T, NS):
+    """What GatedDeltaNet.forward does for a ragged pass (gated_delta.causal_conv1d on the
+    masked window, then the window(s) scattered to the cache), on every-row-full passes."""
+    case = conv_case(3, T, 24, 4, NS, dtype)
+    cache, snaps = case["conv_cache"].clone(), None if NS == 0 else case["snapshots"].clone()
+    slots = case["slots"].long()
+    window = cache[slots].masked_fill((case["start"] == 0)[:, None, None], 0)
+    out_old, windows = causal_conv1d(case["x"], window, case["weight"], torch.full((3,), T), max(NS, 1))
+    if NS == 0:
+        cache[slots] = windows[:, 0]
+    else:
+        snaps[slots] = windows
+    out = causal_conv(**case)
+    assert out.dtype == dtype and torch.equal(out, out_old)
+    assert torch.equal(case["conv_cache"], cache)  # NS > 0 leaves it alone
+    if NS:
+        assert torch.equal(case["snapshots"], snaps)
+
+
 # (Hq, Hkv, d)
 QKV_SHAPES = {"GQA 2:1 d=16": (4, 2, 16), "MHA d=8": (3, 3, 8), "GQA 4:1 d=64": (8, 2, 64), "d=128": (2, 1, 128)}
 
@@ -238,6 +272,11 @@ def bad_calls():
         "rms_norm strided x": ("x must be contiguous", lambda: rms_norm(torch.randn(16, 3).t(), torch.ones(16), EPS)),
         "add_rms_norm delta shape": ("delta must have x's shape", lambda: add_rms_norm(x, x[:2], w, EPS)),
         "add_rms_norm delta dtype": ("delta must have weight's", lambda: add_rms_norm(x, x.bfloat16(), w, EPS)),
+        "causal_conv too many snapshots": ("snapshots must be", lambda: causal_conv(**conv_case(2, 3, 8, 4, 5))),
+        "causal_conv weight taps": ("conv_cache must be",
+                                    lambda: causal_conv(**{**conv_case(2, 3, 8, 4, 0), "weight": torch.ones(8, 3)})),
+        "causal_conv int64 slots": ("slots must be",
+                                    lambda: causal_conv(**{**conv_case(2, 1, 8, 4, 0), "slots": torch.zeros(2).long()})),
         "gated_rms_norm gate shape": ("gate must have x's shape", lambda: gated_rms_norm(x, x[:2], w, EPS)),
         "gated_rms_norm strided gate": ("gate must be contiguous",
                                         lambda: gated_rms_norm(x, torch.randn(16, 3).t(), w, EPS)),
@@ -374,6 +413,25 @@ def test_cuda_gated_rms_norm_matches_the_reference(dtype, N, H):
     gate = rand(N, H, dtype=dtype, device="cuda", seed=N + 1, scale=4.0)
     y_ref = gated_rms_norm_reference(x, gate, w, EPS)
     check_close("gated_rms_norm", gated_rms_norm(x, gate, w, EPS), y_ref, 2 * ulp(y_ref, dtype))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", [(1, 1, 8192, 4, 0), (8, 1, 8192, 4, 0), (4, 16, 8192, 4, 16), (3, 4, 1000, 4, 5),
+                                   (3, 2, 64, 2, 1), (2, 3, 96, 8, 0)],
+                         ids=["qwen AR b1", "qwen AR b8", "qwen verify", "NS = T + 1", "K=2", "K=8"])
+@pytest.mark.parametrize("dtype", CUDA_DTYPES.values(), ids=CUDA_DTYPES.keys())
+def test_cuda_causal_conv_equals_the_reference_bit_for_bit(dtype, shape):
+    """Every step rounds as torch does and the windows are copies: no tolerance."""
+    assert plugins.load() is not None
+    case = conv_case(*shape, dtype=dtype, device="cuda")
+    ref = {**case, "conv_cache": case["conv_cache"].clone(),
+           "snapshots": None if case["snapshots"] is None else case["snapshots"].clone()}
+    out = causal_conv(**case)
+    ref_out = causal_conv_reference(**ref)
+    assert torch.equal(out, ref_out)
+    assert torch.equal(case["conv_cache"], ref["conv_cache"])
+    if case["snapshots"] is not None:
+        assert torch.equal(case["snapshots"], ref["snapshots"])
 
 
 @pytest.mark.cuda

@@ -202,19 +202,24 @@ class GatedDeltaNet(nn.Module):
         # The committed conv window of each row's slot (and below, its state); a sequence
         # starting at 0 starts from zeros, whatever an earlier occupant of the slot left there.
         fresh = (batch.start == 0)[:, None, None]
-        window = cache.conv[layer, batch.slots].masked_fill(fresh, 0)
-
         # A one-token pass (an AR step) is never cut back: it steps the committed window and
         # state in place, rather than writing a snapshot for commit to copy back.
         in_place = batch.width == 1
         # A prefill (wider than S) commits all its tokens: its window goes straight to the cache.
         to_cache = in_place or batch.width > S
-        qkv, windows = causal_conv1d(qkv, window, self.conv1d.weight[:, 0], batch.num_tokens, 1 if to_cache else S,
-                                     batch.full_rows)
-        if to_cache:
-            cache.conv[layer, batch.slots] = windows[:, 0]
+        weight = self.conv1d.weight[:, 0]
+        # decode passes (every row full, at most S tokens): one kernel on CUDA
+        if batch.full_rows and batch.width <= S and (in_place or S <= batch.width + 1):
+            slots, _, start, _ = lengths
+            qkv = ops.causal_conv(qkv, weight, cache.conv[layer], None if in_place else cache.conv_snapshots[layer],
+                                  slots, start)
         else:
-            cache.conv_snapshots[layer, batch.slots] = windows
+            window = cache.conv[layer, batch.slots].masked_fill(fresh, 0)
+            qkv, windows = causal_conv1d(qkv, window, weight, batch.num_tokens, 1 if to_cache else S, batch.full_rows)
+            if to_cache:
+                cache.conv[layer, batch.slots] = windows[:, 0]
+            else:
+                cache.conv_snapshots[layer, batch.slots] = windows
         neg_a, dt_bias = self._decay_constants()
         if batch.width <= S:
             # Decode/verify: the recurrence's inputs in one kernel on CUDA (normalised q/k, v,
