@@ -194,32 +194,36 @@ class GatedDeltaNet(nn.Module):
             self._constants = key, (-self.A_log.float().exp(), self.dt_bias.float())
         return self._constants[1]
 
+    def _conv(self, qkv, batch: Batch, cache: HybridCache, lengths, to_cache: bool) -> torch.Tensor:
+        """The causal conv + SiLU over the pass, continuing each row's committed window (a
+        sequence starting at 0 from zeros, whatever an earlier occupant of the slot left);
+        the window after the pass goes to the cache (to_cache), else the one after each of
+        its last S tokens to the snapshots, for commit."""
+        layer, S = self.cache_layer, cache.num_snapshots
+        weight = self.conv1d.weight[:, 0]
+        snapshots = None if to_cache else cache.conv_snapshots[layer]
+        if batch.full_rows and batch.width <= S and (to_cache or S <= batch.width + 1):
+            slots, _, start, _ = lengths  # a decode pass: one kernel on CUDA
+            return ops.causal_conv(qkv, weight, cache.conv[layer], snapshots, slots, start)
+        window = cache.conv[layer, batch.slots].masked_fill((batch.start == 0)[:, None, None], 0)
+        qkv, windows = causal_conv1d(qkv, window, weight, batch.num_tokens, 1 if to_cache else S, batch.full_rows)
+        if to_cache:
+            cache.conv[layer, batch.slots] = windows[:, 0]
+        else:
+            snapshots[batch.slots] = windows
+        return qkv
+
     def forward(self, x, batch: Batch, cache: HybridCache, lengths):
         """`lengths`: (slots, end, start, num_tokens) of the batch as int32, made once per pass."""
         lin, layer, S = self.lin, self.cache_layer, cache.num_snapshots
         qkv, z, b, a = self.in_proj(x).split(
             [lin.conv_size, lin.value_size, lin.num_value_heads, lin.num_value_heads], dim=-1)
-        # The committed conv window of each row's slot (and below, its state); a sequence
-        # starting at 0 starts from zeros, whatever an earlier occupant of the slot left there.
-        fresh = (batch.start == 0)[:, None, None]
         # A one-token pass (an AR step) is never cut back: it steps the committed window and
-        # state in place, rather than writing a snapshot for commit to copy back.
+        # state in place. A prefill (wider than S) commits all its tokens: its window and state
+        # go straight to the cache. A verify keeps the window after each of its tokens.
         in_place = batch.width == 1
-        # A prefill (wider than S) commits all its tokens: its window goes straight to the cache.
         to_cache = in_place or batch.width > S
-        weight = self.conv1d.weight[:, 0]
-        # decode passes (every row full, at most S tokens): one kernel on CUDA
-        if batch.full_rows and batch.width <= S and (in_place or S <= batch.width + 1):
-            slots, _, start, _ = lengths
-            qkv = ops.causal_conv(qkv, weight, cache.conv[layer], None if in_place else cache.conv_snapshots[layer],
-                                  slots, start)
-        else:
-            window = cache.conv[layer, batch.slots].masked_fill(fresh, 0)
-            qkv, windows = causal_conv1d(qkv, window, weight, batch.num_tokens, 1 if to_cache else S, batch.full_rows)
-            if to_cache:
-                cache.conv[layer, batch.slots] = windows[:, 0]
-            else:
-                cache.conv_snapshots[layer, batch.slots] = windows
+        qkv = self._conv(qkv, batch, cache, lengths, to_cache)
         neg_a, dt_bias = self._decay_constants()
         if batch.width <= S:
             # Decode/verify: the recurrence's inputs in one kernel on CUDA (normalised q/k, v,
@@ -241,7 +245,7 @@ class GatedDeltaNet(nn.Module):
             k = k.unflatten(-1, (lin.num_key_heads, lin.key_head_dim))
             v = v.unflatten(-1, (lin.num_value_heads, lin.value_head_dim))
             g = neg_a * F.softplus(a + dt_bias)  # log decay <= 0, fp32 (a is promoted)
-            state = cache.state[layer, batch.slots].masked_fill(fresh[..., None], 0)
+            state = cache.state[layer, batch.slots].masked_fill((batch.start == 0)[:, None, None, None], 0)
             out, final = gated_delta_rule(q, k, v, g, b.float().sigmoid(), state, batch.num_tokens, 1)
             cache.state[layer, batch.slots] = final[:, 0]
 
