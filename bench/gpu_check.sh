@@ -41,7 +41,7 @@ step() {  # step NAME SECONDS CMD...: time-limited, logged with a header and the
 case $stage in
 tests)
   step plugins 240 python3 -c 'from dflash_trt import plugins; print(plugins.load())'
-  DFLASH_TEST_DEVICE=cuda step tests-hybrid 240 python3 -m pytest -q -p no:cacheprovider \
+  DFLASH_TEST_DEVICE=cuda step tests-hybrid 300 python3 -m pytest -q -p no:cacheprovider \
     tests/test_gated_delta_kernel.py tests/test_gated_delta.py tests/test_hybrid_lossless.py tests/test_graphs.py
   DFLASH_TEST_DEVICE=cuda step tests-core 200 python3 -m pytest -q -p no:cacheprovider tests/test_lossless.py \
     tests/test_oracle.py tests/test_cuda.py tests/test_ops.py tests/test_layer_ops.py tests/test_memory.py
