@@ -155,8 +155,9 @@ class GraphedPasses(DecodePasses):
     def commit(self, x: StepInputs, width: int, num_committed: list[int]) -> None:
         """A hybrid target's commit after a verify (a replay of the kept tokens, one kernel per
         linear layer) runs as a graph too: eagerly, launching it cost more than its work at
-        batch 1. The kept counts go to a static buffer; padding rows keep one token of the
-        scratch slot's. Everything else commits eagerly (nothing, or an in-place AR step)."""
+        batch 1. The kept counts go to a static buffer; padding rows (on the scratch slot)
+        keep whatever valid count it holds. Everything else commits eagerly (nothing, or an
+        in-place AR step)."""
         if not self.target.stateful or width != self.block_size:
             return super().commit(x, width, num_committed)
         b = self.bucket(x.size)

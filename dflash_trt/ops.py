@@ -312,8 +312,8 @@ def causal_conv(x, weight, conv_cache, snapshots, slots, start):
         f"conv_cache must be [num_slots, {W}, {C}] contiguous, got {tuple(conv_cache.shape)}"
     if snapshots is not None:
         assert snapshots.dim() == 4 and snapshots.shape[0] == conv_cache.shape[0] and snapshots.shape[2:] == (W, C) \
-            and snapshots.is_contiguous() and snapshots.shape[1] <= T + 1, \
-            f"snapshots must be [num_slots, NS <= {T + 1}, {W}, {C}] contiguous, got {tuple(snapshots.shape)}"
+            and snapshots.is_contiguous() and 1 <= snapshots.shape[1] <= T + 1, \
+            f"snapshots must be [num_slots, 1 <= NS <= {T + 1}, {W}, {C}] contiguous, got {tuple(snapshots.shape)}"
     for name, t in (("weight", weight), ("conv_cache", conv_cache), ("snapshots", snapshots)):
         assert t is None or (t.dtype == x.dtype and t.device == x.device), f"{name} must have x's dtype and device"
     for name, t in (("slots", slots), ("start", start)):

@@ -346,11 +346,12 @@ at::Tensor causal_conv_cuda(const at::Tensor& x, const at::Tensor& weight, const
   for (const at::Tensor* t : {&weight, &conv_cache}) {
     TORCH_CHECK(t->device() == x.device() && t->scalar_type() == x.scalar_type(), "weight and caches need x's dtype");
   }
-  if (snapshots) {
-    TORCH_CHECK(snapshots->dim() == 4 && snapshots->size(0) == conv_cache.size(0) && snapshots->size(2) == K - 1 &&
+  if (snapshots) {  // at least one: without snapshots the window goes to conv_cache instead
+    TORCH_CHECK(snapshots->dim() == 4 && snapshots->size(0) == conv_cache.size(0) && snapshots->size(1) >= 1 &&
+                    snapshots->size(2) == K - 1 &&
                     snapshots->size(3) == C && snapshots->is_contiguous() && snapshots->device() == x.device() &&
                     snapshots->scalar_type() == x.scalar_type(),
-                "snapshots must be [num_slots, NS, K - 1, C] contiguous in x's dtype");
+                "snapshots must be [num_slots, NS >= 1, K - 1, C] contiguous in x's dtype");
   }
   check_index(slots, "slots", x);
   check_index(start, "start", x);
@@ -473,16 +474,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_del
   const auto dtype = attention_dtype(qkv.scalar_type());
   TORCH_CHECK(qkv.is_cuda() && dtype, "qkv must be a bf16, fp16 or fp32 CUDA tensor");
   TORCH_CHECK(qkv.dim() >= 1 && qkv.is_contiguous(), "qkv must be contiguous");
+  TORCH_CHECK(num_k_heads > 0 && key_dim > 0 && value_dim > 0 && neg_a.numel() > 0, "head sizes must be positive");
   const int64_t Hv = neg_a.numel(), width = 2 * num_k_heads * key_dim + Hv * value_dim;
   TORCH_CHECK(qkv.size(-1) == width, "qkv must be [..., ", width, "], got ", qkv.sizes());
   const int64_t N = qkv.numel() / width;
+  const auto lead = qkv.sizes().slice(0, qkv.dim() - 1);
   for (const auto* t : {&a, &b}) {
     TORCH_CHECK(t->is_cuda() && t->device() == qkv.device() && t->scalar_type() == qkv.scalar_type(),
                 "a and b must be on qkv's device in its dtype");
-    TORCH_CHECK(t->dim() >= 2 && t->size(-1) == Hv && t->stride(-1) == 1 && t->numel() == N * Hv,
-                "a and b must be [..., Hv] with a contiguous last dim, got ", t->sizes());
+    TORCH_CHECK(t->dim() == qkv.dim() && t->sizes().slice(0, t->dim() - 1) == lead && t->size(-1) == Hv &&
+                    t->stride(-1) == 1,
+                "a and b must be [..., Hv] with qkv's leading dims and a contiguous last dim, got ", t->sizes());
     // the rows are evenly spaced: [..., Hv] views of one [N, P] projection output
-    TORCH_CHECK(t->dim() == 2 || t->stride(-2) * t->size(-2) == t->stride(-3), "a and b rows must be evenly spaced");
+    for (int64_t d = 0; d + 2 < t->dim(); ++d) {
+      TORCH_CHECK(t->stride(d) == t->stride(d + 1) * t->size(d + 1), "a and b rows must be evenly spaced");
+    }
   }
   TORCH_CHECK(a.stride(-2) == b.stride(-2), "a and b must have the same row stride");
   for (const auto* t : {&neg_a, &dt_bias}) {
