@@ -48,6 +48,7 @@ tests)
   ;;
 benches)
   step gated-delta 90 python3 bench/kernels.py --gated-delta --json "$OUT/gd.json"
+  step layer-ops 90 python3 bench/kernels.py --layer-ops --json "$OUT/layer_ops.json"
   step prof9b 120 python3 bench/profile_step.py --preset qwen3.5-9b --json "$OUT/prof9b.json"
   step bench9b 200 dflash-trt bench --random-weights qwen3.5-9b --oracle-tau 7 --dataset gsm8k --num-prompts 32 \
     --max-tokens 128 --concurrency 1,32 --json "$OUT/bench9b.json"

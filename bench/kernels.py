@@ -110,7 +110,8 @@ def flashinfer_fn(fi, k_pages, v_pages, q, batch, T, kv_len, causal, pages_per_s
 def layer_ops_rows(dtype=torch.bfloat16) -> list[dict]:
     """The fused layer ops (plugins/layer_ops.cu) against their PyTorch references, which are
     today's model code, on Qwen3-8B shapes (hidden 4096, 32/8 heads of 128, intermediate
-    12288) for N = bs x T rows; qk_norm_rope includes the K/V cache write (16 slots)."""
+    12288) for N = bs x T rows; qk_norm_rope includes the K/V cache write (16 slots). Then
+    the Qwen3.5 ones (hybrid_layer_cases)."""
     from dflash_trt import ops
 
     H, inter, eps = 4096, 12288, 1e-6
@@ -132,6 +133,7 @@ def layer_ops_rows(dtype=torch.bfloat16) -> list[dict]:
             "qk_norm_rope+cache": (lambda: ops.qk_norm_rope(*qk), lambda: ops.qk_norm_rope_reference(*qk)),
             "silu_mul": (lambda: ops.silu_mul(gate_up), lambda: ops.silu_mul_reference(gate_up)),
         }
+        cases.update(hybrid_layer_cases(n, rand, eps))
         for name, (kernel, reference) in cases.items():
             k_us, _ = time_us(kernel)
             t_us, _ = time_us(reference)
@@ -139,6 +141,35 @@ def layer_ops_rows(dtype=torch.bfloat16) -> list[dict]:
             print(f"{name:>18} N={n:<5} kernel {k_us:7.1f} us  torch {t_us:7.1f} us  x{t_us / k_us:.1f}",
                   file=sys.stderr)
     return rows
+
+
+def hybrid_layer_cases(n: int, rand, eps: float) -> dict:
+    """The Qwen3.5 ops (Qwen3.5-9B shapes: hidden 4096; Gated DeltaNet 16 key / 32 value heads
+    of 128, conv over 8192 channels, kernel 4) for n tokens as n / 16 rows of 16 (a verify),
+    against their references (the model code they replaced)."""
+    from dflash_trt import ops
+
+    H, hk, hv, d, conv = 4096, 16, 32, 128, 8192
+    bs, T = max(1, n // 16), min(n, 16)
+    x, delta, w = rand(bs * T, H, dt=torch.float32), rand(bs * T, H), 0.1 * rand(H)
+    out, z = rand(bs * T * hv, d), rand(bs * T * hv, d)
+    packed = rand(bs, T, conv + hv * d + 2 * hv)  # the linear layer's in_proj output
+    qkv_raw, b, a = packed[..., :conv], packed[..., -2 * hv:-hv], packed[..., -hv:]
+    weight, conv_cache = rand(conv, 4), rand(bs + 1, 3, conv)
+    snapshots = rand(bs + 1, T, 3, conv)
+    slots, start = torch.arange(bs, device="cuda").int(), torch.ones(bs, device="cuda").int()
+    qkv = ops.causal_conv_reference(qkv_raw, weight, conv_cache.clone(), snapshots.clone(), slots, start)
+    neg_a, dt_bias = -torch.rand(hv, device="cuda") * 8, torch.rand(hv, device="cuda")
+    prep = (qkv, a, b, neg_a, dt_bias, hk, d, d, 1e-6, d**-0.5)
+    conv_args = (qkv_raw, weight, conv_cache, snapshots, slots, start)
+    return {
+        "zero-centred add_rms_norm": (lambda: ops.add_rms_norm(x, delta, w, eps, zero_centered=True),
+                                      lambda: ops.add_rms_norm_reference(x, delta, w, eps, zero_centered=True)),
+        "gated_rms_norm": (lambda: ops.gated_rms_norm(out, z, w[:d].contiguous(), eps),
+                           lambda: ops.gated_rms_norm_reference(out, z, w[:d], eps)),
+        "causal_conv": (lambda: ops.causal_conv(*conv_args), lambda: ops.causal_conv_reference(*conv_args)),
+        "gated_delta_prepare": (lambda: ops.gated_delta_prepare(*prep), lambda: ops.gated_delta_prepare_reference(*prep)),
+    }
 
 
 def fla_fused_recurrent():
