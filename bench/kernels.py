@@ -172,6 +172,11 @@ def hybrid_layer_cases(n: int, rand, eps: float) -> dict:
     }
 
 
+def fmt(x, spec: str) -> str:
+    """A table cell: the number formatted, or "-" where it was not measured."""
+    return "-" if x is None else format(x, spec)
+
+
 def fla_fused_recurrent():
     """fla's fused recurrent gated delta rule, or None where fla (or its triton) is missing."""
     try:
@@ -281,7 +286,6 @@ def main() -> None:
     torch.manual_seed(0)
     if args.gated_delta:
         rows = gated_delta_rows()
-        fmt = lambda x, spec: "-" if x is None else format(x, spec)  # noqa: E731
         print("Qwen3.5-9B Gated DeltaNet layer (Hk 16, Hv 32, dk = dv = 128, 16 snapshots), fp32. today: gather + "
               "reference recurrence + scatter; fla: fused_recurrent_gated_delta_rule, final state only (no "
               "snapshots).")
@@ -385,7 +389,6 @@ def main() -> None:
                           f"diff {diff if diff is not None else float('nan'):.3g}", file=sys.stderr)
                     torch.cuda.empty_cache()
 
-    fmt = lambda x, spec: "-" if x is None else format(x, spec)  # noqa: E731
     print("| mode | T | batch | context | kernel us | GB/s | % of copy bw | SDPA us | SDPA / kernel | FlashInfer us |"
           " max diff |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")

@@ -253,8 +253,8 @@ def check_caches_fit(per_slot: int, max_batch_size: int, max_seq_len: int, free:
               "not even one request fits: lower max_input_len + max_output_len or use a larger GPU")
     raise ConfigError(
         f"the KV caches for max_batch_size = {max_batch_size} requests of up to max_seq_len = {max_seq_len} "
-        f"tokens need {need / GiB:.1f} GiB ({per_slot / GiB:.2f} GiB per request, Qwen3.5 rollback snapshots "
-        f"included), but only {free / GiB:.1f} GiB of the GPU are free after the weights and "
+        f"tokens need {need / GiB:.1f} GiB ({per_slot / GiB:.2f} GiB per request, Qwen3.5 linear-attention state "
+        f"and rollback buffers included), but only {free / GiB:.1f} GiB of the GPU are free after the weights and "
         f"{reserve / GiB:.1f} GiB are kept for activations; {advice}")
 
 

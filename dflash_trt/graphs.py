@@ -63,10 +63,14 @@ class DecodePasses:
     def _host_rows(self, m: int) -> torch.Tensor:
         return self._staging[: 3 * m].view(3, m)
 
+    def _staged(self, n: int) -> torch.Tensor:
+        """The pinned [3, m >= n] rows that n sequences' inputs are written into."""
+        return self._host_rows(n)
+
     def inputs(self, seqs: list[Sequence]) -> StepInputs:
         n = len(seqs)
-        host = self._host_rows(n)
-        host[:] = torch.tensor([[s.slot for s in seqs], [s.num_cached for s in seqs], [s.last_token for s in seqs]])
+        host = self._staged(n)
+        host[:, :n] = torch.tensor([[s.slot for s in seqs], [s.num_cached for s in seqs], [s.last_token for s in seqs]])
         return StepInputs(host.to(self.device, non_blocking=True), n)
 
     def _batch(self, x: StepInputs, width: int, max_end: int | None = None) -> Batch:
@@ -114,12 +118,9 @@ class GraphedPasses(DecodePasses):
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
-    def inputs(self, seqs: list[Sequence]) -> StepInputs:
+    def _staged(self, n: int) -> torch.Tensor:
         """The rows padded to the bucket on the host, so a replay needs one device copy."""
-        n = len(seqs)
-        host = self._pad(self._host_rows(self.bucket(n)), n)
-        host[:, :n] = torch.tensor([[s.slot for s in seqs], [s.num_cached for s in seqs], [s.last_token for s in seqs]])
-        return StepInputs(host.to(self.device, non_blocking=True), n)
+        return self._pad(self._host_rows(self.bucket(n)), n)
 
     def _pad(self, rows: torch.Tensor, n: int) -> torch.Tensor:
         """Rows n.. of `rows` [3, m] become padding: the scratch slot, position 0, token 0."""

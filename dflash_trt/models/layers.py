@@ -141,14 +141,18 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     """Pre-norm residual block (HF names); the target and the drafter differ only in the
-    attention module they pass in."""
+    attention module they pass in (Qwen3.5 layers also in their norm, and route `attend`)."""
 
-    def __init__(self, dims: LayerDims, self_attn: nn.Module):
+    def __init__(self, dims: LayerDims, self_attn: nn.Module | None, norm: type[nn.Module] = RMSNorm):
         super().__init__()
-        self.input_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
+        self.input_layernorm = norm(dims.hidden_size, dims.rms_norm_eps)
         self.self_attn = self_attn
-        self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
+        self.post_attention_layernorm = norm(dims.hidden_size, dims.rms_norm_eps)
         self.mlp = MLP(dims)
+
+    def attend(self, h, *attention_args):
+        """The attention block on the normed input (a layer with another kind overrides it)."""
+        return self.self_attn(h, *attention_args)
 
     def forward(self, x, mlp_out, *attention_args):
         """x: the fp32 residual stream [bs, T, H] still without the previous layer's MLP output
@@ -159,5 +163,5 @@ class DecoderLayer(nn.Module):
             h = self.input_layernorm(x)
         else:
             x, h = self.input_layernorm.add_and_norm(x, mlp_out)
-        x, h = self.post_attention_layernorm.add_and_norm(x, self.self_attn(h, *attention_args))
+        x, h = self.post_attention_layernorm.add_and_norm(x, self.attend(h, *attention_args))
         return x, self.mlp(h)

@@ -40,7 +40,7 @@ from dflash_trt import ops
 from dflash_trt.config import HybridTargetConfig
 from dflash_trt.gated_delta import L2_EPS, causal_conv1d, gated_delta_rule
 from dflash_trt.kv_cache import Batch, KVCache
-from dflash_trt.models.layers import MLP, PackedLinear, Rotary, apply_rope
+from dflash_trt.models.layers import DecoderLayer, PackedLinear, Rotary, apply_rope
 from dflash_trt.ops import gated_delta_prepare, gated_delta_recurrent, paged_block_attention
 
 log = logging.getLogger(__name__)
@@ -253,33 +253,20 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(out.flatten(2))
 
 
-class HybridDecoderLayer(nn.Module):
-    def __init__(self, config: HybridTargetConfig, kind: str, cache_layer: int):
-        super().__init__()
-        d = config.dims
-        self.is_linear = kind == "linear_attention"
-        self.input_layernorm = ZeroCenteredRMSNorm(d.hidden_size, d.rms_norm_eps)
-        if self.is_linear:
-            self.linear_attn = GatedDeltaNet(config, cache_layer)
-        else:
-            self.self_attn = GatedAttention(config, cache_layer)
-        self.post_attention_layernorm = ZeroCenteredRMSNorm(d.hidden_size, d.rms_norm_eps)
-        self.mlp = MLP(d)
+class HybridDecoderLayer(DecoderLayer):
+    """layers.DecoderLayer (the residual adds fused into the norms) with zero-centred norms,
+    whose attention is Gated DeltaNet (`linear_attn`) or gated full attention (`self_attn`),
+    as the config's layer kind says."""
 
-    def forward(self, x, mlp_out, cos, sin, lengths, batch: Batch, cache: HybridCache):
-        """As layers.DecoderLayer: x is the fp32 residual stream without the previous layer's
-        MLP output `mlp_out` (None before the first layer), whose add is fused into this
-        layer's input norm; returns (x, this layer's MLP output), likewise left to the caller."""
-        if mlp_out is None:
-            h = self.input_layernorm(x)
-        else:
-            x, h = self.input_layernorm.add_and_norm(x, mlp_out)
-        if self.is_linear:
-            delta = self.linear_attn(h, batch, cache, lengths)
-        else:
-            delta = self.self_attn(h, cos, sin, lengths, batch, cache)
-        x, h = self.post_attention_layernorm.add_and_norm(x, delta)
-        return x, self.mlp(h)
+    def __init__(self, config: HybridTargetConfig, kind: str, cache_layer: int):
+        linear = kind == "linear_attention"
+        super().__init__(config.dims, None if linear else GatedAttention(config, cache_layer), ZeroCenteredRMSNorm)
+        self.linear_attn = GatedDeltaNet(config, cache_layer) if linear else None
+
+    def attend(self, h, cos, sin, lengths, batch: Batch, cache: HybridCache):
+        if self.linear_attn is not None:
+            return self.linear_attn(h, batch, cache, lengths)
+        return self.self_attn(h, cos, sin, lengths, batch, cache)
 
 
 class Qwen3_5Model(nn.Module):
