@@ -129,17 +129,21 @@ def run(output_dir, prompt, mode, device, max_tokens, temperature, top_k, top_p,
 
 @cli.command()
 @click.argument("output_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("tritonserver_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- TRITONSERVER_ARGS]...")
 @click.option("--http-port", type=click.IntRange(1, 65535), default=8000, show_default=True)
 @click.option("--grpc-port", type=click.IntRange(1, 65535), default=8001, show_default=True)
 @click.option("--metrics-port", type=click.IntRange(1, 65535), default=8002, show_default=True)
 @click.option("--host", default="0.0.0.0", show_default=True)
 @click.option("--tritonserver", "tritonserver", type=click.Path(path_type=Path), envvar="DFLASH_TRT_TRITONSERVER",
               help="tritonserver binary (default: PATH, then the one bundled in nvidia-pytriton).")
-def serve(output_dir, http_port, grpc_port, metrics_port, host, tritonserver):
+def serve(output_dir, tritonserver_args, http_port, grpc_port, metrics_port, host, tritonserver):
     """Serve a built output directory with a real tritonserver until Ctrl-C.
+
+    Arguments after `--` go to tritonserver as they are, after ours (a later flag wins).
 
     \b
     dflash-trt serve out/demo
+    dflash-trt serve out/demo -- --log-verbose=1 --pinned-memory-pool-byte-size=0
     dflash-trt generate "Write a haiku." --stream --stats
     """
     import signal
@@ -151,7 +155,8 @@ def serve(output_dir, http_port, grpc_port, metrics_port, host, tritonserver):
 
     with _errors():
         server = TritonServer(output_dir / "model_repository", http_port=http_port, grpc_port=grpc_port,
-                              metrics_port=metrics_port, host=host, tritonserver=tritonserver)
+                              metrics_port=metrics_port, host=host, tritonserver=tritonserver,
+                              extra_args=tritonserver_args)
         endpoints = server.start()
     click.echo(f"HTTP    {endpoints.http}\nGRPC    {endpoints.grpc}\nmetrics {endpoints.metrics}")
     click.echo(f"server log: {server.log_path}", err=True)

@@ -26,10 +26,10 @@ def demo(tmp_path_factory):
     return out
 
 
-def start_serve(demo, ports):
+def start_serve(demo, ports, tritonserver_args=()):
     http, grpc, metrics = ports
     cmd = [sys.executable, "-m", "dflash_trt", "serve", str(demo), "--host", "127.0.0.1", "--http-port", str(http),
-           "--grpc-port", str(grpc), "--metrics-port", str(metrics)]
+           "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--", *tritonserver_args]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -76,6 +76,12 @@ def test_serve_exits_1_with_the_reason_when_a_port_is_taken(demo, serving):
     proc = start_serve(demo, (http, grpc, metrics))
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 1 and str(http) in err
+
+
+def test_serve_passes_arguments_after_the_double_dash_to_tritonserver(demo):
+    proc = start_serve(demo, free_ports(3), ["--model-control-mode=sometimes"])
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and "exited with code" in err, err
 
 
 def servers_of(demo) -> set[str]:
