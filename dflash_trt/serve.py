@@ -12,14 +12,14 @@ stub (checked against the wheel) shape this module:
 - the stub links `libpython3.X.so.1.0` by soname and would otherwise pick up a system
   libpython of another patch release;
 - Triton 2.51's stub mis-reads tensors under numpy 2 (outputs come back empty, BYTES inputs
-  kill the stub), so the bundled server is refused when numpy >= 2 is installed.
+  kill the stub), so the bundled server is refused when the stub would import numpy >= 2,
+  whatever PYTHONPATH puts first for us.
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
-import importlib.metadata
 import importlib.util
 import os
 import shutil
@@ -121,7 +121,7 @@ class TritonServer:
         binary = find_tritonserver(self.tritonserver)
         bundled = _bundled_root() if _is_bundled(binary) else None
         if bundled is not None:
-            _check_stub_numpy()
+            _check_stub_numpy(Path(sys.executable).parent)
         self._launch(self._command(binary, bundled), self._environment(bundled))
         host, (http, grpc, metrics) = _client_host(self.host), self.ports
         endpoints = Endpoints(f"http://{host}:{http}", f"{host}:{grpc}", f"http://{host}:{metrics}/metrics")
@@ -336,15 +336,20 @@ def _libpython_dir() -> str | None:
     return str(private)
 
 
-def _check_stub_numpy() -> None:
-    try:
-        version = importlib.metadata.version("numpy")
-    except importlib.metadata.PackageNotFoundError:
-        raise ServeError(f"the Triton Python backend needs numpy in {sys.prefix}: pip install 'numpy<2'") from None
+def _check_stub_numpy(bindir: Path) -> None:
+    """The stub's numpy is the one `bindir/python3` imports in isolated mode, as the stub runs
+    it: a numpy < 2 that only PYTHONPATH provides does not count (the stub never sees it)."""
+    probe = "import numpy; print(numpy.__version__); print(numpy.__file__)"
+    result = subprocess.run([str(bindir / "python3"), "-I", "-c", probe], capture_output=True, text=True)
+    if result.returncode != 0:
+        raise ServeError(f"the Triton Python backend needs numpy<2 importable by {bindir / 'python3'} "
+                         f"without PYTHONPATH (the stub ignores it): pip install 'numpy<2'")
+    version, where = result.stdout.split("\n")[:2]
     if int(version.split(".")[0]) >= 2:
         raise ServeError(
             f"the Python backend of the bundled Triton 2.51 does not work with numpy {version} "
-            f"(tensors come back empty); install numpy<2 in {sys.prefix}: pip install 'numpy<2'"
+            f"(tensors come back empty or garbled), and its stub imports {where}, PYTHONPATH ignored; "
+            f"install numpy<2 in the environment of {bindir / 'python3'}: pip install 'numpy<2'"
         )
 
 

@@ -17,7 +17,7 @@ import tritonclient.http as httpclient
 
 import dflash_trt
 from dflash_trt.errors import ServeError
-from dflash_trt.serve import TritonServer, check_ports_free, find_tritonserver
+from dflash_trt.serve import TritonServer, _check_stub_numpy, check_ports_free, find_tritonserver
 from ports import free_ports
 
 CONFIG = """
@@ -183,6 +183,33 @@ time.sleep(600)
     while live_in_group(pgid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert live_in_group(pgid) == {}
+
+
+def fake_numpy(site: Path, version: str) -> Path:
+    (site / "numpy").mkdir(parents=True)
+    (site / "numpy" / "__init__.py").write_text(f"__version__ = {version!r}\n")
+    return site
+
+
+def test_a_numpy_2_the_stub_would_import_is_refused_naming_it(tmp_path):
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    site = next(venv.glob("lib/python3.*/site-packages"))
+    fake_numpy(site, "2.0.0")
+    with pytest.raises(ServeError, match="numpy 2.0.0") as e:
+        _check_stub_numpy(venv / "bin")
+    assert str(site / "numpy") in str(e.value)
+
+
+def test_a_numpy_on_pythonpath_neither_breaks_nor_satisfies_the_stub_numpy_check(tmp_path, monkeypatch):
+    # The stub runs Python isolated: only what this interpreter's environment holds counts.
+    monkeypatch.setenv("PYTHONPATH", str(fake_numpy(tmp_path / "shadow", "2.0.0")))
+    _check_stub_numpy(Path(sys.executable).parent)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    monkeypatch.setenv("PYTHONPATH", str(Path(np.__file__).parent.parent))
+    with pytest.raises(ServeError, match="without PYTHONPATH"):
+        _check_stub_numpy(venv / "bin")
 
 
 def test_busy_port_is_named_before_launch(tmp_path):
