@@ -5,6 +5,7 @@
 #   bash bench/gpu_check.sh tests      # build the plugins, every GPU test (fp32 + bf16)
 #   bash bench/gpu_check.sh benches    # kernels, Qwen3-8B and Qwen3.5-9B profiles and benches
 #   bash bench/gpu_check.sh triton     # Triton vs in-process on the Qwen3-8B-shaped pair
+#   bash bench/gpu_check.sh flashinfer # the block attention table with its FlashInfer column
 #
 # The GPU machine has torch, transformers and numpy 2 but no internet. What it lacks travels
 # as wheels in two git-ignored folders, fetched on a machine with pip (Python 3.12 wheels):
@@ -14,10 +15,14 @@
 #             nvidia-pytriton 0.7.0 and tritonclient 2.51.0 repacked as zips without what
 #             this does not use (the other Pythons' backend stubs and libpython 3.13; the
 #             perf_analyzer binaries), to stay under the 64 MiB a call may carry.
+#   .fi:      flashinfer-python 0.7.2.post1 with what its import needs beyond the image
+#             (apache-tvm-ffi, nvidia-ml-py, einops, tabulate, ninja): 63 MiB with the
+#             checkout, so it travels alone. FlashInfer JIT-compiles its kernels with the
+#             image's nvcc on first use.
 # The machine has no `unzip`: zips are opened with `python3 -m zipfile`, which drops the
 # executable bits, so they are set again.
 set -u
-stage=${1:?usage: gpu_check.sh tests|benches|triton}
+stage=${1:?usage: gpu_check.sh tests|benches|triton|flashinfer}
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
 LOG=$OUT/log.txt
@@ -92,6 +97,10 @@ triton)
   wait $pid
   log=$(grep -o '/tmp/dflash-trt-tritonserver-[^ ]*\.log' "$OUT/serve.txt" | head -1)
   [ -n "$log" ] && cp "$log" "$OUT/tritonserver.log"
+  ;;
+flashinfer)
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fi .fi/*.whl
+  PYTHONPATH=/tmp/fi:/tmp/site MAX_JOBS=16 step kernels 560 python3 bench/kernels.py --json "$OUT/kernels.json"
   ;;
 *)
   echo "unknown stage $stage" >&2
