@@ -3,7 +3,8 @@
 # few minutes on a lent GPU machine (run from the repository root; results go to $OUT).
 #
 #   bash bench/gpu_check.sh tests      # build the plugins, every GPU test (fp32 + bf16)
-#   bash bench/gpu_check.sh benches    # kernels, Qwen3-8B and Qwen3.5-9B profiles and benches
+#   bash bench/gpu_check.sh benches    # Qwen3.5 kernels, the Qwen3.5-9B profile and bench
+#   bash bench/gpu_check.sh roofline   # Qwen3-8B AR at batch 1: its GEMMs per BLAS library, profiles
 #   bash bench/gpu_check.sh triton     # Triton vs in-process on the Qwen3-8B-shaped pair
 #   bash bench/gpu_check.sh flashinfer # the block attention table with its FlashInfer column
 #
@@ -22,7 +23,7 @@
 # The machine has no `unzip`: zips are opened with `python3 -m zipfile`, which drops the
 # executable bits, so they are set again.
 set -u
-stage=${1:?usage: gpu_check.sh tests|benches|triton|flashinfer}
+stage=${1:?usage: gpu_check.sh tests|benches|roofline|triton|flashinfer}
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
 LOG=$OUT/log.txt
@@ -59,7 +60,11 @@ benches)
   step prof9b 120 python3 bench/profile_step.py --preset qwen3.5-9b --json "$OUT/prof9b.json"
   step bench9b 200 dflash-trt bench --random-weights qwen3.5-9b --oracle-tau 7 --dataset gsm8k --num-prompts 32 \
     --max-tokens 128 --concurrency 1,32 --json "$OUT/bench9b.json"
-  step prof8b 90 python3 bench/profile_step.py --preset qwen3-8b --json "$OUT/prof8b.json"
+  ;;
+roofline)
+  step gemv 150 python3 bench/kernels.py --gemv --json "$OUT/gemv.json"
+  step prof8b 120 python3 bench/profile_step.py --preset qwen3-8b --json "$OUT/prof8b.json"
+  step prof8b-lt 120 python3 bench/profile_step.py --preset qwen3-8b --blas cublaslt --json "$OUT/prof8b_lt.json"
   ;;
 triton)
   # The Triton 2.51 Python backend stub needs numpy < 2 and runs Python isolated (PYTHONPATH

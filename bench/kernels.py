@@ -11,6 +11,7 @@ copy measured here (bytes read + written / time, the convention of performance.m
     python bench/kernels.py --json $OUT/kernels.json
     python bench/kernels.py --layer-ops      # the fused layer ops instead
     python bench/kernels.py --gated-delta    # the Gated DeltaNet decode/verify kernel instead
+    python bench/kernels.py --gemv           # Qwen3-8B's linear layers at 1-32 rows, per BLAS
 """
 
 from __future__ import annotations
@@ -172,6 +173,48 @@ def hybrid_layer_cases(n: int, rand, eps: float) -> dict:
     }
 
 
+def gemv_rows() -> list[dict]:
+    """Qwen3-8B's linear layers (bf16 weights, F.linear) at M = 1, 16 and 32 rows, under each
+    BLAS library torch can pick: GPU time and weight bytes read per second as a share of the
+    copy bandwidth. At batch 1 an AR step is these matrices streamed once each, so this is
+    where the step's distance to the roofline sits. Each timed call walks over enough copies
+    of the weight to overflow the 50 MB L2, as the model's layers do."""
+    import torch.nn.functional as F
+
+    copy_gbps = copy_bandwidth_gbps()
+    shapes = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (24576, 4096),
+              "down_proj": (4096, 12288), "lm_head": (151936, 4096)}
+    before = torch.backends.cuda.preferred_blas_library()
+    rows = []
+    try:
+        for name, (n, k) in shapes.items():
+            nbytes = n * k * 2
+            weights = [torch.randn(n, k, device="cuda").to(torch.bfloat16) for _ in range(-(-(256 << 20) // nbytes))]
+            for m in (1, 16, 32):
+                x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+                for lib in ("cublas", "cublaslt"):
+                    torch.backends.cuda.preferred_blas_library(lib)
+                    us, _ = time_us(lambda: [F.linear(x, w) for w in weights])
+                    us /= len(weights)
+                    share = nbytes / (us * 1e-6) / 1e9 / copy_gbps
+                    rows.append(dict(layer=name, n=n, k=k, m=m, blas=lib, us=us, copy_share=share))
+                    print(f"{name:>12} {n}x{k} M={m:<2} {lib:>8} {us:8.1f} us  {100 * share:3.0f}% of copy bw",
+                          file=sys.stderr)
+            del weights
+            torch.cuda.empty_cache()
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
+    return rows
+
+
+def write_json(path: Path | None, **fields) -> None:
+    """The results with the device and torch version, where --json asked for them."""
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, **fields),
+                                   indent=1))
+
+
 def fmt(x, spec: str) -> str:
     """A table cell: the number formatted, or "-" where it was not measured."""
     return "-" if x is None else format(x, spec)
@@ -270,6 +313,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--layer-ops", action="store_true", help="time only the fused layer ops (layer_ops.cu)")
+    parser.add_argument("--gemv", action="store_true", help="time only Qwen3-8B's linear layers (cuBLAS, cuBLASLt)")
     parser.add_argument("--gated-delta", action="store_true",
                         help="time only the Gated DeltaNet decode/verify kernel (gated_delta.cu)")
     args = parser.parse_args()
@@ -297,10 +341,16 @@ def main() -> None:
                   f"{100 * r['copy_share']:.0f}% | {r['today_us']:.1f} | {r['speedup_vs_today']:.1f} | "
                   f"{fmt(r['fla_us'], '.1f')} | {fmt(r['fla_max_abs_diff'], '.2g')} | "
                   f"{fmt(r['verify_no_snapshots_us'], '.1f')} | {fmt(r['replay_7_tokens_us'], '.1f')} |")
-        if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                                                 gated_delta=rows), indent=1))
+        write_json(args.json, gated_delta=rows)
+        return
+    if args.gemv:
+        rows = gemv_rows()
+        print("| layer | N x K | M | BLAS | us | % of copy bw |")
+        print("|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['layer']} | {r['n']}x{r['k']} | {r['m']} | {r['blas']} | {r['us']:.1f} | "
+                  f"{100 * r['copy_share']:.0f}% |")
+        write_json(args.json, gemv=rows)
         return
     if args.layer_ops:
         rows = layer_ops_rows()
@@ -308,10 +358,7 @@ def main() -> None:
         print("|---|---|---|---|---|")
         for r in rows:
             print(f"| {r['op']} | {r['rows']} | {r['kernel_us']:.1f} | {r['torch_us']:.1f} | {r['speedup']:.1f} |")
-        if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                                                 layer_ops=rows), indent=1))
+        write_json(args.json, layer_ops=rows)
         return
     copy_gbps = copy_bandwidth_gbps()
     print(f"{torch.cuda.get_device_name()}: device-to-device copy {copy_gbps:,.0f} GB/s", file=sys.stderr)
@@ -403,12 +450,8 @@ def main() -> None:
               f"{r['kernel_gbps']:,.0f} | {100 * r['copy_share']:.0f}% | {fmt(r['sdpa_us'], '.1f')} | "
               f"{fmt(r['speedup_vs_sdpa'], '.1f')} | {fmt(r['flashinfer_us'], '.1f')} | "
               f"{fmt(r['max_abs_diff_vs_sdpa'], '.2g')} |")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(dict(
-            device=torch.cuda.get_device_name(), torch=torch.__version__, copy_gbps=copy_gbps,
-            flashinfer=getattr(fi, "__version__", None) if fi else None,
-            layout=dict(q_heads=HQ, kv_heads=HKV, head_dim=D, dtype="bfloat16"), rows=rows), indent=1))
+    write_json(args.json, copy_gbps=copy_gbps, flashinfer=getattr(fi, "__version__", None) if fi else None,
+               layout=dict(q_heads=HQ, kv_heads=HKV, head_dim=D, dtype="bfloat16"), rows=rows)
 
 
 if __name__ == "__main__":

@@ -106,7 +106,9 @@ def wall_ms(fn, reps=50) -> float:
     return (time.perf_counter() - start) * 1e3 / reps
 
 
-def profile(fn, steps=5) -> dict[str, float]:
+def profile(fn, steps=5, top=0) -> dict:
+    """GPU ms per step by kernel family; with top > 0 also the `top` costliest kernels by
+    name, with their calls per step (which GEMM shapes cost what)."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     fn()
@@ -115,11 +117,16 @@ def profile(fn, steps=5) -> dict[str, float]:
         for _ in range(steps):
             fn()
         torch.cuda.synchronize()
-    per = defaultdict(float)
+    per, kernels = defaultdict(float), []
     for event in prof.key_averages():
         if event.device_time_total > 0 and event.device_type.name == "CUDA":
-            per[family(event.key)] += event.device_time_total / steps / 1e3  # ms per step
-    return dict(sorted(per.items(), key=lambda kv: -kv[1]))
+            ms = event.device_time_total / steps / 1e3  # per step
+            per[family(event.key)] += ms
+            kernels.append(dict(kernel=event.key[:120], ms=ms, calls=event.count / steps))
+    out = dict(sorted(per.items(), key=lambda kv: -kv[1]))
+    if top:
+        out["top_kernels"] = sorted(kernels, key=lambda k: -k["ms"])[:top]
+    return out
 
 
 def main(argv=None) -> int:
@@ -128,12 +135,16 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--batch", default="1,32")
     ap.add_argument("--json")
+    ap.add_argument("--blas", choices=("cublas", "cublaslt"),
+                    help="the BLAS library torch uses for the GEMMs (default: torch's choice)")
     args = ap.parse_args(argv)
+    if args.blas:
+        torch.backends.cuda.preferred_blas_library(args.blas)
     batches = [int(b) for b in args.batch.split(",")]
     loaded = random_engine(args.preset, max_batch_size=max(batches), max_seq_len=args.context + 512)
     engine, passes = loaded.engine, loaded.engine.passes
     result = {"gpu": torch.cuda.get_device_name(), "preset": args.preset, "context": args.context,
-              "passes": type(passes).__name__}
+              "passes": type(passes).__name__, "blas": str(torch.backends.cuda.preferred_blas_library())}
     bw = copy_bandwidth()
     wb = weight_bytes(engine.target)
     result.update(copy_bandwidth_gb_s=bw / 1e9, target_weight_gb=wb / 1e9, roofline_tok_s=bw / wb,
@@ -161,7 +172,7 @@ def main(argv=None) -> int:
         # Kernel time per family from the eager passes (the same kernels the graphs replay;
         # the graphs remove the launch gaps between them).
         x = passes.inputs(fake_running(engine, 1, args.context))
-        result["profile_ar_ms"] = profile(lambda: DecodePasses.ar(passes, x))
+        result["profile_ar_ms"] = profile(lambda: DecodePasses.ar(passes, x), top=12)
         block = DecodePasses.draft(passes, x)
         result["profile_draft_ms"] = profile(lambda: DecodePasses.draft(passes, x))
         result["profile_verify_ms"] = profile(lambda: DecodePasses.verify(passes, x, block))
