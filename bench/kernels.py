@@ -215,6 +215,14 @@ def write_json(path: Path | None, **fields) -> None:
                                    indent=1))
 
 
+def print_table(columns: list[str], rows) -> None:
+    """A markdown table on stdout, as BENCHMARKS.md holds them."""
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
+    for cells in rows:
+        print("| " + " | ".join(str(c) for c in cells) + " |")
+
+
 def fmt(x, spec: str) -> str:
     """A table cell: the number formatted, or "-" where it was not measured."""
     return "-" if x is None else format(x, spec)
@@ -333,31 +341,26 @@ def main() -> None:
         print("Qwen3.5-9B Gated DeltaNet layer (Hk 16, Hv 32, dk = dv = 128, 16 snapshots), fp32. today: gather + "
               "reference recurrence + scatter; fla: fused_recurrent_gated_delta_rule, final state only (no "
               "snapshots).")
-        print("| T | batch | kernel us | GB/s | % of copy bw | today us | today / kernel | fla us | fla max diff "
-              "| verify, no snapshots us | replay of 7 us |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
-        for r in rows:
-            print(f"| {r['T']} | {r['batch']} | {r['kernel_us']:.1f} | {r['kernel_gbps']:,.0f} | "
-                  f"{100 * r['copy_share']:.0f}% | {r['today_us']:.1f} | {r['speedup_vs_today']:.1f} | "
-                  f"{fmt(r['fla_us'], '.1f')} | {fmt(r['fla_max_abs_diff'], '.2g')} | "
-                  f"{fmt(r['verify_no_snapshots_us'], '.1f')} | {fmt(r['replay_7_tokens_us'], '.1f')} |")
+        print_table(["T", "batch", "kernel us", "GB/s", "% of copy bw", "today us", "today / kernel", "fla us",
+                     "fla max diff", "verify, no snapshots us", "replay of 7 us"],
+                    ([r["T"], r["batch"], f"{r['kernel_us']:.1f}", f"{r['kernel_gbps']:,.0f}",
+                      f"{100 * r['copy_share']:.0f}%", f"{r['today_us']:.1f}", f"{r['speedup_vs_today']:.1f}",
+                      fmt(r["fla_us"], ".1f"), fmt(r["fla_max_abs_diff"], ".2g"),
+                      fmt(r["verify_no_snapshots_us"], ".1f"), fmt(r["replay_7_tokens_us"], ".1f")] for r in rows))
         write_json(args.json, gated_delta=rows)
         return
     if args.gemv:
         rows = gemv_rows()
-        print("| layer | N x K | M | BLAS | us | % of copy bw |")
-        print("|---|---|---|---|---|---|")
-        for r in rows:
-            print(f"| {r['layer']} | {r['n']}x{r['k']} | {r['m']} | {r['blas']} | {r['us']:.1f} | "
-                  f"{100 * r['copy_share']:.0f}% |")
+        print_table(["layer", "N x K", "M", "BLAS", "us", "% of copy bw"],
+                    ([r["layer"], f"{r['n']}x{r['k']}", r["m"], r["blas"], f"{r['us']:.1f}",
+                      f"{100 * r['copy_share']:.0f}%"] for r in rows))
         write_json(args.json, gemv=rows)
         return
     if args.layer_ops:
         rows = layer_ops_rows()
-        print("| op | N | kernel us | torch us | torch / kernel |")
-        print("|---|---|---|---|---|")
-        for r in rows:
-            print(f"| {r['op']} | {r['rows']} | {r['kernel_us']:.1f} | {r['torch_us']:.1f} | {r['speedup']:.1f} |")
+        print_table(["op", "N", "kernel us", "torch us", "torch / kernel"],
+                    ([r["op"], r["rows"], f"{r['kernel_us']:.1f}", f"{r['torch_us']:.1f}", f"{r['speedup']:.1f}"]
+                     for r in rows))
         write_json(args.json, layer_ops=rows)
         return
     copy_gbps = copy_bandwidth_gbps()
@@ -442,14 +445,13 @@ def main() -> None:
                           f"flashinfer {f_us or float('nan'):8.1f} us {f_err or ''}", file=sys.stderr)
                     torch.cuda.empty_cache()
 
-    print("| mode | T | batch | context | kernel us | GB/s | % of copy bw | SDPA us | SDPA / kernel | FlashInfer us |"
-          " max diff |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['mode']} | {r['T']} | {r['batch']} | {r['context']} | {r['kernel_us']:.1f} | "
-              f"{r['kernel_gbps']:,.0f} | {100 * r['copy_share']:.0f}% | {fmt(r['sdpa_us'], '.1f')} | "
-              f"{fmt(r['speedup_vs_sdpa'], '.1f')} | {fmt(r['flashinfer_us'], '.1f')} | "
-              f"{fmt(r['max_abs_diff_vs_sdpa'], '.2g')} |")
+    print_table(["mode", "T", "batch", "context", "kernel us", "GB/s", "% of copy bw", "SDPA us", "SDPA / kernel",
+                 "FlashInfer us", "FlashInfer / kernel", "max diff"],
+                ([r["mode"], r["T"], r["batch"], r["context"], f"{r['kernel_us']:.1f}", f"{r['kernel_gbps']:,.0f}",
+                  f"{100 * r['copy_share']:.0f}%", fmt(r["sdpa_us"], ".1f"), fmt(r["speedup_vs_sdpa"], ".1f"),
+                  fmt(r["flashinfer_us"], ".1f"),
+                  fmt(None if r["flashinfer_us"] is None else r["flashinfer_us"] / r["kernel_us"], ".2f"),
+                  fmt(r["max_abs_diff_vs_sdpa"], ".2g")] for r in rows))
     write_json(args.json, copy_gbps=copy_gbps, flashinfer=getattr(fi, "__version__", None) if fi else None,
                layout=dict(q_heads=HQ, kv_heads=HKV, head_dim=D, dtype="bfloat16"), rows=rows)
 
