@@ -52,7 +52,8 @@ tests)
   DFLASH_TEST_DEVICE=cuda step tests-hybrid 420 python3 -m pytest -q -p no:cacheprovider \
     tests/test_gated_delta_kernel.py tests/test_gated_delta.py tests/test_hybrid_lossless.py tests/test_graphs.py
   DFLASH_TEST_DEVICE=cuda step tests-core 200 python3 -m pytest -q -p no:cacheprovider tests/test_lossless.py \
-    tests/test_oracle.py tests/test_cuda.py tests/test_ops.py tests/test_layer_ops.py tests/test_memory.py
+    tests/test_oracle.py tests/test_cuda.py tests/test_ops.py tests/test_layer_ops.py tests/test_memory.py \
+    tests/test_gemv.py
   ;;
 benches)
   step gated-delta 90 python3 bench/kernels.py --gated-delta --json "$OUT/gd.json"
@@ -63,8 +64,12 @@ benches)
   ;;
 roofline)
   step gemv 150 python3 bench/kernels.py --gemv --json "$OUT/gemv.json"
-  step prof8b 120 python3 bench/profile_step.py --preset qwen3-8b --json "$OUT/prof8b.json"
-  step prof8b-lt 120 python3 bench/profile_step.py --preset qwen3-8b --blas cublaslt --json "$OUT/prof8b_lt.json"
+  # the engine as it runs (the gemv kernel for decode-sized matmuls), then cuBLAS, cuBLASLt
+  step prof8b 120 python3 bench/profile_step.py --preset qwen3-8b --batch 1,4,32 --json "$OUT/prof8b.json"
+  DFLASH_TRT_GEMV=0 step prof8b-cublas 120 python3 bench/profile_step.py --preset qwen3-8b --batch 1,4,32 \
+    --json "$OUT/prof8b_cublas.json"
+  DFLASH_TRT_GEMV=0 step prof8b-lt 120 python3 bench/profile_step.py --preset qwen3-8b --batch 1,4,32 \
+    --blas cublaslt --json "$OUT/prof8b_lt.json"
   ;;
 triton)
   # The Triton 2.51 Python backend stub needs numpy < 2 and runs Python isolated (PYTHONPATH

@@ -174,12 +174,14 @@ def hybrid_layer_cases(n: int, rand, eps: float) -> dict:
 
 
 def gemv_rows() -> list[dict]:
-    """Qwen3-8B's linear layers (bf16 weights, F.linear) at M = 1, 16 and 32 rows, under each
-    BLAS library torch can pick: GPU time and weight bytes read per second as a share of the
-    copy bandwidth. At batch 1 an AR step is these matrices streamed once each, so this is
+    """Qwen3-8B's linear layers (bf16 weights) at M = 1, 4, 16 and 32 rows: our gemv kernel (up
+    to 4 rows) and F.linear under each BLAS library torch can pick. GPU time, and weight
+    bytes read per second as a share of the copy bandwidth. At batch 1 an AR step is these matrices streamed once each, so this is
     where the step's distance to the roofline sits. Each timed call walks over enough copies
     of the weight to overflow the 50 MB L2, as the model's layers do."""
     import torch.nn.functional as F
+
+    from dflash_trt import ops
 
     copy_gbps = copy_bandwidth_gbps()
     shapes = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (24576, 4096),
@@ -190,15 +192,18 @@ def gemv_rows() -> list[dict]:
         for name, (n, k) in shapes.items():
             nbytes = n * k * 2
             weights = [torch.randn(n, k, device="cuda").to(torch.bfloat16) for _ in range(-(-(256 << 20) // nbytes))]
-            for m in (1, 16, 32):
+            for m in (1, 4, 16, 32):
                 x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-                for lib in ("cublas", "cublaslt"):
-                    torch.backends.cuda.preferred_blas_library(lib)
-                    us, _ = time_us(lambda: [F.linear(x, w) for w in weights])
+                for lib in ("gemv kernel", "cublas", "cublaslt")[0 if m <= ops.GEMV_MAX_ROWS else 1:]:
+                    if lib == "gemv kernel":
+                        us, _ = time_us(lambda: [ops.gemv(x, w) for w in weights])
+                    else:
+                        torch.backends.cuda.preferred_blas_library(lib)
+                        us, _ = time_us(lambda: [F.linear(x, w) for w in weights])
                     us /= len(weights)
                     share = nbytes / (us * 1e-6) / 1e9 / copy_gbps
                     rows.append(dict(layer=name, n=n, k=k, m=m, blas=lib, us=us, copy_share=share))
-                    print(f"{name:>12} {n}x{k} M={m:<2} {lib:>8} {us:8.1f} us  {100 * share:3.0f}% of copy bw",
+                    print(f"{name:>12} {n}x{k} M={m:<2} {lib:>11} {us:8.1f} us  {100 * share:3.0f}% of copy bw",
                           file=sys.stderr)
             del weights
             torch.cuda.empty_cache()

@@ -6,6 +6,8 @@ the same signatures.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -262,6 +264,50 @@ def qk_norm_rope(qkv, num_q_heads: int, num_kv_heads: int, q_weight, k_weight, e
         return (q, None, None) if k_cache is not None else (q, k, v)
     return qk_norm_rope_reference(qkv, num_q_heads, num_kv_heads, q_weight, k_weight, eps, cos, sin, k_cache,
                                   v_cache, slots, positions)
+
+
+GEMV_MAX_ROWS = 4  # plugins/gemv.h kGemvMaxRows: more rows of x go to cuBLAS
+
+
+def gemv_reference(x, weight, bias=None):
+    """x [M, K] @ weight [N, K]^T (+ bias [N]) with an fp32 sum, rounded once to x's dtype:
+    the semantics of plugins/gemv.cu, whose fp32 summation order is its own."""
+    y = x.float() @ weight.float().T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def gemv(x, weight, bias=None):
+    """The skinny-matmul kernel: x [M <= 4, K] bf16/fp16 on CUDA, weight [N, K], bias [N] or
+    None, one dtype, contiguous, K a multiple of 8 -> [M, N]; gemv_reference elsewhere."""
+    assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1], \
+        f"x must be [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}"
+    assert x.dtype == weight.dtype and (bias is None or (bias.dtype == x.dtype and bias.shape == weight.shape[:1])), \
+        f"x, weight and bias must share a dtype and bias be [N], got {x.dtype}, {weight.dtype}, " \
+        f"{None if bias is None else (bias.dtype, tuple(bias.shape))}"
+    if _gemv_kernel_fits(x, weight, bias):
+        return torch.ops.dflash.gemv(x, weight, bias)
+    return gemv_reference(x, weight, bias)
+
+
+def _gemv_kernel_fits(x, weight, bias) -> bool:
+    return (os.environ.get("DFLASH_TRT_GEMV", "1") != "0" and 0 < x.shape[0] <= GEMV_MAX_ROWS and x.shape[1] % 8 == 0 and x.is_contiguous() and weight.is_contiguous()
+            and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0 and (bias is None or bias.is_contiguous())
+            and _layer_kernel_ready(x))
+
+
+def linear(x, weight, bias=None):
+    """nn.Linear's forward, x [..., K]: decode-sized inputs (<= GEMV_MAX_ROWS rows) on CUDA go
+    to the gemv kernel (an AR step at batch 1 is its weights streamed once; bench/kernels.py
+    --gemv times the kernel against cuBLAS, and DFLASH_TRT_GEMV=0 turns it off for an A/B);
+    everything else, and the CPU, is F.linear."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if rows <= GEMV_MAX_ROWS and x.dtype == weight.dtype:
+        x2 = x.reshape(rows, x.shape[-1])
+        if _gemv_kernel_fits(x2, weight, bias):
+            return torch.ops.dflash.gemv(x2, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight, bias)
 
 
 def silu_mul(gate_up):

@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 # one library; ops.cpp holds the registrations
-SOURCES = ("ops.cpp", "block_attention.cu", "layer_ops.cu", "gated_delta.cu")
+SOURCES = ("ops.cpp", "block_attention.cu", "layer_ops.cu", "gated_delta.cu", "gemv.cu")
 NAME = "dflash_trt_plugins"
 
 

@@ -12,6 +12,7 @@
 
 #include "block_attention.h"
 #include "gated_delta.h"
+#include "gemv.h"
 #include "layer_ops.h"
 
 namespace {
@@ -306,6 +307,37 @@ at::Tensor silu_mul_cuda(const at::Tensor& gate_up) {
   return out;
 }
 
+// x [M, K] (M <= 4), weight [N, K], bias [N] or None, all one dtype, contiguous -> [M, N].
+at::Tensor gemv_cuda(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.is_cuda() && weight.is_cuda() && weight.device() == x.device(), "x and weight must be on one GPU");
+  const dflash::DType dtype = model_dtype(x, "x");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "weight must have x's dtype");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.dim() == 2 && weight.is_contiguous() &&
+                  weight.size(1) == x.size(1),
+              "x must be a contiguous [M, K] and weight a contiguous [N, K] tensor, got ", x.sizes(), " and ",
+              weight.sizes());
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->device() == x.device() && bias->scalar_type() == x.scalar_type() && bias->dim() == 1 &&
+                    bias->size(0) == weight.size(0) && bias->is_contiguous(),
+                "bias must be a contiguous [N] tensor of x's dtype on x's device");
+  }
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto y = at::empty({x.size(0), weight.size(0)}, x.options());
+  if (y.numel() == 0) return y;
+  dflash::GemvParams p;
+  p.dtype = dtype;
+  p.rows = static_cast<int>(x.size(0));
+  p.out_features = weight.size(0);
+  p.in_features = x.size(1);
+  p.x = x.data_ptr();
+  p.weight = weight.data_ptr();
+  p.bias = bias.has_value() ? bias->data_ptr() : nullptr;
+  p.y = y.data_ptr();
+  if (const char* why = dflash::gemv_check(p)) TORCH_CHECK(false, "gemv: ", why);
+  check_launch(dflash::gemv_launch(p, c10::cuda::getCurrentCUDAStream().stream()), "gemv");
+  return y;
+}
+
 // Shape-only versions for tracing (torch.compile, fake tensors).
 at::Tensor rms_norm_meta(const at::Tensor& x, const at::Tensor& weight, double, bool) {
   return at::empty(x.sizes(), weight.options());
@@ -380,6 +412,10 @@ at::Tensor causal_conv_cuda(const at::Tensor& x, const at::Tensor& weight, const
 at::Tensor causal_conv_meta(const at::Tensor& x, const at::Tensor&, const at::Tensor&,
                             const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&) {
   return at::empty(x.sizes(), x.options());
+}
+
+at::Tensor gemv_meta(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>&) {
+  return at::empty({x.size(0), weight.size(0)}, x.options());
 }
 
 at::Tensor silu_mul_meta(const at::Tensor& gate_up) {
@@ -552,6 +588,7 @@ TORCH_LIBRARY(dflash, m) {
       "Tensor cos, Tensor sin, Tensor(a!)? k_cache=None, Tensor(b!)? v_cache=None, Tensor? slots=None, "
       "Tensor? positions=None) -> (Tensor, Tensor, Tensor)");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("gemv(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
   m.def(
       "causal_conv(Tensor x, Tensor weight, Tensor(a!) conv_cache, Tensor(b!)? snapshots, Tensor slots, "
       "Tensor start) -> Tensor");
@@ -570,6 +607,7 @@ TORCH_LIBRARY_IMPL(dflash, CUDA, m) {
   m.impl("gated_rms_norm", &gated_rms_norm_cuda);
   m.impl("qk_norm_rope", &qk_norm_rope_cuda);
   m.impl("silu_mul", &silu_mul_cuda);
+  m.impl("gemv", &gemv_cuda);
   m.impl("causal_conv", &causal_conv_cuda);
   m.impl("gated_delta_recurrent", &gated_delta_recurrent_cuda);
   m.impl("gated_delta_prepare", &gated_delta_prepare_cuda);
@@ -582,6 +620,7 @@ TORCH_LIBRARY_IMPL(dflash, Meta, m) {
   m.impl("gated_rms_norm", &gated_rms_norm_meta);
   m.impl("qk_norm_rope", &qk_norm_rope_meta);
   m.impl("silu_mul", &silu_mul_meta);
+  m.impl("gemv", &gemv_meta);
   m.impl("causal_conv", &causal_conv_meta);
   m.impl("gated_delta_recurrent", &gated_delta_recurrent_meta);
   m.impl("gated_delta_prepare", &gated_delta_prepare_meta);

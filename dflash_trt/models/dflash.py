@@ -14,7 +14,7 @@ from torch import nn
 from dflash_trt.config import DraftConfig, LayerDims
 from dflash_trt.kv_cache import Batch, KVCache
 from dflash_trt import ops
-from dflash_trt.models.layers import AttentionProjections, DecoderLayer, RMSNorm, Rotary
+from dflash_trt.models.layers import AttentionProjections, DecoderLayer, Linear, RMSNorm, Rotary
 from dflash_trt.ops import paged_block_attention
 
 
@@ -49,7 +49,7 @@ class DFlashDrafter(nn.Module):
         super().__init__()
         dims = config.dims
         self.config = config
-        self.fc = nn.Linear(config.num_taps * dims.hidden_size, dims.hidden_size, bias=False)
+        self.fc = Linear(config.num_taps * dims.hidden_size, dims.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
         self.layers = nn.ModuleList(
             DecoderLayer(dims, DFlashAttention(dims, i, window=config.sliding_window if kind == "sliding_attention" else None))

@@ -81,7 +81,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, :, None] + rotated * sin[:, :, None]
 
 
-class PackedLinear(nn.Linear):
+class Linear(nn.Linear):
+    """nn.Linear through ops.linear: decode-sized inputs on CUDA take the gemv kernel."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear(x, self.weight, self.bias)
+
+
+class PackedLinear(Linear):
     """One matmul for several checkpoint projections stacked by rows (q/k/v, gate/up).
 
     `shards` maps each checkpoint name to its row count, in stacking order; the loader
@@ -110,7 +117,7 @@ class AttentionProjections(nn.Module):
         )
         self.q_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps)
         self.k_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps)
-        self.o_proj = nn.Linear(dims.q_size, dims.hidden_size, bias=False)
+        self.o_proj = Linear(dims.q_size, dims.hidden_size, bias=False)
 
     def qkv(self, x, cos, sin, cache_rows=None):
         """x [bs, T, H] -> q [bs, T, Hq, d], k and v [bs, T, Hkv, d], q/k normed, RoPE applied.
@@ -133,7 +140,7 @@ class MLP(nn.Module):
         self.gate_up_proj = PackedLinear(
             dims.hidden_size, {"gate_proj": dims.intermediate_size, "up_proj": dims.intermediate_size}
         )
-        self.down_proj = nn.Linear(dims.intermediate_size, dims.hidden_size, bias=False)
+        self.down_proj = Linear(dims.intermediate_size, dims.hidden_size, bias=False)
 
     def forward(self, x):
         return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))

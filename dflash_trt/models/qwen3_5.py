@@ -40,7 +40,7 @@ from dflash_trt import ops
 from dflash_trt.config import HybridTargetConfig
 from dflash_trt.gated_delta import L2_EPS, causal_conv1d, gated_delta_rule
 from dflash_trt.kv_cache import Batch, KVCache
-from dflash_trt.models.layers import DecoderLayer, PackedLinear, Rotary, apply_rope
+from dflash_trt.models.layers import DecoderLayer, Linear, PackedLinear, Rotary, apply_rope
 from dflash_trt.ops import gated_delta_prepare, gated_delta_recurrent, paged_block_attention
 
 log = logging.getLogger(__name__)
@@ -151,7 +151,7 @@ class GatedAttention(nn.Module):
         )
         self.q_norm = ZeroCenteredRMSNorm(d.head_dim, d.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(d.head_dim, d.rms_norm_eps)
-        self.o_proj = nn.Linear(d.q_size, d.hidden_size, bias=d.attention_bias)
+        self.o_proj = Linear(d.q_size, d.hidden_size, bias=d.attention_bias)
 
     def forward(self, x, cos, sin, lengths, batch: Batch, cache: HybridCache):
         d = self.dims
@@ -182,7 +182,7 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(lin.num_value_heads))
         self.A_log = nn.Parameter(torch.zeros(lin.num_value_heads))
         self.norm = GatedRMSNorm(lin.value_head_dim, config.dims.rms_norm_eps)
-        self.out_proj = nn.Linear(lin.value_size, H, bias=False)
+        self.out_proj = Linear(lin.value_size, H, bias=False)
         self._constants = None
 
     def _decay_constants(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -307,7 +307,7 @@ class Qwen3_5ForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = Qwen3_5Model(config)
-        self.lm_head = nn.Linear(config.dims.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.dims.hidden_size, config.vocab_size, bias=False)
         if config.has_vision:
             log.warning("this Qwen3.5 checkpoint has a vision tower; dflash-trt serves text only, "
                         "so images and videos are not served and the vision weights are not loaded")

@@ -1,0 +1,160 @@
+// Skinny matmul for decode (semantics in gemv.h).
+//
+// Work split. A warp owns R consecutive output features (rows of W) and all M rows of x:
+// each lane reads 16-byte chunks c = lane, lane + 32, ... of the R weight rows, U = 8 / R
+// chunks per row per iteration, so every lane has eight independent 16-byte loads in flight
+// whatever R is (a decode step is bound by how many bytes are in flight per SM). The weight
+// is read once, streaming (__ldcs: it will not be reused); x is small and read by every
+// warp, through L1 (__ldg). fp32 partial sums per (row, x row), a warp sum at the end.
+// R is 4 when that still leaves four CTAs per SM, else 2, else 1: few output features
+// (o_proj, down_proj) need more CTAs to keep every SM's loads in flight.
+//
+// This file has no torch dependency: it compiles alone with
+//   nvcc -std=c++17 -arch=sm_90 -c gemv.cu
+
+#include "gemv.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace dflash {
+namespace {
+
+constexpr int kThreads = 256;  // 8 warps
+constexpr int kWarps = kThreads / 32;
+constexpr int kLoadsInFlight = 8;  // 16-byte weight loads per lane per iteration
+
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+
+template <typename T>
+__device__ __forceinline__ void unpack8(const uint4& chunk, float (&f)[8]) {
+  const T* e = reinterpret_cast<const T*>(&chunk);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) f[i] = to_float(e[i]);
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+template <typename T, int M, int R>
+__global__ void __launch_bounds__(kThreads) gemv_kernel(GemvParams p) {
+  constexpr int U = kLoadsInFlight / R;
+  const int lane = threadIdx.x % 32;
+  const int64_t n0 = (static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32) * R;
+  if (n0 >= p.out_features) return;  // whole warps: the shuffles below see all 32 lanes
+  const int64_t chunks = p.in_features / 8;
+  const uint4* w = static_cast<const uint4*>(p.weight);
+  const uint4* x = static_cast<const uint4*>(p.x);
+  const uint4* rows[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r)  // past the last feature: read the last row again, never written
+    rows[r] = w + (n0 + r < p.out_features ? n0 + r : p.out_features - 1) * chunks;
+
+  float acc[R][M] = {};
+  for (int64_t c0 = lane; c0 < chunks; c0 += 32 * U) {
+    uint4 wv[R][U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t c = c0 + 32 * u;
+#pragma unroll
+      for (int r = 0; r < R; ++r) wv[r][u] = c < chunks ? __ldcs(rows[r] + c) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t c = c0 + 32 * u;
+      if (c >= chunks) break;
+      float xf[M][8];
+#pragma unroll
+      for (int m = 0; m < M; ++m) unpack8<T>(__ldg(x + m * chunks + c), xf[m]);
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        float wf[8];
+        unpack8<T>(wv[r][u], wf);
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+#pragma unroll
+          for (int i = 0; i < 8; ++i) acc[r][m] = fmaf(xf[m][i], wf[i], acc[r][m]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+#pragma unroll
+    for (int m = 0; m < M; ++m) acc[r][m] = warp_sum(acc[r][m]);
+  }
+  if (lane != 0) return;
+  T* y = static_cast<T*>(p.y);
+  const T* bias = static_cast<const T*>(p.bias);
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int64_t n = n0 + r;
+    if (n >= p.out_features) break;
+    const float b = bias != nullptr ? to_float(bias[n]) : 0.0f;
+#pragma unroll
+    for (int m = 0; m < M; ++m) y[m * p.out_features + n] = from_float<T>(acc[r][m] + b);
+  }
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+template <typename T, int M>
+cudaError_t launch_rows(const GemvParams& p, cudaStream_t stream) {
+  int device = 0, sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    (void)cudaGetLastError();  // our own failed query; the launch reports its own errors
+    sms = 132;
+  }
+  const int64_t N = p.out_features;
+  const auto ctas = [&](int r) { return ceil_div(N, static_cast<int64_t>(kWarps) * r); };
+  if (ctas(4) >= 4 * sms) gemv_kernel<T, M, 4><<<static_cast<unsigned>(ctas(4)), kThreads, 0, stream>>>(p);
+  else if (ctas(2) >= 2 * sms) gemv_kernel<T, M, 2><<<static_cast<unsigned>(ctas(2)), kThreads, 0, stream>>>(p);
+  else gemv_kernel<T, M, 1><<<static_cast<unsigned>(ctas(1)), kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launch_typed(const GemvParams& p, cudaStream_t stream) {
+  switch (p.rows) {
+    case 1: return launch_rows<T, 1>(p, stream);
+    case 2: return launch_rows<T, 2>(p, stream);
+    case 3: return launch_rows<T, 3>(p, stream);
+    default: return launch_rows<T, 4>(p, stream);
+  }
+}
+
+bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+}  // namespace
+
+const char* gemv_check(const GemvParams& p) {
+  if (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16) return "dtype must be bf16 or fp16";
+  if (p.rows < 1 || p.rows > kGemvMaxRows) return "rows must be in [1, 4]";
+  if (p.out_features < 1 || p.out_features > (int64_t{1} << 34)) return "out_features must be in [1, 2^34]";
+  if (p.in_features < 8 || p.in_features % 8 != 0) return "in_features must be a positive multiple of 8";
+  if (!p.x || !p.weight || !p.y) return "null pointer";
+  if (!aligned16(p.x) || !aligned16(p.weight)) return "x and weight must be 16-byte aligned";
+  return nullptr;
+}
+
+cudaError_t gemv_launch(const GemvParams& p, cudaStream_t stream) {
+  if (gemv_check(p) != nullptr) return cudaErrorInvalidValue;
+  return p.dtype == DType::kBFloat16 ? launch_typed<__nv_bfloat16>(p, stream) : launch_typed<__half>(p, stream);
+}
+
+}  // namespace dflash

@@ -1,0 +1,39 @@
+// Skinny matmul for decode: y = x W^T (+ bias) with few rows of x, the plain C++ launcher API
+// (no torch types), so a torch op (ops.cpp) and a TensorRT IPluginV3 can both wrap it.
+//
+// At batch 1 an AR step is every weight matrix streamed from memory once: the matmuls are
+// the step, and what decides it is how close they read at the copy bandwidth. This kernel
+// keeps eight 16-byte weight loads in flight per lane, reads x through L1, and sums in fp32.
+//
+// The Python reference with these semantics is dflash_trt.ops.gemv_reference:
+//   y[m, n] = round(sum_k float(x[m, k]) * float(W[n, k]) (+ float(bias[n])))   (fp32 sum)
+// The order of the fp32 sum differs from cuBLAS's (as cuBLAS's own kernels differ by shape).
+
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+#include "block_attention.h"  // dflash::DType
+
+namespace dflash {
+
+constexpr int kGemvMaxRows = 4;  // rows of x (M) the kernel takes; more go to a GEMM
+
+struct GemvParams {
+  DType dtype = DType::kBFloat16;  // of x, W, bias and y (bf16 or fp16)
+  int rows = 0;                    // M, 1 .. kGemvMaxRows
+  int64_t out_features = 0;        // N
+  int64_t in_features = 0;         // K, a multiple of 8
+  const void* x = nullptr;         // [M, K] contiguous, 16-byte aligned
+  const void* weight = nullptr;    // [N, K] contiguous, 16-byte aligned
+  const void* bias = nullptr;      // [N] or null
+  void* y = nullptr;               // [M, N] contiguous
+};
+
+// nullptr when the launch would be valid, else why not.
+const char* gemv_check(const GemvParams& p);
+cudaError_t gemv_launch(const GemvParams& p, cudaStream_t stream);
+
+}  // namespace dflash

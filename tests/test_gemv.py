@@ -1,0 +1,111 @@
+"""The skinny matmul (plugins/gemv.cu): its reference sums in fp32 and rounds once, the wrapper
+rejects bad arguments, models route their linears through ops.linear unchanged on the CPU,
+and on the GPU the kernel agrees with the reference to a unit in the last place for every
+row count it takes, ragged feature counts and each warp layout (cuda marker)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dflash_trt import ops
+from dflash_trt.models.layers import MLP, Linear, PackedLinear
+from test_layer_ops import dims_for, rand, randomise
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_reference_sums_in_fp32_and_rounds_once(bias):
+    x, w = rand(3, 40, dtype=torch.bfloat16, seed=1), rand(7, 40, dtype=torch.bfloat16, seed=2)
+    b = rand(7, dtype=torch.bfloat16, seed=3) if bias else None
+    exact = x.double() @ w.double().T + (b.double() if bias else 0)
+    y = ops.gemv_reference(x, w, b)
+    assert y.dtype == torch.bfloat16 and y.shape == (3, 7)
+    # one rounding of a (nearly) exact sum: within half a unit in the last place of bf16
+    assert ((y.double() - exact).abs() <= exact.abs() * (2**-8 + 1e-5)).all()
+
+
+def test_linear_layers_compute_what_nn_linear_does_on_the_cpu():
+    layer = randomise(Linear(40, 7, bias=True))
+    x = rand(2, 3, 40, seed=4)
+    assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+    mlp = randomise(MLP(dims_for(4, 2, 16)))
+    assert isinstance(mlp.gate_up_proj, PackedLinear) and isinstance(mlp.down_proj, Linear)
+    x = rand(1, 1, 64, seed=5)
+    assert torch.equal(mlp(x), F.linear(ops.silu_mul(F.linear(x, mlp.gate_up_proj.weight)), mlp.down_proj.weight))
+
+
+@pytest.mark.parametrize("args, message", [
+    ((torch.ones(2, 8), torch.ones(3, 16)), "x must be \\[M, K\\] and weight \\[N, K\\]"),
+    ((torch.ones(8), torch.ones(3, 8)), "x must be \\[M, K\\]"),
+    ((torch.ones(2, 8), torch.ones(3, 8, dtype=torch.float64)), "share a dtype"),
+    ((torch.ones(2, 8), torch.ones(3, 8), torch.ones(4)), "bias be \\[N\\]"),
+])
+def test_gemv_rejects_bad_arguments_naming_them(args, message):
+    with pytest.raises(AssertionError, match=message):
+        ops.gemv(*args)
+
+
+# -- GPU -------------------------------------------------------------------------------------
+
+
+def gpu_case(m, n, k, dtype, bias, seed=0):
+    x = rand(m, k, dtype=dtype, device="cuda", seed=seed)
+    w = rand(n, k, dtype=dtype, device="cuda", seed=seed + 1, scale=k ** -0.5)
+    b = rand(n, dtype=dtype, device="cuda", seed=seed + 2) if bias else None
+    return x, w, b
+
+
+def assert_within_an_ulp(y, ref):
+    # The kernel's fp32 sum runs in another order than the reference's, so the rounded
+    # results may differ by one unit in the last place where the sum lands near a boundary.
+    ulp = torch.finfo(ref.dtype).eps * ref.float().abs().clamp(min=torch.finfo(ref.dtype).tiny)
+    assert ((y.float() - ref.float()).abs() <= ulp + 1e-6).all(), (y.float() - ref.float()).abs().max()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("n, k", [
+    (1, 8),  # one feature, one chunk
+    (37, 264),  # ragged: 37 features, 33 chunks (a partial iteration)
+    (4096, 4096),  # o_proj: one feature per warp
+    (6150, 4096),  # past qkv_proj's 6144: two per warp, the last warp partly out of range
+    (24578, 4104),  # four per warp, ragged in both
+    (4096, 12288),  # down_proj
+])
+@pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
+def test_kernel_matches_the_reference(dtype, m, n, k, bias):
+    x, w, b = gpu_case(m, n, k, dtype, bias, seed=m + n + k)
+    y = ops.gemv(x, w, b)
+    assert y.shape == (m, n) and y.dtype == dtype
+    assert_within_an_ulp(y, ops.gemv_reference(x, w, b))
+
+
+@pytest.mark.cuda
+def test_linear_takes_the_kernel_for_up_to_four_rows_and_cublas_beyond():
+    x, w, _ = gpu_case(5, 300, 256, torch.bfloat16, False)
+    for rows in (1, 4):
+        assert torch.equal(ops.linear(x[:rows], w), torch.ops.dflash.gemv(x[:rows].contiguous(), w, None))
+    assert torch.equal(ops.linear(x, w), F.linear(x, w))
+    # [bs, T, K] inputs of one row each (AR at batch <= 4) are flattened for the kernel
+    assert torch.equal(ops.linear(x[:3, None], w), torch.ops.dflash.gemv(x[:3].contiguous(), w, None)[:, None])
+
+
+@pytest.mark.cuda
+def test_linear_leaves_what_the_kernel_cannot_take_to_cublas(monkeypatch):
+    x, w, _ = gpu_case(2, 64, 36, torch.bfloat16, False)  # K not a multiple of 8
+    assert torch.equal(ops.linear(x, w), F.linear(x, w))
+    x, w, _ = gpu_case(2, 64, 64, torch.float32, False)  # fp32
+    assert torch.equal(ops.linear(x, w), F.linear(x, w))
+    x, w, _ = gpu_case(2, 64, 64, torch.bfloat16, False)
+    monkeypatch.setenv("DFLASH_TRT_GEMV", "0")
+    assert torch.equal(ops.linear(x, w), F.linear(x, w))
+
+
+@pytest.mark.cuda
+def test_kernel_refuses_what_it_cannot_take():
+    x, w, _ = gpu_case(5, 64, 64, torch.bfloat16, False)
+    with pytest.raises(RuntimeError, match="rows must be in"):
+        torch.ops.dflash.gemv(x, w, None)
+    x, w, _ = gpu_case(2, 64, 36, torch.bfloat16, False)
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        torch.ops.dflash.gemv(x, w, None)
