@@ -64,12 +64,12 @@ benches)
   ;;
 roofline)
   step gemv 150 python3 bench/kernels.py --gemv --json "$OUT/gemv.json"
-  # the engine as it runs (the gemv kernel for decode-sized matmuls), then cuBLAS, cuBLASLt
+  # the engine as it runs (cuBLAS), then with the gemv kernel for decode-sized matmuls, then cuBLASLt
   step prof8b 120 python3 bench/profile_step.py --preset qwen3-8b --batch 1,4,32 --json "$OUT/prof8b.json"
-  DFLASH_TRT_GEMV=0 step prof8b-cublas 120 python3 bench/profile_step.py --preset qwen3-8b --batch 1,4,32 \
-    --json "$OUT/prof8b_cublas.json"
-  DFLASH_TRT_GEMV=0 step prof8b-lt 120 python3 bench/profile_step.py --preset qwen3-8b --batch 1,4,32 \
-    --blas cublaslt --json "$OUT/prof8b_lt.json"
+  DFLASH_TRT_GEMV=1 step prof8b-gemv 120 python3 bench/profile_step.py --preset qwen3-8b --batch 1,4,32 \
+    --json "$OUT/prof8b_gemv.json"
+  step prof8b-lt 120 python3 bench/profile_step.py --preset qwen3-8b --batch 1,4,32 --blas cublaslt \
+    --json "$OUT/prof8b_lt.json"
   ;;
 triton)
   # The Triton 2.51 Python backend stub needs numpy < 2 and runs Python isolated (PYTHONPATH

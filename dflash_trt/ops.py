@@ -292,18 +292,17 @@ def gemv(x, weight, bias=None):
 
 
 def _gemv_kernel_fits(x, weight, bias) -> bool:
-    return (os.environ.get("DFLASH_TRT_GEMV", "1") != "0" and 0 < x.shape[0] <= GEMV_MAX_ROWS
-            and x.shape[1] % 8 == 0 and x.is_contiguous() and weight.is_contiguous() and x.data_ptr() % 16 == 0
+    return (0 < x.shape[0] <= GEMV_MAX_ROWS and x.shape[1] % 8 == 0 and x.is_contiguous() and weight.is_contiguous() and x.data_ptr() % 16 == 0
             and weight.data_ptr() % 16 == 0 and (bias is None or bias.is_contiguous()) and _layer_kernel_ready(x))
 
 
 def linear(x, weight, bias=None):
-    """nn.Linear's forward, x [..., K]: decode-sized inputs (<= GEMV_MAX_ROWS rows) on CUDA go
-    to the gemv kernel (an AR step at batch 1 is its weights streamed once; bench/kernels.py
-    --gemv times the kernel against cuBLAS, and DFLASH_TRT_GEMV=0 turns it off for an A/B);
-    everything else, and the CPU, is F.linear."""
+    """nn.Linear's forward, x [..., K]. With DFLASH_TRT_GEMV=1, decode-sized inputs (<=
+    GEMV_MAX_ROWS rows) on CUDA go to the gemv kernel (an AR step at batch 1 is its weights
+    streamed once); off by default until a GPU run shows it beats cuBLAS (bench/kernels.py
+    --gemv, bench/gpu_check.sh roofline). Everything else, and the CPU, is F.linear."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if rows <= GEMV_MAX_ROWS and x.dtype == weight.dtype:
+    if rows <= GEMV_MAX_ROWS and x.dtype == weight.dtype and os.environ.get("DFLASH_TRT_GEMV") == "1":
         x2 = x.reshape(rows, x.shape[-1])
         if _gemv_kernel_fits(x2, weight, bias):
             return torch.ops.dflash.gemv(x2, weight, bias).reshape(*x.shape[:-1], weight.shape[0])

@@ -1,7 +1,8 @@
 """The skinny matmul (plugins/gemv.cu): its reference sums in fp32 and rounds once, the wrapper
 rejects bad arguments, models route their linears through ops.linear unchanged on the CPU,
 and on the GPU the kernel agrees with the reference to a unit in the last place for every
-row count it takes, ragged feature counts and each warp layout (cuda marker)."""
+row count it takes, ragged feature counts and each warp layout, and ops.linear takes it only
+when DFLASH_TRT_GEMV=1 asks (cuda marker)."""
 
 import pytest
 import torch
@@ -81,7 +82,8 @@ def test_kernel_matches_the_reference(dtype, m, n, k, bias):
 
 
 @pytest.mark.cuda
-def test_linear_takes_the_kernel_for_up_to_four_rows_and_cublas_beyond():
+def test_linear_takes_the_kernel_for_up_to_four_rows_and_cublas_beyond(monkeypatch):
+    monkeypatch.setenv("DFLASH_TRT_GEMV", "1")
     x, w, _ = gpu_case(5, 300, 256, torch.bfloat16, False)
     for rows in (1, 4):
         assert torch.equal(ops.linear(x[:rows], w), torch.ops.dflash.gemv(x[:rows].contiguous(), w, None))
@@ -92,13 +94,20 @@ def test_linear_takes_the_kernel_for_up_to_four_rows_and_cublas_beyond():
 
 @pytest.mark.cuda
 def test_linear_leaves_what_the_kernel_cannot_take_to_cublas(monkeypatch):
+    monkeypatch.setenv("DFLASH_TRT_GEMV", "1")
     x, w, _ = gpu_case(2, 64, 36, torch.bfloat16, False)  # K not a multiple of 8
     assert torch.equal(ops.linear(x, w), F.linear(x, w))
     x, w, _ = gpu_case(2, 64, 64, torch.float32, False)  # fp32
     assert torch.equal(ops.linear(x, w), F.linear(x, w))
-    x, w, _ = gpu_case(2, 64, 64, torch.bfloat16, False)
-    monkeypatch.setenv("DFLASH_TRT_GEMV", "0")
+
+
+@pytest.mark.cuda
+def test_linear_is_cublas_unless_the_kernel_is_asked_for(monkeypatch):
+    x, w, _ = gpu_case(1, 4096, 4096, torch.bfloat16, False)
+    monkeypatch.delenv("DFLASH_TRT_GEMV", raising=False)
     assert torch.equal(ops.linear(x, w), F.linear(x, w))
+    monkeypatch.setenv("DFLASH_TRT_GEMV", "1")
+    assert torch.equal(ops.linear(x, w), torch.ops.dflash.gemv(x, w, None))
 
 
 @pytest.mark.cuda

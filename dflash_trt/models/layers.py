@@ -82,7 +82,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Linear(nn.Linear):
-    """nn.Linear through ops.linear: decode-sized inputs on CUDA take the gemv kernel."""
+    """nn.Linear through ops.linear (decode-sized inputs on CUDA may take the gemv kernel)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.linear(x, self.weight, self.bias)
