@@ -59,7 +59,7 @@ def assert_within_an_ulp(y, ref):
     # The kernel's fp32 sum runs in another order than the reference's, so the rounded
     # results may differ by one unit in the last place where the sum lands near a boundary.
     ulp = torch.finfo(ref.dtype).eps * ref.float().abs().clamp(min=torch.finfo(ref.dtype).tiny)
-    assert ((y.float() - ref.float()).abs() <= ulp + 1e-6).all(), (y.float() - ref.float()).abs().max()
+    assert ((y.float() - ref.float()).abs() <= ulp + 1e-5).all(), (y.float() - ref.float()).abs().max()
 
 
 @pytest.mark.cuda
@@ -69,45 +69,72 @@ def assert_within_an_ulp(y, ref):
     (1, 8),  # one feature, one chunk
     (37, 264),  # ragged: 37 features, 33 chunks (a partial iteration)
     (4096, 4096),  # o_proj: one feature per warp
-    (6150, 4096),  # past qkv_proj's 6144: two per warp, the last warp partly out of range
+    (6151, 4096),  # past qkv_proj's 6144: two per warp, the last warp partly out of range
     (24578, 4104),  # four per warp, ragged in both
     (4096, 12288),  # down_proj
 ])
 @pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
 def test_kernel_matches_the_reference(dtype, m, n, k, bias):
     x, w, b = gpu_case(m, n, k, dtype, bias, seed=m + n + k)
+    assert ops._gemv_kernel_fits(x, w, b)  # else ops.gemv would compare the reference with itself
     y = ops.gemv(x, w, b)
     assert y.shape == (m, n) and y.dtype == dtype
     assert_within_an_ulp(y, ops.gemv_reference(x, w, b))
 
 
+@pytest.fixture
+def calls(monkeypatch):
+    """Which path each ops.linear call took: 'cublas' (F.linear) or 'kernel'."""
+    taken = []
+    cublas, kernel = ops.F.linear, torch.ops.dflash.gemv
+
+    def via_cublas(*args):
+        taken.append("cublas")
+        return cublas(*args)
+
+    def via_kernel(*args):
+        taken.append("kernel")
+        return kernel(*args)
+
+    monkeypatch.setattr(ops.F, "linear", via_cublas)
+    monkeypatch.setattr(ops.torch.ops.dflash, "gemv", via_kernel)
+    return taken
+
+
 @pytest.mark.cuda
-def test_linear_takes_the_kernel_for_up_to_four_rows_and_cublas_beyond(monkeypatch):
+def test_linear_takes_the_kernel_for_up_to_four_rows_and_cublas_beyond(monkeypatch, calls):
     monkeypatch.setenv("DFLASH_TRT_GEMV", "1")
     x, w, _ = gpu_case(5, 300, 256, torch.bfloat16, False)
     for rows in (1, 4):
-        assert torch.equal(ops.linear(x[:rows], w), torch.ops.dflash.gemv(x[:rows].contiguous(), w, None))
-    assert torch.equal(ops.linear(x, w), F.linear(x, w))
-    # [bs, T, K] inputs of one row each (AR at batch <= 4) are flattened for the kernel
-    assert torch.equal(ops.linear(x[:3, None], w), torch.ops.dflash.gemv(x[:3].contiguous(), w, None)[:, None])
+        y = ops.linear(x[:rows], w)
+        assert_within_an_ulp(y, ops.gemv_reference(x[:rows], w))
+    y = ops.linear(x[:3, None], w)  # [bs, T, K] of one row each (AR at batch <= 4): flattened
+    assert y.shape == (3, 1, 300)
+    assert_within_an_ulp(y[:, 0], ops.gemv_reference(x[:3], w))
+    ops.linear(x, w)
+    assert calls == ["kernel", "kernel", "kernel", "cublas"]
 
 
 @pytest.mark.cuda
-def test_linear_leaves_what_the_kernel_cannot_take_to_cublas(monkeypatch):
+def test_linear_leaves_what_the_kernel_cannot_take_to_cublas(monkeypatch, calls):
     monkeypatch.setenv("DFLASH_TRT_GEMV", "1")
     x, w, _ = gpu_case(2, 64, 36, torch.bfloat16, False)  # K not a multiple of 8
-    assert torch.equal(ops.linear(x, w), F.linear(x, w))
+    ops.linear(x, w)
     x, w, _ = gpu_case(2, 64, 64, torch.float32, False)  # fp32
-    assert torch.equal(ops.linear(x, w), F.linear(x, w))
+    ops.linear(x, w)
+    x, w, _ = gpu_case(3, 64, 64, torch.bfloat16, False)
+    ops.linear(x[:, 8:40], w[:, :32])  # strided rows
+    assert calls == ["cublas"] * 3
 
 
 @pytest.mark.cuda
-def test_linear_is_cublas_unless_the_kernel_is_asked_for(monkeypatch):
+def test_linear_is_cublas_unless_the_kernel_is_asked_for(monkeypatch, calls):
     x, w, _ = gpu_case(1, 4096, 4096, torch.bfloat16, False)
     monkeypatch.delenv("DFLASH_TRT_GEMV", raising=False)
-    assert torch.equal(ops.linear(x, w), F.linear(x, w))
+    ops.linear(x, w)
     monkeypatch.setenv("DFLASH_TRT_GEMV", "1")
-    assert torch.equal(ops.linear(x, w), torch.ops.dflash.gemv(x, w, None))
+    ops.linear(x, w)
+    assert calls == ["cublas", "kernel"]
 
 
 @pytest.mark.cuda
