@@ -340,7 +340,11 @@ def _check_stub_numpy(bindir: Path) -> None:
     """The stub's numpy is the one `bindir/python3` imports in isolated mode, as the stub runs
     it: a numpy < 2 that only PYTHONPATH provides does not count (the stub never sees it)."""
     probe = "import numpy; print(numpy.__version__); print(numpy.__file__)"
-    result = subprocess.run([str(bindir / "python3"), "-I", "-c", probe], capture_output=True, text=True)
+    try:
+        result = subprocess.run([str(bindir / "python3"), "-I", "-c", probe], capture_output=True, text=True)
+    except OSError as e:
+        raise ServeError(f"{bindir} has no runnable python3, which the Triton Python backend stub looks up on "
+                         f"PATH: {e}") from None
     if result.returncode != 0:
         raise ServeError(f"the Triton Python backend needs numpy<2 importable by {bindir / 'python3'} "
                          f"without PYTHONPATH (the stub ignores it): pip install 'numpy<2'")

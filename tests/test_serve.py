@@ -212,6 +212,11 @@ def test_a_numpy_on_pythonpath_neither_breaks_nor_satisfies_the_stub_numpy_check
         _check_stub_numpy(venv / "bin")
 
 
+def test_an_environment_without_python3_is_named(tmp_path):
+    with pytest.raises(ServeError, match=f"{tmp_path} has no runnable python3"):
+        _check_stub_numpy(tmp_path)
+
+
 def test_busy_port_is_named_before_launch(tmp_path):
     ports = free_ports()
     with socket.socket() as taken:
