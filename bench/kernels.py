@@ -326,6 +326,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--layer-ops", action="store_true", help="time only the fused layer ops (layer_ops.cu)")
+    parser.add_argument("--mode", choices=("both", "non-causal", "causal"), default="both",
+                        help="which half of the attention table (each half fits a call with FlashInfer's JIT)")
     parser.add_argument("--gemv", action="store_true", help="time only Qwen3-8B's linear layers (cuBLAS, cuBLASLt)")
     parser.add_argument("--gated-delta", action="store_true",
                         help="time only the Gated DeltaNet decode/verify kernel (gated_delta.cu)")
@@ -377,7 +379,7 @@ def main() -> None:
     v_cache = torch.randn_like(k_cache)
     scale = D ** -0.5
     rows = []
-    for causal in (False, True):
+    for causal in {"both": (False, True), "non-causal": (False,), "causal": (True,)}[args.mode]:
         for T in TOKENS:
             for batch in BATCHES:
                 for ctx in CONTEXTS:
