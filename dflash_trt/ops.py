@@ -292,8 +292,9 @@ def gemv(x, weight, bias=None):
 
 
 def _gemv_kernel_fits(x, weight, bias) -> bool:
-    return (0 < x.shape[0] <= GEMV_MAX_ROWS and x.shape[1] > 0 and x.shape[1] % 8 == 0 and x.is_contiguous() and weight.is_contiguous() and x.data_ptr() % 16 == 0
-            and weight.data_ptr() % 16 == 0 and (bias is None or bias.is_contiguous()) and _layer_kernel_ready(x))
+    return (0 < x.shape[0] <= GEMV_MAX_ROWS and x.shape[1] > 0 and x.shape[1] % 8 == 0 and x.is_contiguous()
+            and weight.is_contiguous() and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
+            and (bias is None or bias.is_contiguous()) and _layer_kernel_ready(x))
 
 
 def linear(x, weight, bias=None):
