@@ -2,7 +2,8 @@
 # The GPU checks and benchmarks behind BENCHMARKS.md, in stages that each fit one call of a
 # few minutes on a lent GPU machine (run from the repository root; results go to $OUT).
 #
-#   bash bench/gpu_check.sh tests      # build the plugins, every GPU test (fp32 + bf16)
+#   bash bench/gpu_check.sh tests      # build the plugins, the Qwen3 and kernel GPU tests (fp32 + bf16)
+#   bash bench/gpu_check.sh hybrid     # the Qwen3.5 GPU tests (fla's Triton JIT alone takes ~4 min)
 #   bash bench/gpu_check.sh benches    # Qwen3.5 kernels, the Qwen3.5-9B profile and bench
 #   bash bench/gpu_check.sh roofline   # Qwen3-8B AR at batch 1: its GEMMs per BLAS library, profiles
 #   bash bench/gpu_check.sh triton     # Triton vs in-process on the Qwen3-8B-shaped pair
@@ -23,7 +24,7 @@
 # The machine has no `unzip`: zips are opened with `python3 -m zipfile`, which drops the
 # executable bits, so they are set again.
 set -u
-stage=${1:?usage: gpu_check.sh tests|benches|roofline|triton|flashinfer}
+stage=${1:?usage: gpu_check.sh tests|hybrid|benches|roofline|triton|flashinfer}
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
 LOG=$OUT/log.txt
@@ -49,11 +50,13 @@ step() {  # step NAME SECONDS CMD...: time-limited, logged with a header and the
 case $stage in
 tests)
   step plugins 240 python3 -c 'from dflash_trt import plugins; print(plugins.load())'
-  DFLASH_TEST_DEVICE=cuda step tests-hybrid 420 python3 -m pytest -q -p no:cacheprovider \
-    tests/test_gated_delta_kernel.py tests/test_gated_delta.py tests/test_hybrid_lossless.py tests/test_graphs.py
   DFLASH_TEST_DEVICE=cuda step tests-core 200 python3 -m pytest -q -p no:cacheprovider tests/test_lossless.py \
     tests/test_oracle.py tests/test_cuda.py tests/test_ops.py tests/test_layer_ops.py tests/test_memory.py \
     tests/test_gemv.py
+  ;;
+hybrid)
+  DFLASH_TEST_DEVICE=cuda step tests-hybrid 420 python3 -m pytest -q -p no:cacheprovider \
+    tests/test_gated_delta_kernel.py tests/test_gated_delta.py tests/test_hybrid_lossless.py tests/test_graphs.py
   ;;
 benches)
   step gated-delta 90 python3 bench/kernels.py --gated-delta --json "$OUT/gd.json"
