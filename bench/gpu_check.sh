@@ -6,8 +6,11 @@
 #   bash bench/gpu_check.sh hybrid     # the Qwen3.5 GPU tests (fla's Triton JIT alone takes ~4 min)
 #   bash bench/gpu_check.sh benches    # Qwen3.5 kernels, the Qwen3.5-9B profile and bench
 #   bash bench/gpu_check.sh roofline   # Qwen3-8B AR at batch 1: its GEMMs per BLAS library, profiles
+#   bash bench/gpu_check.sh bench8b    # Qwen3-8B AR vs DFlash, oracle acceptance, concurrency 1 and 32
+#   bash bench/gpu_check.sh identity   # Qwen3-8B-shaped random pair in fp32: DFlash output identical to AR
 #   bash bench/gpu_check.sh triton     # Triton vs in-process on the Qwen3-8B-shaped pair
 #   bash bench/gpu_check.sh flashinfer # the block attention table with its FlashInfer column
+#   bash bench/gpu_check.sh tests roofline   # several stages in one call
 #
 # The GPU machine has torch, transformers and numpy 2 but no internet. What it lacks travels
 # as wheels in two git-ignored folders, fetched on a machine with pip (Python 3.12 wheels):
@@ -24,7 +27,7 @@
 # The machine has no `unzip`: zips are opened with `python3 -m zipfile`, which drops the
 # executable bits, so they are set again.
 set -u
-stage=${1:?usage: gpu_check.sh tests|hybrid|benches|roofline|triton|flashinfer}
+[ $# -gt 0 ] || { echo "usage: gpu_check.sh STAGE... (tests hybrid benches roofline bench8b identity triton flashinfer)" >&2; exit 2; }
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
 LOG=$OUT/log.txt
@@ -47,6 +50,7 @@ step() {  # step NAME SECONDS CMD...: time-limited, logged with a header and the
   return "$rc"
 }
 
+for stage in "$@"; do
 case $stage in
 tests)
   step plugins 240 python3 -c 'from dflash_trt import plugins; print(plugins.load())'
@@ -67,12 +71,24 @@ benches)
   ;;
 roofline)
   step gemv 150 python3 bench/kernels.py --gemv --json "$OUT/gemv.json"
-  # the engine as it runs (cuBLAS), then with the gemv kernel for decode-sized matmuls, then cuBLASLt
+  # the engine as it runs (the gemv kernel for single rows, cuBLAS beyond), then cuBLASLt for all
   step prof8b 120 python3 bench/profile_step.py --preset qwen3-8b --batch 1,4,32 --json "$OUT/prof8b.json"
-  DFLASH_TRT_GEMV=1 step prof8b-gemv 120 python3 bench/profile_step.py --preset qwen3-8b --batch 1,4,32 \
-    --json "$OUT/prof8b_gemv.json"
   step prof8b-lt 120 python3 bench/profile_step.py --preset qwen3-8b --batch 1,4,32 --blas cublaslt \
     --json "$OUT/prof8b_lt.json"
+  ;;
+bench8b)
+  step bench8b 300 dflash-trt bench --random-weights qwen3-8b --oracle-tau 6.5 --dataset gsm8k --num-prompts 32 \
+    --max-tokens 256 --concurrency 1,32 --json "$OUT/bench8b.json"
+  ;;
+identity)
+  # bf16 outputs of a random model drift apart on near-tied logits (AR's one-row matmuls and
+  # verify's 16-row ones round differently); in fp32 DFlash must reproduce AR token for token
+  dir=/tmp/r8b
+  [ -d $dir/target ] || step write 200 python3 bench/write_random_pair.py qwen3-8b $dir
+  step build-fp32 200 dflash-trt build --target $dir/target --drafter $dir/drafter --device cuda --dtype float32 \
+    --max-batch-size 8 --force -o $dir/fp32
+  step identity-fp32 200 dflash-trt bench $dir/fp32 --dataset gsm8k --num-prompts 8 --max-tokens 128 \
+    --concurrency 1,8 --json "$OUT/identity_fp32.json"
   ;;
 triton)
   # The Triton 2.51 Python backend stub needs numpy < 2 and runs Python isolated (PYTHONPATH
@@ -110,6 +126,7 @@ triton)
   wait $pid
   log=$(grep -o '/tmp/dflash-trt-tritonserver-[^ ]*\.log' "$OUT/serve.txt" | head -1)
   [ -n "$log" ] && cp "$log" "$OUT/tritonserver.log"
+  export PYTHONPATH=/tmp/site
   ;;
 flashinfer)
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fi .fi/*.whl
@@ -123,3 +140,4 @@ flashinfer)
   exit 2
   ;;
 esac
+done

@@ -6,8 +6,6 @@ the same signatures.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
@@ -298,15 +296,14 @@ def _gemv_kernel_fits(x, weight, bias) -> bool:
 
 
 def linear(x, weight, bias=None):
-    """nn.Linear's forward, x [..., K]. With DFLASH_TRT_GEMV=1, decode-sized inputs (<=
-    GEMV_MAX_ROWS rows) on CUDA go to the gemv kernel (an AR step at batch 1 is its weights
-    streamed once); off by default until a GPU run shows it beats cuBLAS (bench/kernels.py
-    --gemv, bench/gpu_check.sh roofline). Everything else, and the CPU, is F.linear."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if rows <= GEMV_MAX_ROWS and x.dtype == weight.dtype and os.environ.get("DFLASH_TRT_GEMV") == "1":
-        x2 = x.reshape(rows, x.shape[-1])
-        if _gemv_kernel_fits(x2, weight, bias):
-            return torch.ops.dflash.gemv(x2, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
+    """nn.Linear's forward, x [..., K]. One row on CUDA (an AR step at batch 1: the weights
+    streamed once) goes to the gemv kernel, which beat cuBLAS by 2-15% on every Qwen3-8B
+    linear at M = 1 but lost on three of five at M = 4 (BENCHMARKS.md, "GEMV"); everything
+    else, and the CPU, is F.linear."""
+    if x.numel() == x.shape[-1] and x.dtype == weight.dtype:
+        x1 = x.reshape(1, x.shape[-1])
+        if _gemv_kernel_fits(x1, weight, bias):
+            return torch.ops.dflash.gemv(x1, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
 
 

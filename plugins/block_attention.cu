@@ -4,7 +4,8 @@
 //   - all queries that read this KV head, i.e. the T tokens x G = Hq / Hkv heads of the GQA
 //     group, as one matrix of M = T * G rows (row r = token r / G, head r % G), so every K/V
 //     tile is loaded once and used by all of them (up to 64 rows per CTA; larger M gets
-//     more query chunks, which re-read K/V mostly from L2);
+//     more query chunks, which re-read K/V mostly from L2, and so does a launch too small
+//     to occupy half the SMs, which takes fewer rows per CTA: see launch_plan);
 //   - a contiguous share of the row's keys. Long contexts are cut into `num_splits` shares so
 //     that a small batch still fills every SM; each CTA leaves a partial result (normalised
 //     output + log-sum-exp) and a small combine kernel merges them. With one split the
@@ -47,7 +48,7 @@ namespace {
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kTileKeys = 64;   // keys per shared-memory tile (fewer at d = 256, see tile_keys_for)
-constexpr int kCtaRows = 64;    // query rows per CTA at most (4 m16 tiles)
+constexpr int kMaxMTiles = 4;   // m16 tiles of query rows per CTA at most (64 rows)
 constexpr int kMinChunk = 128;  // keys per split at least (a split must amortise its epilogue)
 constexpr int kMaxSplits = 64;
 constexpr float kLog2e = 1.4426950408889634f;
@@ -56,7 +57,7 @@ __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / 
 
 // How many m16 tiles a CTA holds for M query rows: 1, 2 or 4 (3 is padded to 4 so that
 // the 4 warps split evenly between m-tiles and key quarters).
-__host__ __device__ constexpr int m_tiles_for(int rows) { return rows <= 16 ? 1 : rows <= 32 ? 2 : 4; }
+__host__ __device__ constexpr int m_tiles_for(int rows) { return rows <= 16 ? 1 : rows <= 32 ? 2 : kMaxMTiles; }
 
 // Keys per shared-memory tile at head_dim d: 64, but 32 at d = 256, where acc alone takes
 // 128 registers a thread: a warp that takes all of a tile's keys (MT = 4) has room for 32
@@ -146,12 +147,12 @@ struct RowKeys {
   int end;
 };
 
-__device__ __forceinline__ RowKeys row_keys(const BlockAttentionParams& p, int ctx, int qs, int q_chunk, int split,
-                                            int num_splits) {
+__device__ __forceinline__ RowKeys row_keys(const BlockAttentionParams& p, int ctx, int qs, int cta_rows, int q_chunk,
+                                            int split, int num_splits) {
   const int group = p.num_q_heads / p.num_kv_heads;
   RowKeys r;
-  r.t_first = q_chunk * kCtaRows / group;
-  r.t_last = min(p.num_tokens - 1, (q_chunk * kCtaRows + kCtaRows - 1) / group);
+  r.t_first = q_chunk * cta_rows / group;
+  r.t_last = min(p.num_tokens - 1, (q_chunk * cta_rows + cta_rows - 1) / group);
   // The CTA's earliest query has the strictest window, its latest the loosest causal limit:
   // keys outside [lo, hi) are invisible to all of its queries (for a long prefill this also
   // keeps early query chunks from reading keys that only later chunks see).
@@ -207,7 +208,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int slot = p.slots[b];
   const int ctx = max(p.ctx_len[b], 0);
   const int qs = p.q_start[b];
-  const RowKeys rk = row_keys(p, ctx, qs, q_chunk, split, num_splits);
+  constexpr int CR = MT * 16;  // query rows per CTA: query chunk q_chunk is rows [CR q_chunk, CR q_chunk + CR)
+  const RowKeys rk = row_keys(p, ctx, qs, CR, q_chunk, split, num_splits);
 
   // ---- Q fragments (A operand of Q.K^T). Rows past M are zero. ----------------------------
   // Up to d = 128 they stay in registers for the whole key loop: this thread's two rows,
@@ -221,7 +223,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   int q_pos[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int r = q_chunk * kCtaRows + mt * 16 + gid + 8 * h;
+    const int r = q_chunk * CR + mt * 16 + gid + 8 * h;
     const int t = r / group;
     q_pos[h] = qs + t;
     if constexpr (kQInRegs) {
@@ -240,7 +242,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     // 4-byte cp.async (q is only 4-byte aligned). They join the first K/V tile's group, so
     // the key loop's first wait + __syncthreads publishes them.
     static_assert(D / 2 == kThreads, "one row per step");
-    const int r0 = q_chunk * kCtaRows;
+    const int r0 = q_chunk * CR;
     int t = r0 / group, hq = r0 % group;  // row r0 + rr: token t, head kvh * group + hq
     for (int rr = 0; rr < MT * 16; ++rr) {
       const bool valid = r0 + rr < rows;  // else zeros, from any valid address
@@ -434,7 +436,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int T_ = p.num_tokens;
   for (int idx = threadIdx.x; idx < MT * 16 * (D / 4); idx += kThreads) {
     const int rr = idx / (D / 4), col = (idx % (D / 4)) * 4;
-    const int r = q_chunk * kCtaRows + rr;
+    const int r = q_chunk * CR + rr;
     if (r >= rows) continue;
     const int t = r / group, head = kvh * group + r % group;
     const int tile = rr / 16, row16 = rr % 16;
@@ -773,15 +775,14 @@ struct Type {
 template <int N>
 using Int = std::integral_constant<int, N>;
 
-// Calls f(Type<T>{}, Int<D>{}, Int<MT>{}, Int<TK>{}) for the tensor-core kernel instance that
-// serves p (bf16/fp16; callers route fp32 to its own kernel first).
+// Calls f(Type<T>{}, Int<D>{}, Int<MT>{}, Int<TK>{}) for the tensor-core kernel instance with
+// m_tiles m16 tiles per CTA for p (bf16/fp16; callers route fp32 to its own kernel first).
 template <typename F>
-auto dispatch(const BlockAttentionParams& p, F&& f) {
+auto dispatch(const BlockAttentionParams& p, int m_tiles, F&& f) {
   auto by_mt = [&](auto t, auto d) {
     constexpr int D = decltype(d)::value;
     constexpr int TK = tile_keys_for(D);
-    // At d = 256, M <= 16 takes 2 m-tiles, the second all padding (as 3 is padded to 4).
-    switch (m_tiles_for(num_rows_per_kv_head(p))) {
+    switch (m_tiles) {  // 1 never comes at d = 256 (launch_plan), but must compile
       case 1: return f(t, d, Int<min_m_tiles_for(D)>{}, Int<TK>{});
       case 2: return f(t, d, Int<2>{}, Int<TK>{});
       default: return f(t, d, Int<4>{}, Int<TK>{});
@@ -827,6 +828,61 @@ int fp32_num_splits(const BlockAttentionParams& p, int num_sms) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({by_length, wanted, kMaxSplits})));
 }
 
+// CTAs of the kernel instance with m_tiles m-tiles resident per SM (2 at d = 128 and 256), from
+// the occupancy calculator.
+int resident_ctas(const BlockAttentionParams& p, int m_tiles) {
+  return dispatch(p, m_tiles, [&](auto t, auto d, auto mt, auto tk) {
+    using T = typename decltype(t)::type;
+    constexpr int D = decltype(d)::value, MT = decltype(mt)::value, TK = decltype(tk)::value;
+    decltype(&block_attention_kernel<T, D, MT, TK>) kernel;
+    int n = 0;
+    if (prepare<T, D, MT, TK>(&kernel) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, smem_bytes<T, D, MT, TK>()) != cudaSuccess)
+      n = 0;
+    return std::max(n, 1);
+  });
+}
+
+// How a bf16/fp16 launch is cut: 16 * m_tiles query rows per CTA, num_splits key shares per row.
+struct LaunchPlan {
+  int m_tiles;
+  int num_splits;
+};
+
+LaunchPlan launch_plan(const BlockAttentionParams& p, int num_sms) {
+  const int rows = num_rows_per_kv_head(p);
+  const int min_mt = min_m_tiles_for(p.head_dim);
+  LaunchPlan plan{std::max(m_tiles_for(rows), min_mt), 1};
+  for (;;) {
+    const int cta_rows = 16 * plan.m_tiles;
+    const int ctas = p.batch * p.num_kv_heads * ceil_div(rows, cta_rows);
+    // Memory-bound CTAs of one launch finish at different times (ragged rows, uneven SMs),
+    // so aim for about four waves of resident CTAs: the last, partly filled wave then costs
+    // little. But each split must read enough keys to pay for writing and re-reading its
+    // fp32 partial (M rows x d x 8 bytes against keys x d x 4 bytes of K/V): 8 * M keys keeps
+    // that below 1/4 of the traffic, usually far below. Unknown lengths are not split.
+    const int min_chunk = std::max(kMinChunk, 8 * std::min(rows, cta_rows));
+    const int by_length = p.max_keys > 0 ? ceil_div(p.max_keys, min_chunk) : 1;
+    const int wanted = ceil_div(4 * resident_ctas(p, plan.m_tiles) * num_sms, ctas);
+    plan.num_splits = std::max(1, std::min({by_length, wanted, kMaxSplits}));
+    // A short context at batch 1 leaves most SMs idle even split to the minimum chunk (T = 16
+    // at context 512: 16 CTAs of 64 rows). Then fewer rows per CTA put more SMs to work, at
+    // the price of re-reading K/V from L2 once per query chunk: on the H100, T = 16 at
+    // context 512 went from 20.7 to 11.7 us with 16-row CTAs, but wherever the launch had
+    // half the SMs' worth of CTAs or more, smaller CTAs lost (up to 2.3x at 32k; BENCHMARKS.md).
+    if (plan.m_tiles == min_mt || 2 * ctas * plan.num_splits >= num_sms) return plan;
+    plan.m_tiles /= 2;
+  }
+}
+
+int device_sms() {
+  int device = 0, num_sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
+    return 0;
+  return num_sms;
+}
+
 }  // namespace
 
 const char* block_attention_check(const BlockAttentionParams& p) {
@@ -865,32 +921,9 @@ int block_attention_num_splits(const BlockAttentionParams& p, int num_sms) {
   if (p.max_keys <= 0 || p.batch <= 0 || p.num_tokens <= 0 || !block_attention_supports(p.dtype, p.head_dim) ||
       p.num_kv_heads <= 0 || p.num_q_heads % p.num_kv_heads != 0)
     return 1;
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return 1;
-  if (num_sms <= 0 && cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) return 1;
+  if (num_sms <= 0 && (num_sms = device_sms()) <= 0) return 1;
   if (p.dtype == DType::kFloat32) return fp32_num_splits(p, num_sms);
-  // CTAs resident per SM for this instance (2 at d = 128 and 256), from the occupancy calculator.
-  const int per_sm = dispatch(p, [&](auto t, auto d, auto mt, auto tk) {
-    using T = typename decltype(t)::type;
-    constexpr int D = decltype(d)::value, MT = decltype(mt)::value, TK = decltype(tk)::value;
-    decltype(&block_attention_kernel<T, D, MT, TK>) kernel;
-    int n = 0;
-    if (prepare<T, D, MT, TK>(&kernel) != cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, smem_bytes<T, D, MT, TK>()) != cudaSuccess)
-      n = 0;
-    return std::max(n, 1);
-  });
-  const int rows = num_rows_per_kv_head(p);
-  const int ctas = p.batch * p.num_kv_heads * ceil_div(rows, kCtaRows);
-  // Memory-bound CTAs of one launch finish at different times (ragged rows, uneven SMs), so
-  // aim for about four waves of resident CTAs: the last, partly filled wave then costs
-  // little. But each split must read enough keys to pay for writing and re-reading its fp32
-  // partial (M rows x d x 8 bytes against keys x d x 4 bytes of K/V): 8 * M keys keeps that
-  // below 1/4 of the traffic, usually far below.
-  const int min_chunk = std::max(kMinChunk, 8 * std::min(rows, kCtaRows));
-  const int by_length = ceil_div(p.max_keys, min_chunk);
-  const int wanted = ceil_div(4 * per_sm * num_sms, ctas);
-  return std::max(1, std::min({by_length, wanted, kMaxSplits}));
+  return launch_plan(p, num_sms).num_splits;
 }
 
 size_t block_attention_workspace_bytes(const BlockAttentionParams& p, int num_splits) {
@@ -928,9 +961,11 @@ cudaError_t block_attention_launch(const BlockAttentionParams& p, int num_splits
     }
     return cudaGetLastError();
   }
-  const int rows = num_rows_per_kv_head(p);
-  const dim3 grid(num_splits, p.num_kv_heads * ceil_div(rows, kCtaRows), p.batch);
-  return dispatch(p, [&](auto t, auto d, auto mt, auto tk) {
+  // The plan's query rows per CTA for this device: with block_attention_num_splits' split
+  // count it is that function's plan (any split count gives the same result).
+  const int m_tiles = launch_plan(p, std::max(device_sms(), 1)).m_tiles;
+  const dim3 grid(num_splits, p.num_kv_heads * ceil_div(num_rows_per_kv_head(p), 16 * m_tiles), p.batch);
+  return dispatch(p, m_tiles, [&](auto t, auto d, auto mt, auto tk) {
     using T = typename decltype(t)::type;
     constexpr int D = decltype(d)::value, MT = decltype(mt)::value, TK = decltype(tk)::value;
     decltype(&block_attention_kernel<T, D, MT, TK>) kernel;

@@ -228,6 +228,7 @@ CUDA_CASES = {
     "T=12 GQA 4:1 (three m-tiles)": (3, 12, 16, 4, [5, 129, 700], "given", True, 100),
     "T=32 GQA 4:1 (two query chunks)": (2, 32, 16, 4, [77, 1500], "cached", True, None),
     "T=16 GQA 5:1 (80 rows)": (2, 16, 40, 8, [0, 333], "given", False, None),
+    "batch 1 verify, short context (16-row CTAs)": (1, 16, 32, 8, [500], "cached", True, None),
     "prefill T=100 (seven query chunks)": (2, 100, 32, 8, [0, 300], "cached", True, None),
     "prefill T=100 sliding": (1, 100, 32, 8, [500], "given", True, 64),
     "long context 32768": (2, 16, 32, 8, [32768, 100], "given", False, None),
