@@ -38,6 +38,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -829,17 +830,26 @@ int fp32_num_splits(const BlockAttentionParams& p, int num_sms) {
 }
 
 // CTAs of the kernel instance with m_tiles m-tiles resident per SM (2 at d = 128 and 256), from
-// the occupancy calculator.
+// the occupancy calculator, asked once per instance and device: an eager pass (prefill) plans
+// every layer's launch, and each ask costs microseconds of host time.
 int resident_ctas(const BlockAttentionParams& p, int m_tiles) {
+  constexpr int kMaxDevices = 64;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 1;
   return dispatch(p, m_tiles, [&](auto t, auto d, auto mt, auto tk) {
     using T = typename decltype(t)::type;
     constexpr int D = decltype(d)::value, MT = decltype(mt)::value, TK = decltype(tk)::value;
+    static std::atomic<int> known[kMaxDevices];  // per instance; 0: not asked yet
+    if (device < kMaxDevices && known[device].load(std::memory_order_relaxed) > 0)
+      return known[device].load(std::memory_order_relaxed);
     decltype(&block_attention_kernel<T, D, MT, TK>) kernel;
     int n = 0;
     if (prepare<T, D, MT, TK>(&kernel) != cudaSuccess ||
         cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, smem_bytes<T, D, MT, TK>()) != cudaSuccess)
-      n = 0;
-    return std::max(n, 1);
+      return 1;  // not cached: ask again next time
+    n = std::max(n, 1);
+    if (device < kMaxDevices) known[device].store(n, std::memory_order_relaxed);
+    return n;
   });
 }
 
