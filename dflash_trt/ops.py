@@ -297,7 +297,7 @@ def _gemv_kernel_fits(x, weight, bias) -> bool:
 
 def linear(x, weight, bias=None):
     """nn.Linear's forward, x [..., K]. One row on CUDA (an AR step at batch 1: the weights
-    streamed once) goes to the gemv kernel, which beat cuBLAS by 2-15% on every Qwen3-8B
+    streamed once) goes to the gemv kernel, which beat cuBLAS by 2-17% on every Qwen3-8B
     linear at M = 1 but lost on three of five at M = 4 (BENCHMARKS.md, "GEMV"); everything
     else, and the CPU, is F.linear."""
     if x.numel() == x.shape[-1] and x.dtype == weight.dtype:
