@@ -10,6 +10,7 @@
 #   bash bench/gpu_check.sh identity   # Qwen3-8B-shaped random pair in fp32: DFlash output identical to AR
 #   bash bench/gpu_check.sh triton     # Triton vs in-process on the Qwen3-8B-shaped pair
 #   bash bench/gpu_check.sh flashinfer # the block attention table with its FlashInfer column
+#   bash bench/gpu_check.sh splits     # the causal attention table per forced key-split count
 #   bash bench/gpu_check.sh tests roofline   # several stages in one call
 #
 # The GPU machine has torch, transformers and numpy 2 but no internet. What it lacks travels
@@ -27,7 +28,7 @@
 # The machine has no `unzip`: zips are opened with `python3 -m zipfile`, which drops the
 # executable bits, so they are set again.
 set -u
-[ $# -gt 0 ] || { echo "usage: gpu_check.sh STAGE... (tests hybrid benches roofline bench8b identity triton flashinfer)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: gpu_check.sh STAGE... (tests hybrid benches roofline bench8b identity triton flashinfer splits)" >&2; exit 2; }
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
 LOG=$OUT/log.txt
@@ -127,6 +128,12 @@ triton)
   log=$(grep -o '/tmp/dflash-trt-tritonserver-[^ ]*\.log' "$OUT/serve.txt" | head -1)
   [ -n "$log" ] && cp "$log" "$OUT/tritonserver.log"
   export PYTHONPATH=/tmp/site
+  ;;
+splits)
+  # the split rule aims at four waves of CTAs for ragged batches; at batch 1 nothing is ragged
+  for n in 0 8 16 33 64; do
+    step "splits-$n" 100 python3 bench/kernels.py --mode causal --num-splits $n --json "$OUT/splits_$n.json"
+  done
   ;;
 flashinfer)
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fi .fi/*.whl

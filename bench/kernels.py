@@ -12,6 +12,7 @@ copy measured here (bytes read + written / time, the convention of performance.m
     python bench/kernels.py --layer-ops      # the fused layer ops instead
     python bench/kernels.py --gated-delta    # the Gated DeltaNet decode/verify kernel instead
     python bench/kernels.py --gemv           # Qwen3-8B's linear layers at 1-32 rows, per BLAS
+    python bench/kernels.py --num-splits 16  # the attention table with 16 key splits forced
 """
 
 from __future__ import annotations
@@ -328,6 +329,8 @@ def main() -> None:
     parser.add_argument("--layer-ops", action="store_true", help="time only the fused layer ops (layer_ops.cu)")
     parser.add_argument("--mode", choices=("both", "non-causal", "causal"), default="both",
                         help="which half of the attention table (each half fits a call with FlashInfer's JIT)")
+    parser.add_argument("--num-splits", type=int, default=0,
+                        help="force this many key splits per row (0: the launch plan's; for split-rule sweeps)")
     parser.add_argument("--gemv", action="store_true", help="time only Qwen3-8B's linear layers (cuBLAS, cuBLASLt)")
     parser.add_argument("--gated-delta", action="store_true",
                         help="time only the Gated DeltaNet decode/verify kernel (gated_delta.cu)")
@@ -414,7 +417,7 @@ def main() -> None:
 
                     def kernel():
                         return torch.ops.dflash.block_attention(q, k_cache, v_cache, slots, ctx_len, q_start, *blk,
-                                                                causal, 0, scale, ctx + T, 0)
+                                                                causal, 0, scale, ctx + T, args.num_splits)
 
                     kv_bytes = batch * (ctx + T) * HKV * D * 2 * 2
                     k_us, _ = time_us(kernel)
@@ -443,7 +446,7 @@ def main() -> None:
                             f_err = f"{type(e).__name__}: {e}"[:200]
                     gbps = kv_bytes / (k_us * 1e-6) / 1e9
                     rows.append(dict(mode="causal" if causal else "non-causal", T=T, batch=batch, context=ctx,
-                                     kernel_us=k_us, kernel_gbps=gbps, copy_share=gbps / copy_gbps, sdpa_us=s_us,
+                                     num_splits=args.num_splits or "auto",                                     kernel_us=k_us, kernel_gbps=gbps, copy_share=gbps / copy_gbps, sdpa_us=s_us,
                                      speedup_vs_sdpa=None if s_us is None else s_us / k_us, flashinfer_us=f_us,
                                      flashinfer_error=f_err, max_abs_diff_vs_sdpa=diff, kv_bytes=kv_bytes))
                     print(f"{rows[-1]['mode']:>10} T={T:<2} batch={batch:<2} ctx={ctx:<5} kernel {k_us:8.1f} us "
