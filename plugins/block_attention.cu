@@ -136,6 +136,35 @@ __device__ __forceinline__ void store4(T* dst, float4 v) {  // dst 8-byte aligne
   *reinterpret_cast<uint2*>(dst) = packed;
 }
 
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+__device__ __forceinline__ void fma4(float4& acc, float w, float4 x) {
+  acc.x = fmaf(w, x.x, acc.x);
+  acc.y = fmaf(w, x.y, acc.y);
+  acc.z = fmaf(w, x.z, acc.z);
+  acc.w = fmaf(w, x.w, acc.w);
+}
+
+// A float4 of results to out: rounded to bf16/fp16 (dst 8-byte aligned) or as is (16-byte).
+template <typename T>
+__device__ __forceinline__ void store_out4(T* dst, float4 v) {
+  if constexpr (std::is_same_v<T, float>) {
+    *reinterpret_cast<float4*>(dst) = v;
+  } else {
+    store4<T>(dst, v);
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Which keys a row can see at all, and which split of them this CTA takes.
 
@@ -470,49 +499,57 @@ __global__ void __launch_bounds__(kThreads, 2)
 }
 
 // ---------------------------------------------------------------------------------------------
-// Combine: one warp per (b, t, head) row merges the num_splits partials
+// Combine: one warp per (b, t, head) row merges the num_splits partials of either kernel
 //   out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M),  M = max_s lse_s.
-// Empty splits carry lse = -inf and are skipped (their o is never read).
+// Every split writes every row's partial, an empty one lse = -inf and o = 0 (both attention
+// kernels), so its weight is 0 and adding it adds 0. With many splits (64 at batch 1 and 32k
+// context) a loop that loads split s + 1 only after using split s waits out two memory
+// latencies per split, so no load here waits on another: the lanes read 32 splits' lse at
+// once (row max and weights), and the weighted sum, branch-free, is unrolled so that the o
+// rows of 8 splits are in flight, each weight broadcast from the lane that computed it.
+// Lane l holds columns 4 l .. 4 l + 3 of each 128-column group (NC groups: d <= 128 NC).
 
-template <typename T, int D>
+template <typename T, int NC>
 __global__ void __launch_bounds__(kThreads)
-    block_attention_combine_kernel(int num_rows, int num_splits, const float* __restrict__ o_part,
+    block_attention_combine_kernel(int64_t num_rows, int head_dim, int num_splits, const float* __restrict__ o_part,
                                    const float* __restrict__ lse_part, T* __restrict__ out) {
-  const int row = blockIdx.x * kWarps + threadIdx.x / 32;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  if (row >= num_rows) return;
+  if (row >= num_rows) return;  // whole warps: the shuffles below see all 32 lanes
   float mx = -INFINITY;
-  for (int s = 0; s < num_splits; ++s) mx = fmaxf(mx, lse_part[static_cast<int64_t>(s) * num_rows + row]);
+  for (int s = lane; s < num_splits; s += 32) mx = fmaxf(mx, lse_part[s * num_rows + row]);
+  mx = warp_max(mx);
   const float m_use = mx == -INFINITY ? 0.f : mx;
-  float wsum = 0.f;
-  // Lane l does columns 4 l + 128 c .. + 3 for c < NC (d = 64: lanes 0-15 only); all lanes
-  // read the lse values.
-  constexpr int NC = ceil_div(D, 128);
+  float wsum = 0.f;  // this lane's splits' weights
   float4 o[NC];
-#pragma unroll
-  for (int c = 0; c < NC; ++c) o[c] = make_float4(0.f, 0.f, 0.f, 0.f);
-  const int col0 = lane * 4;
-  for (int s = 0; s < num_splits; ++s) {
-    const int64_t part_row = static_cast<int64_t>(s) * num_rows + row;
-    const float lse = lse_part[part_row];
-    if (lse == -INFINITY) continue;
-    const float w = exp2f(lse - m_use);
-    wsum += w;
-#pragma unroll
-    for (int c = 0; c < NC; ++c) {
-      const int col = col0 + 128 * c;
-      if (col < D) {
-        const float4 x = *reinterpret_cast<const float4*>(o_part + part_row * D + col);
-        o[c].x += w * x.x; o[c].y += w * x.y; o[c].z += w * x.z; o[c].w += w * x.w;
-      }
-    }
-  }
-  const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+  int load_col[NC];  // a lane past head_dim reads the last columns again (no branch in the
+                     // loop below) and does not store them
 #pragma unroll
   for (int c = 0; c < NC; ++c) {
-    o[c].x *= inv; o[c].y *= inv; o[c].z *= inv; o[c].w *= inv;
-    const int col = col0 + 128 * c;
-    if (col < D) store4<T>(out + static_cast<int64_t>(row) * D + col, o[c]);
+    o[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+    load_col[c] = min(4 * lane + 128 * c, head_dim - 4);
+  }
+  for (int s0 = 0; s0 < num_splits; s0 += 32) {
+    const float lse = s0 + lane < num_splits ? lse_part[(s0 + lane) * num_rows + row] : -INFINITY;
+    const float w_lane = lse == -INFINITY ? 0.f : exp2f(lse - m_use);
+    wsum += w_lane;
+    const int n = min(32, num_splits - s0);
+#pragma unroll 8
+    for (int j = 0; j < n; ++j) {
+      const float w = __shfl_sync(0xffffffffu, w_lane, j);
+      const float* src = o_part + ((s0 + j) * num_rows + row) * head_dim;
+#pragma unroll
+      for (int c = 0; c < NC; ++c) fma4(o[c], w, *reinterpret_cast<const float4*>(src + load_col[c]));
+    }
+  }
+  wsum = warp_sum(wsum);
+  const float inv = wsum > 0.f ? 1.f / wsum : 0.f;  // 0: no visible key in any split -> zeros
+#pragma unroll
+  for (int c = 0; c < NC; ++c) {
+    const int col = 4 * lane + 128 * c;
+    if (col < head_dim)
+      store_out4<T>(out + row * head_dim + col,
+                    make_float4(o[c].x * inv, o[c].y * inv, o[c].z * inv, o[c].w * inv));
   }
 }
 
@@ -572,25 +609,6 @@ __device__ __forceinline__ void transpose_reduce_step(float (&x)[kF32TileKeys], 
     const float keep = upper ? x[j + W] : x[j];
     x[j] = keep + __shfl_xor_sync(0xffffffffu, send, W);
   }
-}
-
-__device__ __forceinline__ float warp_max(float x) {
-#pragma unroll
-  for (int o = 16; o > 0; o /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
-  return x;
-}
-
-__device__ __forceinline__ float warp_sum(float x) {
-#pragma unroll
-  for (int o = 16; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
-  return x;
-}
-
-__device__ __forceinline__ void fma4(float4& acc, float w, float4 x) {
-  acc.x = fmaf(w, x.x, acc.x);
-  acc.y = fmaf(w, x.y, acc.y);
-  acc.z = fmaf(w, x.z, acc.z);
-  acc.w = fmaf(w, x.w, acc.w);
 }
 
 // grid = (ceil(bs * T * Hq / 4), num_splits), block = 128 threads. NV: float4 column groups
@@ -717,45 +735,6 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // The combine kernel above for fp32 and any head_dim: one warp per (b, t, head) row.
-template <int NV>
-__global__ void __launch_bounds__(kThreads)
-    block_attention_fp32_combine_kernel(int64_t num_rows, int head_dim, int num_splits,
-                                        const float* __restrict__ o_part, const float* __restrict__ lse_part,
-                                        float* __restrict__ out) {
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (row >= num_rows) return;
-  const int d4 = head_dim / 4;
-  float mx = -INFINITY;
-  for (int s = 0; s < num_splits; ++s) mx = fmaxf(mx, lse_part[s * num_rows + row]);
-  const float m_use = mx == -INFINITY ? 0.f : mx;
-  float wsum = 0.f;
-  float4 o[NV];
-#pragma unroll
-  for (int i = 0; i < NV; ++i) o[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-  for (int s = 0; s < num_splits; ++s) {
-    const int64_t part_row = s * num_rows + row;
-    const float lse = lse_part[part_row];
-    if (lse == -INFINITY) continue;
-    const float w = exp2f(lse - m_use);
-    wsum += w;
-    const float4* src = reinterpret_cast<const float4*>(o_part + part_row * head_dim);
-#pragma unroll
-    for (int i = 0; i < NV; ++i) {
-      const int c = lane + 32 * i;
-      if (c < d4) fma4(o[i], w, src[c]);
-    }
-  }
-  float4* dst = reinterpret_cast<float4*>(out + row * head_dim);
-#pragma unroll
-  for (int i = 0; i < NV; ++i) {
-    const int c = lane + 32 * i;
-    if (c < d4)
-      dst[c] = wsum > 0.f ? make_float4(o[i].x / wsum, o[i].y / wsum, o[i].z / wsum, o[i].w / wsum)
-                          : make_float4(0.f, 0.f, 0.f, 0.f);
-  }
-}
-
 // ---------------------------------------------------------------------------------------------
 // Host side
 
@@ -885,6 +864,21 @@ LaunchPlan launch_plan(const BlockAttentionParams& p, int num_sms) {
   }
 }
 
+// Merges the split partials into p.out (after a launch with num_splits > 1).
+template <typename T>
+void launch_combine(const BlockAttentionParams& p, int num_splits, const float* o_part, const float* lse_part,
+                    cudaStream_t stream) {
+  const int64_t num_rows = static_cast<int64_t>(p.batch) * p.num_tokens * p.num_q_heads;
+  const unsigned ctas = static_cast<unsigned>((num_rows + kWarps - 1) / kWarps);
+  T* out = static_cast<T*>(p.out);
+  if (p.head_dim <= 128)
+    block_attention_combine_kernel<T, 1><<<ctas, kThreads, 0, stream>>>(num_rows, p.head_dim, num_splits, o_part,
+                                                                        lse_part, out);
+  else
+    block_attention_combine_kernel<T, 2><<<ctas, kThreads, 0, stream>>>(num_rows, p.head_dim, num_splits, o_part,
+                                                                        lse_part, out);
+}
+
 int device_sms() {
   int device = 0, num_sms = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
@@ -960,15 +954,7 @@ cudaError_t block_attention_launch(const BlockAttentionParams& p, int num_splits
     const unsigned ctas = static_cast<unsigned>((num_rows + kWarps - 1) / kWarps);
     const Fp32Kernel kernel = fp32_kernel(p);
     kernel<<<dim3(ctas, num_splits), kThreads, 0, stream>>>(p, num_splits, o_part, lse_part);
-    if (num_splits > 1) {
-      float* out = static_cast<float*>(p.out);
-      if (p.head_dim <= 128)
-        block_attention_fp32_combine_kernel<1><<<ctas, kThreads, 0, stream>>>(num_rows, p.head_dim, num_splits, o_part,
-                                                                              lse_part, out);
-      else
-        block_attention_fp32_combine_kernel<2><<<ctas, kThreads, 0, stream>>>(num_rows, p.head_dim, num_splits, o_part,
-                                                                              lse_part, out);
-    }
+    if (num_splits > 1) launch_combine<float>(p, num_splits, o_part, lse_part, stream);
     return cudaGetLastError();
   }
   // The plan's query rows per CTA for this device: with block_attention_num_splits' split
@@ -982,11 +968,7 @@ cudaError_t block_attention_launch(const BlockAttentionParams& p, int num_splits
     cudaError_t err = prepare<T, D, MT, TK>(&kernel);
     if (err != cudaSuccess) return err;
     kernel<<<grid, kThreads, smem_bytes<T, D, MT, TK>(), stream>>>(p, num_splits, o_part, lse_part);
-    if (num_splits > 1) {
-      const int num_rows = p.batch * p.num_tokens * p.num_q_heads;
-      block_attention_combine_kernel<T, D><<<ceil_div(num_rows, kWarps), kThreads, 0, stream>>>(
-          num_rows, num_splits, o_part, lse_part, static_cast<T*>(p.out));
-    }
+    if (num_splits > 1) launch_combine<T>(p, num_splits, o_part, lse_part, stream);
     return cudaGetLastError();
   });
 }
