@@ -28,7 +28,8 @@
 # The machine has no `unzip`: zips are opened with `python3 -m zipfile`, which drops the
 # executable bits, so they are set again.
 set -u
-[ $# -gt 0 ] || { echo "usage: gpu_check.sh STAGE... (tests hybrid benches roofline bench8b identity triton flashinfer splits)" >&2; exit 2; }
+usage="usage: gpu_check.sh STAGE... (tests hybrid benches roofline bench8b identity triton flashinfer splits)"
+[ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
 LOG=$OUT/log.txt

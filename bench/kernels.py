@@ -446,7 +446,8 @@ def main() -> None:
                             f_err = f"{type(e).__name__}: {e}"[:200]
                     gbps = kv_bytes / (k_us * 1e-6) / 1e9
                     rows.append(dict(mode="causal" if causal else "non-causal", T=T, batch=batch, context=ctx,
-                                     num_splits=args.num_splits or "auto",                                     kernel_us=k_us, kernel_gbps=gbps, copy_share=gbps / copy_gbps, sdpa_us=s_us,
+                                     num_splits=args.num_splits or "auto",
+                                     kernel_us=k_us, kernel_gbps=gbps, copy_share=gbps / copy_gbps, sdpa_us=s_us,
                                      speedup_vs_sdpa=None if s_us is None else s_us / k_us, flashinfer_us=f_us,
                                      flashinfer_error=f_err, max_abs_diff_vs_sdpa=diff, kv_bytes=kv_bytes))
                     print(f"{rows[-1]['mode']:>10} T={T:<2} batch={batch:<2} ctx={ctx:<5} kernel {k_us:8.1f} us "
