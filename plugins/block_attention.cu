@@ -734,7 +734,7 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// The combine kernel above for fp32 and any head_dim: one warp per (b, t, head) row.
+
 // ---------------------------------------------------------------------------------------------
 // Host side
 
@@ -923,7 +923,7 @@ const char* block_attention_check(const BlockAttentionParams& p) {
 int block_attention_num_splits(const BlockAttentionParams& p, int num_sms) {
   // Shapes only (no pointers needed): a TensorRT plugin sizes its workspace before it has data.
   if (p.max_keys <= 0 || p.batch <= 0 || p.num_tokens <= 0 || !block_attention_supports(p.dtype, p.head_dim) ||
-      p.num_kv_heads <= 0 || p.num_q_heads % p.num_kv_heads != 0)
+      p.num_kv_heads <= 0 || p.num_q_heads <= 0 || p.num_q_heads % p.num_kv_heads != 0)
     return 1;
   if (num_sms <= 0 && (num_sms = device_sms()) <= 0) return 1;
   if (p.dtype == DType::kFloat32) return fp32_num_splits(p, num_sms);

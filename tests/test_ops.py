@@ -224,8 +224,11 @@ CUDA_CASES = {
     "verify ragged edges": (6, 16, 32, 8, [0, 1, 63, 64, 65, 4095], "cached", True, None),
     "decode T=1 GQA 4:1": (6, 1, 32, 8, [0, 1, 63, 64, 65, 4095], "cached", True, None),
     "decode T=1 GQA 1:1": (4, 1, 8, 8, [1, 64, 65, 1000], "cached", True, None),
-    "T=8 GQA 4:1 (two m-tiles)": (3, 8, 16, 4, [5, 129, 700], "given", False, None),
-    "T=12 GQA 4:1 (three m-tiles)": (3, 12, 16, 4, [5, 129, 700], "given", True, 100),
+    # Rows per KV head = T x the GQA group; small launches take 16- or 32-row CTAs (launch_plan)
+    "T=8 GQA 4:1 (32 rows)": (3, 8, 16, 4, [5, 129, 700], "given", False, None),
+    "T=12 GQA 4:1 (48 rows)": (3, 12, 16, 4, [5, 129, 700], "given", True, 100),
+    "T=12 GQA 4:1, batch 8 (48 rows in one 64-row CTA)": (8, 12, 32, 8, [0, 1, 65, 300, 700, 1000, 2000, 4095],
+                                                         "given", True, 100),
     "T=32 GQA 4:1 (two query chunks)": (2, 32, 16, 4, [77, 1500], "cached", True, None),
     "T=16 GQA 5:1 (80 rows)": (2, 16, 40, 8, [0, 333], "given", False, None),
     "batch 1 verify, short context (16-row CTAs)": (1, 16, 32, 8, [500], "cached", True, None),
@@ -291,6 +294,20 @@ KERNEL_IDS = [f"{str(t).removeprefix('torch.')}-d{d}" for t, d in KERNELS]
 def test_cuda_split_count_does_not_change_the_result(dtype, d, num_splits):
     assert plugins.load() is not None
     c = make_case(3, 16, 32, 8, d, [0, 70, 3000], "given", dtype=dtype, device="cuda")
+    expected = paged_block_attention_reference(**as_fp32(c), causal=True, window=None, scale=0.1)
+    got = torch.ops.dflash.block_attention(c["q"], c["k_cache"], c["v_cache"], c["slots"], c["ctx_len"],
+                                           c["q_start"], c["k_blk"], c["v_blk"], True, 0, 0.1, 0, num_splits)
+    assert (got.float() - expected).abs().max().item() <= TOLERANCE[dtype]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("num_splits", [3, 40])
+@pytest.mark.parametrize("dtype,d", [(torch.bfloat16, 128), (torch.float16, 64), (torch.bfloat16, 256)],
+                         ids=["bf16-d128", "fp16-d64", "bf16-d256"])
+def test_cuda_forced_split_count_with_small_ctas_matches_reference(dtype, d, num_splits):
+    # batch 1, short context: the launch takes 16-row CTAs (32 at d = 256) whatever the splits
+    assert plugins.load() is not None
+    c = make_case(1, 16, 32, 8, d, [500], "cached", dtype=dtype, device="cuda")
     expected = paged_block_attention_reference(**as_fp32(c), causal=True, window=None, scale=0.1)
     got = torch.ops.dflash.block_attention(c["q"], c["k_cache"], c["v_cache"], c["slots"], c["ctx_len"],
                                            c["q_start"], c["k_blk"], c["v_blk"], True, 0, 0.1, 0, num_splits)
