@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dflash_trt import plugins
+
 
 def attention_mask(q_pos, k_pos, k_valid, causal: bool, window: int | None) -> torch.Tensor:
     """[bs, T, L] bool, True where query t may see key l: q_pos [bs, T] and k_pos [bs, L] are
@@ -69,12 +71,13 @@ def block_attention_kernel_supports(dtype: torch.dtype, head_dim: int) -> bool:
     return False
 
 
-def _cuda_block_attention_supported(q: torch.Tensor) -> bool:
-    if not q.is_cuda or not block_attention_kernel_supports(q.dtype, q.shape[3]):
-        return False
-    from dflash_trt import plugins
-
+def _plugins_loaded() -> bool:
+    """Whether the CUDA plugin library is built and loaded (built on the first call)."""
     return plugins.load() is not None
+
+
+def _cuda_block_attention_supported(q: torch.Tensor) -> bool:
+    return q.is_cuda and block_attention_kernel_supports(q.dtype, q.shape[3]) and _plugins_loaded()
 
 
 def paged_block_attention(q, k_cache, v_cache, slots, ctx_len, q_start, k_blk=None, v_blk=None, causal=False,
@@ -115,11 +118,7 @@ def paged_block_attention(q, k_cache, v_cache, slots, ctx_len, q_start, k_blk=No
 
 
 def _layer_kernel_ready(t: torch.Tensor) -> bool:
-    if not t.is_cuda or t.dtype not in (torch.bfloat16, torch.float16):
-        return False
-    from dflash_trt import plugins
-
-    return plugins.load() is not None
+    return t.is_cuda and t.dtype in (torch.bfloat16, torch.float16) and _plugins_loaded()
 
 
 def rms_norm_reference(x, weight, eps, zero_centered=False):
@@ -407,12 +406,9 @@ def gated_delta_prepare(qkv, a, b, neg_a, dt_bias, num_k_heads: int, key_dim: in
         assert t.shape == (Hv,) and t.dtype == torch.float32 and t.device == qkv.device and t.is_contiguous(), \
             f"{name} must be a contiguous fp32 [{Hv}] on qkv's device"
     if qkv.is_cuda and 1 <= key_dim <= 256 and a.dim() == 3 and a.stride() == b.stride() and \
-            a.stride(0) == a.stride(1) * a.shape[1]:
-        from dflash_trt import plugins
-
-        if plugins.load() is not None:
-            return torch.ops.dflash.gated_delta_prepare(qkv, a, b, neg_a, dt_bias, num_k_heads, key_dim, value_dim,
-                                                        float(eps), float(q_scale))
+            a.stride(0) == a.stride(1) * a.shape[1] and _plugins_loaded():
+        return torch.ops.dflash.gated_delta_prepare(qkv, a, b, neg_a, dt_bias, num_k_heads, key_dim, value_dim,
+                                                    float(eps), float(q_scale))
     return gated_delta_prepare_reference(qkv, a, b, neg_a, dt_bias, num_k_heads, key_dim, value_dim, eps, q_scale)
 
 
@@ -472,10 +468,7 @@ def gated_delta_recurrent(q, k, v, g, beta, state_cache, snapshot_cache, slots, 
     for name, t in (("slots", slots), ("start", start), ("num_tokens", num_tokens)):
         assert t.dtype == torch.int32 and t.shape == (bs,) and t.device == q.device and t.is_contiguous(), \
             f"{name} must be contiguous int32 [{bs}] on q's device, got {t.dtype} {tuple(t.shape)} {t.device}"
-    if q.is_cuda and gated_delta_kernel_supports(dk, dv):
-        from dflash_trt import plugins
-
-        if plugins.load() is not None:
-            return torch.ops.dflash.gated_delta_recurrent(q, k, v, g, beta, state_cache, snapshot_cache, slots, start,
-                                                          num_tokens)
+    if q.is_cuda and gated_delta_kernel_supports(dk, dv) and _plugins_loaded():
+        return torch.ops.dflash.gated_delta_recurrent(q, k, v, g, beta, state_cache, snapshot_cache, slots, start,
+                                                      num_tokens)
     return gated_delta_recurrent_reference(q, k, v, g, beta, state_cache, snapshot_cache, slots, start, num_tokens)

@@ -857,8 +857,9 @@ LaunchPlan launch_plan(const BlockAttentionParams& p, int num_sms) {
     // A short context at batch 1 leaves most SMs idle even split to the minimum chunk (T = 16
     // at context 512: 16 CTAs of 64 rows). Then fewer rows per CTA put more SMs to work, at
     // the price of re-reading K/V from L2 once per query chunk: on the H100, T = 16 at
-    // context 512 went from 20.7 to 11.7 us with 16-row CTAs, but wherever the launch had
-    // half the SMs' worth of CTAs or more, smaller CTAs lost (up to 2.3x at 32k; BENCHMARKS.md).
+    // context 512 went from 20.7 to 11.7 us with 16-row CTAs; where the launch had half the
+    // SMs' worth of CTAs or more, smaller CTAs won 8% once (T = 16 at context 4096, 72 CTAs)
+    // and lost everywhere else, up to 2.3x at 32k (BENCHMARKS.md).
     if (plan.m_tiles == min_mt || 2 * ctas * plan.num_splits >= num_sms) return plan;
     plan.m_tiles /= 2;
   }
