@@ -10,7 +10,8 @@
 #   bash bench/gpu_check.sh identity   # Qwen3-8B-shaped random pair in fp32: DFlash output identical to AR
 #   bash bench/gpu_check.sh triton     # Triton vs in-process on the Qwen3-8B-shaped pair
 #   bash bench/gpu_check.sh flashinfer # the block attention table with its FlashInfer column
-#   bash bench/gpu_check.sh splits     # the causal attention table per forced key-split count
+#   bash bench/gpu_check.sh splits     # the causal attention table per forced key-split count, uniform
+#                                      # and ragged batches
 #   bash bench/gpu_check.sh tests roofline   # several stages in one call
 #
 # The GPU machine has torch, transformers and numpy 2 but no internet. What it lacks travels
@@ -132,8 +133,13 @@ triton)
   ;;
 splits)
   # the split rule aims at four waves of CTAs for ragged batches; at batch 1 nothing is ragged
-  for n in 0 8 16 33 64; do
-    step "splits-$n" 100 python3 bench/kernels.py --mode causal --num-splits $n --json "$OUT/splits_$n.json"
+  # (SPLITS and RAGGED_SPLITS override the counts swept; 0 is the launch plan's own)
+  for n in ${SPLITS:-0 1 2 4 5 8 12 16 24 33 48 64}; do
+    step "splits-$n" 100 python3 bench/kernels.py --mode causal --num-splits "$n" --json "$OUT/splits_$n.json"
+  done
+  for n in ${RAGGED_SPLITS:-0 2 4 8 16 33}; do
+    step "ragged-$n" 100 python3 bench/kernels.py --mode causal --ragged --num-splits "$n" \
+      --json "$OUT/ragged_$n.json"
   done
   ;;
 flashinfer)

@@ -13,6 +13,7 @@ copy measured here (bytes read + written / time, the convention of performance.m
     python bench/kernels.py --gated-delta    # the Gated DeltaNet decode/verify kernel instead
     python bench/kernels.py --gemv           # Qwen3-8B's linear layers at 1-32 rows, per BLAS
     python bench/kernels.py --num-splits 16  # the attention table with 16 key splits forced
+    python bench/kernels.py --ragged         # batches of mixed contexts: row i has context >> (i % 8)
 """
 
 from __future__ import annotations
@@ -332,6 +333,9 @@ def main() -> None:
                         help="which half of the attention table (each half fits a call with FlashInfer's JIT)")
     parser.add_argument("--num-splits", type=int, default=0,
                         help="force this many key splits per row (0: the launch plan's; for split-rule sweeps)")
+    parser.add_argument("--ragged", action="store_true",
+                        help="mixed contexts: row i of a batch gets context >> (i %% 8) (batch 1 is left out; "
+                             "so is FlashInfer, whose harness here takes one length)")
     parser.add_argument("--gemv", action="store_true", help="time only Qwen3-8B's linear layers (cuBLAS, cuBLASLt)")
     parser.add_argument("--gated-delta", action="store_true",
                         help="time only the Gated DeltaNet decode/verify kernel (gated_delta.cu)")
@@ -345,6 +349,8 @@ def main() -> None:
     except ImportError:
         fi = None
         print("FlashInfer is absent: its column stays empty", file=sys.stderr)
+    if args.ragged:
+        fi = None
 
     torch.manual_seed(0)
     if args.gated_delta:
@@ -385,21 +391,23 @@ def main() -> None:
     rows = []
     for causal in {"both": (False, True), "non-causal": (False,), "causal": (True,)}[args.mode]:
         for T in TOKENS:
-            for batch in BATCHES:
+            for batch in BATCHES if not args.ragged else [b for b in BATCHES if b > 1]:
                 for ctx in CONTEXTS:
                     q = torch.randn(batch, T, HQ, D, dtype=torch.bfloat16, device="cuda")
                     k_blk = torch.randn(batch, T, HKV, D, dtype=torch.bfloat16, device="cuda")
                     v_blk = torch.randn_like(k_blk)
                     i32 = dict(dtype=torch.int32, device="cuda")
                     slots = torch.arange(batch, **i32)
-                    q_start = torch.full((batch,), ctx, **i32)
+                    # ctx is the longest row's context (all rows' unless --ragged)
+                    contexts = [max(ctx >> (i % 8), 1) if args.ragged else ctx for i in range(batch)]
+                    q_start = torch.tensor(contexts, **i32)
                     q_pos = q_start.long()[:, None] + torch.arange(T, device="cuda")
                     if causal:  # verify: the block sits in the cache at ctx .. ctx + T - 1
                         ctx_len = q_start + T
                         blk = (None, None)
                         length = ctx + T
                         k_pos = torch.arange(length, device="cuda").expand(batch, -1)
-                        mask = attention_mask(q_pos, k_pos, k_pos < length, causal=True, window=None)
+                        mask = attention_mask(q_pos, k_pos, k_pos < ctx_len[:, None], causal=True, window=None)
 
                         def sdpa():
                             k, v = k_cache[slots.long(), :length], v_cache[slots.long(), :length]
@@ -408,8 +416,9 @@ def main() -> None:
                         ctx_len = q_start
                         blk = (k_blk, v_blk)
                         k_pos = torch.cat([torch.arange(ctx, device="cuda").expand(batch, -1), q_pos], 1)
-                        mask = attention_mask(q_pos, k_pos, torch.ones_like(k_pos, dtype=torch.bool), causal=False,
-                                              window=None)
+                        in_context = k_pos[:, :ctx] < q_start[:, None]
+                        k_valid = torch.cat([in_context, torch.ones_like(q_pos, dtype=torch.bool)], 1)
+                        mask = attention_mask(q_pos, k_pos, k_valid, causal=False, window=None)
 
                         def sdpa():
                             k = torch.cat([k_cache[slots.long(), :ctx], k_blk], 1)
@@ -420,7 +429,7 @@ def main() -> None:
                         return torch.ops.dflash.block_attention(q, k_cache, v_cache, slots, ctx_len, q_start, *blk,
                                                                 causal, 0, scale, ctx + T, args.num_splits)
 
-                    kv_bytes = batch * (ctx + T) * HKV * D * 2 * 2
+                    kv_bytes = sum(c + T for c in contexts) * HKV * D * 2 * 2
                     k_us, _ = time_us(kernel)
                     try:  # today's path materialises K/V (and, for GQA, may expand them): it can run out
                         diff = (kernel().float().flatten(2) - sdpa().float()).abs().max().item()
@@ -447,6 +456,7 @@ def main() -> None:
                             f_err = f"{type(e).__name__}: {e}"[:200]
                     gbps = kv_bytes / (k_us * 1e-6) / 1e9
                     rows.append(dict(mode="causal" if causal else "non-causal", T=T, batch=batch, context=ctx,
+                                     ragged=args.ragged,
                                      num_splits=args.num_splits or "auto",
                                      kernel_us=k_us, kernel_gbps=gbps, copy_share=gbps / copy_gbps, sdpa_us=s_us,
                                      speedup_vs_sdpa=None if s_us is None else s_us / k_us, flashinfer_us=f_us,

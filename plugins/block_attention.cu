@@ -845,14 +845,21 @@ LaunchPlan launch_plan(const BlockAttentionParams& p, int num_sms) {
   for (;;) {
     const int cta_rows = 16 * plan.m_tiles;
     const int ctas = p.batch * p.num_kv_heads * ceil_div(rows, cta_rows);
-    // Memory-bound CTAs of one launch finish at different times (ragged rows, uneven SMs),
-    // so aim for about four waves of resident CTAs: the last, partly filled wave then costs
-    // little. But each split must read enough keys to pay for writing and re-reading its
-    // fp32 partial (M rows x d x 8 bytes against keys x d x 4 bytes of K/V): 8 * M keys keeps
-    // that below 1/4 of the traffic, usually far below. Unknown lengths are not split.
+    // Every row gets num_splits CTAs whatever its length, so in a ragged batch the longest
+    // rows' CTAs are the tail: aim for about four waves of resident CTAs, so that they are
+    // short. Batch 1 cannot be ragged, and there each extra wave costs: one wave of two CTAs
+    // per SM (two, so that one computes while the other waits on memory). On the H100 at 32k
+    // context, batch 1, T = 16: 71 us at 33 splits, 90 us at 64 (four waves), 76 us at 16
+    // (one CTA per SM); a ragged batch of 8 (32k, 16k, ... 256): 151 us at four waves, 269 us
+    // at one (BENCHMARKS.md). But each split must read enough keys to pay for writing and
+    // re-reading its fp32 partial (M rows x d x 8 bytes against keys x d x 4 bytes of K/V):
+    // 8 * M keys keeps that below 1/4 of the traffic, usually far below. Unknown lengths are
+    // not split.
     const int min_chunk = std::max(kMinChunk, 8 * std::min(rows, cta_rows));
     const int by_length = p.max_keys > 0 ? ceil_div(p.max_keys, min_chunk) : 1;
-    const int wanted = ceil_div(4 * resident_ctas(p, plan.m_tiles) * num_sms, ctas);
+    const int resident = resident_ctas(p, plan.m_tiles);
+    const int wanted = p.batch == 1 ? std::max(1, std::min(resident, 2) * num_sms / ctas)
+                                    : ceil_div(4 * resident * num_sms, ctas);
     plan.num_splits = std::max(1, std::min({by_length, wanted, kMaxSplits}));
     // A short context at batch 1 leaves most SMs idle even split to the minimum chunk (T = 16
     // at context 512: 16 CTAs of 64 rows). Then fewer rows per CTA put more SMs to work, at
