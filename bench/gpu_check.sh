@@ -132,7 +132,7 @@ triton)
   export PYTHONPATH=/tmp/site
   ;;
 splits)
-  # the split rule aims at four waves of CTAs for ragged batches; at batch 1 nothing is ragged
+  # the split rule: about four waves of CTAs (one at batch 1), for ragged batches (launch_plan)
   # (SPLITS and RAGGED_SPLITS override the counts swept; 0 is the launch plan's own)
   for n in ${SPLITS:-0 1 2 4 5 8 12 16 24 33 48 64}; do
     step "splits-$n" 100 python3 bench/kernels.py --mode causal --num-splits "$n" --json "$OUT/splits_$n.json"

@@ -452,6 +452,13 @@ def main() -> None:
                             f_diff = f_diff.abs().max().item()
                             f_us, _ = time_us(f_run) if f_diff <= 2e-2 else (None, None)
                             f_err = None if f_us is not None else f"differs from the kernel by {f_diff:.3g}"
+                            if f_us is not None:
+                                # A second round of both, each keeping its better time, so the
+                                # order (ours first, right after the previous shape) favours
+                                # neither: small shapes measured up to 2.5 us slower in runs
+                                # with FlashInfer than in runs without it.
+                                k_us = min(k_us, time_us(kernel)[0])
+                                f_us = min(f_us, time_us(f_run)[0])
                         except Exception as e:  # noqa: BLE001 - API drift between versions
                             f_err = f"{type(e).__name__}: {e}"[:200]
                     gbps = kv_bytes / (k_us * 1e-6) / 1e9
