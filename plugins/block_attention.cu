@@ -848,10 +848,9 @@ LaunchPlan launch_plan(const BlockAttentionParams& p, int num_sms) {
     // Every row gets num_splits CTAs whatever its length, so in a ragged batch the longest
     // rows' CTAs are the tail: aim for about four waves of resident CTAs, so that they are
     // short. Batch 1 cannot be ragged, and there each extra wave costs: one wave of two CTAs
-    // per SM (two, so that one computes while the other waits on memory). On the H100 at 32k
-    // context, batch 1, T = 16: 71 us at 33 splits, 90 us at 64 (four waves), 76 us at 16
-    // (one CTA per SM); a ragged batch of 8 (32k, 16k, ... 256): 151 us at four waves, 269 us
-    // at one (BENCHMARKS.md). But each split must read enough keys to pay for writing and
+    // per SM. On the H100 at 32k context, batch 1, T = 16: 71 us at 33 splits, 90 us at 64
+    // (four waves), 76 us at 16 (one CTA per SM, which wins by 5-7% at T = 1 and 8); a ragged
+    // batch of 8 (32k, 16k, ... 256): 151 us at four waves, 269 us at one (BENCHMARKS.md). But each split must read enough keys to pay for writing and
     // re-reading its fp32 partial (M rows x d x 8 bytes against keys x d x 4 bytes of K/V):
     // 8 * M keys keeps that below 1/4 of the traffic, usually far below. Unknown lengths are
     // not split.
