@@ -502,11 +502,12 @@ __global__ void __launch_bounds__(kThreads, 2)
 // Combine: one warp per (b, t, head) row merges the num_splits partials of either kernel
 //   out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M),  M = max_s lse_s.
 // Every split writes every row's partial, an empty one lse = -inf and o = 0 (both attention
-// kernels), so its weight is 0 and adding it adds 0. With many splits (64 at batch 1 and 32k
-// context) a loop that loads split s + 1 only after using split s waits out two memory
-// latencies per split, so no load here waits on another: the lanes read 32 splits' lse at
-// once (row max and weights), and the weighted sum, branch-free, is unrolled so that the o
-// rows of 8 splits are in flight, each weight broadcast from the lane that computed it.
+// kernels), so its weight is 0 and adding it adds 0. With many splits (up to 64; 33 at
+// batch 1 and 32k context on the H100) a loop that loads split s + 1 only after using split
+// s waits out two memory latencies per split, so no load here waits on another: the lanes
+// read 32 splits' lse at once (row max and weights), and the weighted sum, branch-free, is
+// unrolled so that the o rows of 8 splits are in flight, each weight broadcast from the lane
+// that computed it.
 // Lane l holds columns 4 l .. 4 l + 3 of each 128-column group (NC groups: d <= 128 NC).
 
 template <typename T, int NC>
@@ -850,10 +851,10 @@ LaunchPlan launch_plan(const BlockAttentionParams& p, int num_sms) {
     // short. Batch 1 cannot be ragged, and there each extra wave costs: one wave of two CTAs
     // per SM. On the H100 at 32k context, batch 1, T = 16: 71 us at 33 splits, 90 us at 64
     // (four waves), 76 us at 16 (one CTA per SM, which wins by 5-7% at T = 1 and 8); a ragged
-    // batch of 8 (32k, 16k, ... 256): 151 us at four waves, 269 us at one (BENCHMARKS.md). But each split must read enough keys to pay for writing and
-    // re-reading its fp32 partial (M rows x d x 8 bytes against keys x d x 4 bytes of K/V):
-    // 8 * M keys keeps that below 1/4 of the traffic, usually far below. Unknown lengths are
-    // not split.
+    // batch of 8 (32k, 16k, ... 256): 151 us at four waves, 269 us at one (BENCHMARKS.md).
+    // But each split must read enough keys to pay for writing and re-reading its fp32
+    // partial (M rows x d x 8 bytes against keys x d x 4 bytes of K/V): 8 * M keys keeps
+    // that below 1/4 of the traffic, usually far below. Unknown lengths are not split.
     const int min_chunk = std::max(kMinChunk, 8 * std::min(rows, cta_rows));
     const int by_length = p.max_keys > 0 ? ceil_div(p.max_keys, min_chunk) : 1;
     const int resident = resident_ctas(p, plan.m_tiles);
