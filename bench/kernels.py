@@ -254,7 +254,8 @@ def gated_delta_rows() -> list[dict]:
     fused_recurrent_gated_delta_rule, which reads the state and writes only the final one
     (no snapshots, so less traffic: not the same work)."""
     from dflash_trt import ops
-    from dflash_trt.gated_delta import gated_delta_rule_reference, l2_normalize
+    from dflash_trt.models.gated_delta import l2_normalize
+    from dflash_trt.ops import gated_delta_rule_reference
 
     hk, hv, d, ns = 16, 32, 128, 16
     fla = fla_fused_recurrent()

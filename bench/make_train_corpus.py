@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from dflash_trt.tokenizer import Tokenizer, write_qwen_tokenizer
+from dflash_trt.fixtures.tokenizer import write_qwen_tokenizer
+from dflash_trt.tokenizer import Tokenizer
 
 
 def main(source: str, target: str) -> None:

@@ -2,7 +2,7 @@
 
     python bench/profile_step.py --preset qwen3-8b --json out.json
 
-Random weights of a real shape (dflash_trt.random_weights), greedy, on the GPU:
+Random weights of a real shape (dflash_trt.benchmark.random_weights), greedy, on the GPU:
 1. the device-to-device copy bandwidth (bytes read + written per second, best of 20 copies
    of 1 GiB), and the roofline: weight bytes / copy bandwidth per AR token at batch 1;
 2. the steady-state time of one AR step, one draft pass and one verify pass (CUDA events
@@ -22,10 +22,10 @@ from collections import defaultdict
 
 import torch
 
+from dflash_trt.benchmark.random_weights import random_engine
 from dflash_trt.graphs import DecodePasses
-from dflash_trt.random_weights import random_engine
-from dflash_trt.sequence import Sequence
 from dflash_trt.sampling import SamplingParams
+from dflash_trt.sequence import Sequence
 
 
 def copy_bandwidth(device="cuda", nbytes=1 << 30, reps=20) -> float:
@@ -109,7 +109,8 @@ def wall_ms(fn, reps=50) -> float:
 def profile(fn, steps=5, top=0) -> dict:
     """GPU ms per step by kernel family; with top > 0 also the `top` costliest kernels by
     name, with their calls per step (which GEMM shapes cost what)."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
 
     fn()
     torch.cuda.synchronize()

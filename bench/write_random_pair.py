@@ -1,4 +1,4 @@
-"""Write a random-weights pair (dflash_trt.random_weights preset) as checkpoint directories.
+"""Write a random-weights pair (dflash_trt.benchmark.random_weights preset) as checkpoint directories.
 
     python bench/write_random_pair.py qwen3-1.7b /tmp/r17 && \
         dflash-trt build --target /tmp/r17/target --drafter /tmp/r17/drafter --device cuda -o out/r17
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
+from dflash_trt.benchmark.random_weights import random_pair, write_configs
 from dflash_trt.build import _save_model
-from dflash_trt.random_weights import random_pair, write_configs
 
 
 def main(argv=None) -> int:

@@ -4,10 +4,12 @@ The public API is small and exported lazily so that `import dflash_trt` (and the
 `--help`) does not import torch.
 """
 
+import importlib
+
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "load_pair": "dflash_trt.engine",
+    "load_pair": "dflash_trt.loading",
     "Engine": "dflash_trt.engine",
     "SamplingParams": "dflash_trt.sampling",
     "GenerationResult": "dflash_trt.engine",
@@ -22,6 +24,4 @@ __all__ = sorted(_EXPORTS)
 def __getattr__(name):
     if name not in _EXPORTS:
         raise AttributeError(f"module 'dflash_trt' has no attribute {name!r}")
-    import importlib
-
     return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -1,19 +1,24 @@
 """The `dflash-trt` command line: thin click commands over the library.
 
 Library errors cross into click exactly once, in `_errors()`: a DFlashError becomes a
-ClickException (exit 1); bad flags are click usage errors (exit 2). Heavy imports (torch,
-tritonclient) happen inside the commands so `dflash-trt --help` is instant.
+ClickException (exit 1); bad flags are click usage errors (exit 2). Each command imports the
+library it drives inside its body: those modules import torch (or tritonclient), and
+`dflash-trt --help` and a bad flag should answer without paying for that. These are the
+package's only function-local imports besides optional dependencies.
 """
 
 from __future__ import annotations
 
 import contextlib
+import signal
 import sys
+import time
 from pathlib import Path
 
 import click
 
 from dflash_trt import __version__
+from dflash_trt.config import preset_names, resolve_config
 from dflash_trt.errors import DFlashError
 
 
@@ -23,12 +28,6 @@ def _errors():
         yield
     except DFlashError as e:
         raise click.ClickException(str(e)) from None
-
-
-def _preset_names() -> list[str]:
-    from dflash_trt.build import preset_names
-
-    return preset_names()
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -46,7 +45,7 @@ def cli():
 @cli.command()
 @click.option("--target", metavar="SRC", help="Target checkpoint: local directory or Hugging Face id.")
 @click.option("--drafter", metavar="SRC", help="DFlash drafter checkpoint: local directory or Hugging Face id.")
-@click.option("--preset", type=click.Choice(_preset_names()), help="A build_configs/*.toml preset.")
+@click.option("--preset", type=click.Choice(preset_names()), help="A build_configs/*.toml preset.")
 @click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="A TOML file with BuildConfig fields (instead of --preset).")
 @click.option("-o", "--output", required=True, type=click.Path(path_type=Path), help="Output directory.")
@@ -71,7 +70,7 @@ def build(target, drafter, preset, config_file, output, force, **overrides):
     if preset and config_file:
         raise click.UsageError("give --preset or --config, not both")
     with _errors():
-        config = build_lib.resolve_config(preset, config_file, target=target, drafter=drafter, **overrides)
+        config = resolve_config(preset, config_file, target=target, drafter=drafter, **overrides)
         path = build_lib.run(config, output, force=force)
     click.echo(path)
 
@@ -105,9 +104,7 @@ def run(output_dir, prompt, mode, device, max_tokens, temperature, top_k, top_p,
     \b
     dflash-trt run out/demo "Write a quicksort in Python." --stats
     """
-    import time
-
-    from dflash_trt.build import load_engine
+    from dflash_trt.loading import load_engine
     from dflash_trt.sampling import SamplingParams
 
     with _errors():
@@ -146,9 +143,7 @@ def serve(output_dir, tritonserver_args, http_port, grpc_port, metrics_port, hos
     dflash-trt serve out/demo -- --log-verbose=1 --pinned-memory-pool-byte-size=0
     dflash-trt generate "Write a haiku." --stream --stats
     """
-    import signal
-
-    from dflash_trt.serve import TritonServer
+    from dflash_trt.serving.server import TritonServer
 
     def shutdown(signum, frame):
         raise KeyboardInterrupt
@@ -188,9 +183,7 @@ def generate(prompt, url, protocol, stream, max_tokens, temperature, top_k, top_
     \b
     dflash-trt generate "Write a quicksort in Python." --stream --stats
     """
-    import time
-
-    from dflash_trt import client
+    from dflash_trt.serving import client
 
     completion = client.Completion()
     start = time.perf_counter()
@@ -226,7 +219,7 @@ class _LazyChoice(click.Choice):
 
 
 def _random_weights_presets() -> list[str]:
-    from dflash_trt.random_weights import PRESETS  # imports torch: only when the option is used or shown
+    from dflash_trt.benchmark.random_weights import PRESETS  # imports torch: only when the option is used or shown
 
     return list(PRESETS)
 
@@ -234,11 +227,11 @@ def _random_weights_presets() -> list[str]:
 def _bench_engine(output_dir, random_weights, device):
     """The in-process engine of `bench`: a built OUTPUT_DIR, random weights, or None (--url only)."""
     if output_dir is not None:
-        from dflash_trt.build import load_engine
+        from dflash_trt.loading import load_engine
 
         return load_engine(output_dir / "engine", device)
     if random_weights is not None:
-        from dflash_trt.random_weights import random_engine
+        from dflash_trt.benchmark.random_weights import random_engine
 
         # One slot is enough: run_bench makes an engine per concurrency from the shared models.
         return random_engine(random_weights, device=device or "cuda", max_batch_size=1)
@@ -272,7 +265,7 @@ def bench(output_dir, random_weights, url, compare_transformers, datasets, concu
     dflash-trt bench --random-weights qwen3-8b --oracle-tau 6.5 --compare-transformers
     dflash-trt bench out/q8 --url localhost:8001     # also through a running `dflash-trt serve out/q8`
     """
-    from dflash_trt import bench as bench_lib
+    from dflash_trt.benchmark import bench as bench_lib
 
     if output_dir is not None and random_weights is not None:
         raise click.UsageError("give OUTPUT_DIR or --random-weights, not both")

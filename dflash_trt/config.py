@@ -6,12 +6,14 @@ would silently patch up is rejected here with the file, key and value named.
 
 from __future__ import annotations
 
+import importlib.resources
 import json
 import math
-from dataclasses import dataclass
+import tomllib
+from dataclasses import dataclass, fields
 from pathlib import Path
 
-from dflash_trt.errors import ConfigError, PairError
+from dflash_trt.errors import BuildError, ConfigError, PairError
 
 SUPPORTED_TARGET_TYPES = ("qwen3",)
 LAYER_KINDS = ("full_attention", "sliding_attention")
@@ -498,3 +500,114 @@ def check_pair(target: TargetConfig, draft: DraftConfig, draft_dir: Path | str =
             f"{path}: mask_token_id = {draft.mask_token_id} is outside the target's embedding table "
             f"(vocab_size = {target.vocab_size})"
         )
+
+
+# -- build configs (presets and engine.json) ------------------------------------------------
+
+# The top-level build_configs/ is installed as this package (see pyproject.toml).
+PRESET_DIR = Path(str(importlib.resources.files("dflash_trt.build_configs")))
+# The engine directory `dflash-trt build` writes: the build's record (this config, resolved)
+# and the target's tokenizer files, beside the packed target/ and drafter/ checkpoints.
+ENGINE_FILE = "engine.json"
+TOKENIZER_DIR = "tokenizer"
+DTYPES = ("float32", "bfloat16", "float16")
+DEVICES = ("cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    """Everything a build decides; presets and CLI flags set these fields by name."""
+
+    target: str = ""  # local directory or Hugging Face id; empty: the embedded demo pair
+    drafter: str = ""
+    dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu (CPU bf16 matmuls are slow)
+    device: str = "cpu"  # where the engine will run
+    max_batch_size: int = 8  # concurrent sequences in the engine
+    max_input_len: int = 2048  # prompt tokens
+    max_output_len: int = 1024  # generated tokens per request
+    block_size: int = 0  # 0: the drafter's trained block size
+    triton_max_batch_size: int = 64  # Triton-level batching of pre/postprocessing
+    preset: str = ""  # name of the preset this came from, for the record
+
+    def __post_init__(self):
+        problems = []
+        if self.dtype not in DTYPES + ("auto",):
+            problems.append(f"dtype must be one of auto, {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.device not in DEVICES:
+            problems.append(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        for name in ("max_batch_size", "max_input_len", "max_output_len", "triton_max_batch_size"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+                problems.append(f"{name} must be an int > 0, got {getattr(self, name)!r}")
+        if not isinstance(self.block_size, int) or self.block_size < 0 or self.block_size == 1:
+            problems.append(f"block_size must be 0 (the drafter's) or an int >= 2, got {self.block_size!r}")
+        if bool(self.target) != bool(self.drafter):
+            problems.append("give both target and drafter, or neither (the embedded demo pair)")
+        if problems:
+            raise ConfigError("; ".join(problems))
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.max_input_len + self.max_output_len
+
+    @property
+    def resolved_dtype(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if self.device == "cuda" else "float32"
+
+    @classmethod
+    def from_mapping(cls, data: dict, source: str) -> "BuildConfig":
+        known = {f.name: f.type for f in fields(cls)}
+        unknown = sorted(set(data) - set(known))
+        if unknown:
+            raise ConfigError(f"{source}: unknown key(s) {', '.join(unknown)}; known keys: {', '.join(known)}")
+        for key, value in data.items():
+            expected = int if known[key] == "int" else str
+            if not isinstance(value, expected) or isinstance(value, bool):
+                raise ConfigError(f"{source}: key '{key}' must be {expected.__name__}, got {value!r}")
+        try:
+            return cls(**data)
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}") from None
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.toml"))
+
+
+def load_config_file(path: Path) -> dict:
+    try:
+        return tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: file not found") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML ({e})") from None
+
+
+def resolve_config(preset: str | None = None, config_file: Path | None = None, **overrides) -> BuildConfig:
+    """Preset (or config file), then non-None overrides on top, validated once."""
+    data, source = {}, "build options"
+    if preset:
+        if preset not in preset_names():
+            raise ConfigError(f"unknown preset {preset!r}; presets: {', '.join(preset_names())}")
+        source = str(PRESET_DIR / f"{preset}.toml")
+        data = {**load_config_file(Path(source)), "preset": preset}
+    elif config_file:
+        data, source = load_config_file(config_file), str(config_file)
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    return BuildConfig.from_mapping(data, source)
+
+
+def read_engine_record(engine_dir: Path) -> tuple[dict, BuildConfig]:
+    """engine.json of a built engine directory and its build config, read here only (torch-free,
+    so the preprocessing model reads its limits without loading the engine)."""
+    engine_dir = Path(engine_dir)
+    path = engine_dir / ENGINE_FILE
+    try:
+        record = json.loads(path.read_text())
+        config = BuildConfig.from_mapping(record["build_config"], str(path))
+    except FileNotFoundError:
+        raise BuildError(f"{path}: not found; is {engine_dir} an engine directory from `dflash-trt build`?") from None
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise BuildError(f"{path}: not a valid engine record ({e!r})") from None
+    return record, config

@@ -10,22 +10,18 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterable
 
 import torch
 
-from dflash_trt.config import DraftConfig, check_pair, load_target_config
-from dflash_trt.errors import ConfigError, PairError, RequestError
+from dflash_trt.errors import ConfigError, RequestError
 from dflash_trt.graphs import DecodePasses, GraphedPasses, graphs_supported
 from dflash_trt.kv_cache import Batch
-from dflash_trt.models import target_class
 from dflash_trt.models.dflash import DFlashDrafter
 from dflash_trt.models.qwen3 import Qwen3ForCausalLM
 from dflash_trt.sampling import SamplingParams, sample, target_probs
 from dflash_trt.sequence import RequestStats, Sequence
 from dflash_trt.speculate import OracleDrafts, speculative_step
-from dflash_trt.weights import Checkpoint, load_weights
 
 MODES = ("ar", "dflash")
 
@@ -256,49 +252,3 @@ def check_caches_fit(per_slot: int, max_batch_size: int, max_seq_len: int, free:
         f"tokens need {need / GiB:.1f} GiB ({per_slot / GiB:.2f} GiB per request, Qwen3.5 linear-attention state "
         f"and rollback buffers included), but only {free / GiB:.1f} GiB of the GPU are free after the weights and "
         f"{reserve / GiB:.1f} GiB are kept for activations; {advice}")
-
-
-# -- loading ------------------------------------------------------------------------------
-
-
-def _build(model_cls, config, checkpoint: Checkpoint, device, dtype, prefixes=("",)):
-    with torch.device("meta"):
-        model = model_cls(config)
-    model = model.to(dtype).to_empty(device=device)
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()
-    load_weights(model, checkpoint, prefixes)
-    return model.eval()
-
-
-def load_target(directory: Path, device="cpu", dtype=torch.float32) -> Qwen3ForCausalLM:
-    config = load_target_config(directory)
-    return _build(target_class(config.model_type), config, Checkpoint(directory), device, dtype)
-
-
-def load_drafter(directory: Path, target: Qwen3ForCausalLM, device="cpu", dtype=torch.float32) -> DFlashDrafter:
-    config = DraftConfig.from_dir(directory, target.config.dims.num_hidden_layers)
-    check_pair(target.config, config, directory)
-    checkpoint = Checkpoint(directory)
-    # z-lab drafters store flat names; some exports add a "model." prefix. Any stray
-    # embed_tokens / lm_head tensors are ignored: the drafter always uses the target's.
-    prefixes = ("", "model.")
-    fc_name = checkpoint.resolve("fc.weight", prefixes)
-    width = checkpoint.get(fc_name).shape[-1]
-    expected = config.num_taps * target.config.dims.hidden_size
-    if width != expected:
-        raise PairError(
-            f"{checkpoint.files[fc_name]}: '{fc_name}' has input width {width}, but {config.num_taps} taps x "
-            f"hidden_size {target.config.dims.hidden_size} = {expected}"
-        )
-    drafter = _build(DFlashDrafter, config, checkpoint, device, dtype, prefixes)
-    drafter.bind(target)
-    return drafter
-
-
-def load_pair(target_dir, drafter_dir=None, *, device="cpu", dtype=torch.float32,
-              max_batch_size: int = 8, max_seq_len: int = 4096, mode: str | None = None) -> Engine:
-    """Load a Qwen3 target (and optionally its DFlash drafter) into an Engine."""
-    target = load_target(Path(target_dir), device, dtype)
-    drafter = load_drafter(Path(drafter_dir), target, device, dtype) if drafter_dir else None
-    return Engine(target, drafter, max_batch_size=max_batch_size, max_seq_len=max_seq_len, mode=mode)

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash_trt import ops, plugins
 from dflash_trt.kv_cache import Batch, KVCache
 from dflash_trt.sequence import Sequence
-from dflash_trt.speculate import draft, verify
+from dflash_trt.speculate import accepted_length
 
 
 @dataclass(frozen=True)
@@ -82,11 +83,30 @@ class DecodePasses:
         return hidden, self.target.lm_head(hidden[:, 0]).argmax(dim=-1)
 
     def draft(self, x: StepInputs) -> torch.Tensor:
-        return draft(self.drafter, self.draft_cache, self._batch(x, self.block_size), x.last_tokens)
+        """One drafter pass over [bonus, MASK x (B-1)] per row -> the block [bs, B] with the
+        B-1 proposals filled in (argmax over the LM head at the B-1 mask slots only)."""
+        batch = self._batch(x, self.block_size)
+        block = torch.full((batch.size, batch.width), self.drafter.config.mask_token_id, dtype=torch.long,
+                           device=x.last_tokens.device)
+        block[:, 0] = x.last_tokens
+        hidden = self.drafter(block, batch, self.draft_cache)
+        block[:, 1:] = self.drafter.lm_head(hidden[:, 1:]).argmax(dim=-1)
+        return block
 
-    def verify(self, x: StepInputs, block: torch.Tensor):
-        return verify(self.target, self.drafter, self.target_cache, self.draft_cache,
-                      self._batch(x, self.block_size), block, self.taps)
+    def verify(self, x: StepInputs, block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One causal target pass over the block -> (hidden [bs, B, H], accepted [bs], bonus [bs]),
+        greedy; the drafter's context K/V of all B rows is cached on the way.
+
+        Rows past the accepted prefix land beyond the committed length in both caches and are
+        overwritten by the next step before anything reads them (see kv_cache.py).
+        """
+        batch = self._batch(x, self.block_size)
+        hidden, tapped = self.target(block, batch, self.target_cache, self.taps)
+        choice = self.target.lm_head(hidden).argmax(dim=-1)  # argmax needs no fp32 copy of the logits
+        accepted = accepted_length(block[:, 1:], choice[:, :-1])
+        bonus = choice.gather(1, accepted[:, None])[:, 0]
+        self.drafter.append_context(tapped, batch, self.draft_cache)
+        return hidden, accepted, bonus
 
     def capture_all(self) -> None:
         """Nothing to prepare for eager passes."""
@@ -195,8 +215,6 @@ class GraphedPasses(DecodePasses):
 def graphs_supported(target, device: torch.device) -> bool:
     """CUDA graphs need the CUDA attention kernel (the reference reads lengths on the host)
     and a target whose passes never read device values on the host (`graph_safe`)."""
-    from dflash_trt import ops, plugins
-
     if device.type != "cuda" or not getattr(target, "graph_safe", False):
         return False
     if not ops.block_attention_kernel_supports(target.lm_head.weight.dtype, target.config.dims.head_dim):

@@ -16,6 +16,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import torch
+
 # one library; ops.cpp holds the registrations
 SOURCES = ("ops.cpp", "block_attention.cu", "layer_ops.cu", "gated_delta.cu", "gemv.cu")
 NAME = "dflash_trt_plugins"
@@ -48,10 +50,9 @@ def cache_root() -> Path:
 @functools.cache
 def load():
     """The loaded library's path, or None where the plugins cannot run (no CUDA GPU)."""
-    import torch
-
     if os.environ.get("DFLASH_TRT_PLUGINS", "1") == "0" or not torch.cuda.is_available() or torch.version.cuda is None:
         return None
+    # Only a GPU build needs it, and it needs setuptools and a compiler on import.
     from torch.utils import cpp_extension
 
     major, minor = torch.cuda.get_device_capability()

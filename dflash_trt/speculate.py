@@ -10,7 +10,6 @@ from typing import Callable
 
 import torch
 
-from dflash_trt.kv_cache import Batch, KVCache
 from dflash_trt.sampling import sample, target_probs
 from dflash_trt.sequence import Sequence
 
@@ -87,33 +86,6 @@ class OracleDrafts:
         for i, (seq, (k, next_token)) in enumerate(zip(seqs, plans)):
             if seq.params.greedy and next_token is not None:
                 accepted[i], bonus[i] = k, next_token
-
-
-def draft(drafter, cache: KVCache, batch: Batch, last_tokens: torch.Tensor) -> torch.Tensor:
-    """One drafter pass over [bonus, MASK x (B-1)] per row -> the block [bs, B] with the
-    B-1 proposals filled in (argmax over the LM head at the B-1 mask slots only)."""
-    block = torch.full((batch.size, batch.width), drafter.config.mask_token_id, dtype=torch.long,
-                       device=last_tokens.device)
-    block[:, 0] = last_tokens
-    hidden = drafter(block, batch, cache)
-    block[:, 1:] = drafter.lm_head(hidden[:, 1:]).argmax(dim=-1)
-    return block
-
-
-def verify(target, drafter, target_cache: KVCache, draft_cache: KVCache, batch: Batch, block: torch.Tensor,
-           taps: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One causal target pass over the block -> (hidden [bs, B, H], accepted [bs], bonus [bs]),
-    greedy; the drafter's context K/V of all B rows is cached on the way.
-
-    Rows past the accepted prefix land beyond the committed length in both caches and are
-    overwritten by the next step before anything reads them (see kv_cache.py).
-    """
-    hidden, tapped = target(block, batch, target_cache, taps)
-    choice = target.lm_head(hidden).argmax(dim=-1)  # argmax needs no fp32 copy of the logits
-    accepted = accepted_length(block[:, 1:], choice[:, :-1])
-    bonus = choice.gather(1, accepted[:, None])[:, 0]
-    drafter.append_context(tapped, batch, draft_cache)
-    return hidden, accepted, bonus
 
 
 @dataclass(frozen=True)

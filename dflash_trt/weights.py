@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 from torch import nn
 
 from dflash_trt.errors import CheckpointError
@@ -111,3 +112,21 @@ def load_weights(model: nn.Module, checkpoint: Checkpoint, prefixes: tuple[str, 
             )
         with torch.no_grad():
             param.copy_(tensor)
+
+
+def write_safetensors(directory: Path, tensors: dict[str, torch.Tensor], num_shards: int = 1,
+                      dtype: torch.dtype | None = None) -> None:
+    tensors = {name: (t.to(dtype) if dtype else t).contiguous() for name, t in tensors.items()}
+    if num_shards == 1:
+        save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+        return
+    names = list(tensors)
+    weight_map = {}
+    for shard in range(num_shards):
+        file = f"model-{shard + 1:05d}-of-{num_shards:05d}.safetensors"
+        part = {n: tensors[n] for n in names[shard::num_shards]}
+        save_file(part, str(directory / file), metadata={"format": "pt"})
+        weight_map.update({n: file for n in part})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))

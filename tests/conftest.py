@@ -3,7 +3,7 @@ import os
 import pytest
 import torch
 
-from dflash_trt.fixtures import TinyPairSpec, write_tiny_pair
+from dflash_trt.fixtures.pair import TinyPairSpec, write_tiny_pair
 
 
 def pytest_collection_modifyitems(config, items):

@@ -7,11 +7,13 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from dflash_trt import bench
-from dflash_trt.build import load_engine, resolve_config, run
+from dflash_trt.benchmark import bench
+from dflash_trt.benchmark.datasets import NAMES, load_prompts
+from dflash_trt.build import run
 from dflash_trt.cli import cli
-from dflash_trt.datasets import NAMES, load_prompts
+from dflash_trt.config import resolve_config
 from dflash_trt.errors import ConfigError
+from dflash_trt.loading import load_engine
 from dflash_trt.sampling import SamplingParams
 
 
@@ -111,7 +113,7 @@ def test_cli_rejects_bad_input(out, tmp_path):
 
 
 def test_transformers_greedy_output_equals_the_engine_ar_output_token_for_token(loaded):
-    from dflash_trt.hf_baseline import generate_tok_s, to_transformers
+    from dflash_trt.benchmark.transformers_baseline import generate_tok_s, to_transformers
 
     target = loaded.engine.target
     model = to_transformers(target)
@@ -159,7 +161,7 @@ def test_cli_engine_source_errors_are_usage_errors(out, args, message):
 
 
 def test_bench_help_lists_the_random_weights_presets_but_root_help_imports_no_torch():
-    from dflash_trt.random_weights import PRESETS
+    from dflash_trt.benchmark.random_weights import PRESETS
 
     help_text = CliRunner().invoke(cli, ["bench", "--help"]).stdout
     assert f"--random-weights [{'|'.join(PRESETS)}]" in help_text
@@ -181,7 +183,7 @@ def test_random_weights_bench_on_the_gpu_reports_oracle_rows():
 def test_a_hybrid_engine_benches_like_a_qwen3_one(tmp_path):
     """A tiny Qwen3.5 pair (Gated DeltaNet target) through build and bench: real acceptance is
     lossless (fp32), and oracle mode reaches its τ with the recurrent state's rollback."""
-    from dflash_trt.fixtures import TinyPairSpec, write_tiny_pair
+    from dflash_trt.fixtures.pair import TinyPairSpec, write_tiny_pair
 
     spec = TinyPairSpec(target_type="qwen3_5", tokenizer_tokens=2000, head_dim=32, rope_theta=1e7,
                         draft_rope_theta=1e7, target_layer_ids=(1, 3), block_size=8)

@@ -1,4 +1,4 @@
-"""`dflash-trt bench --url`: the closed-loop load generator (dflash_trt.loadgen) against the
+"""`dflash-trt bench --url`: the closed-loop load generator (dflash_trt.benchmark.loadgen) against the
 real tritonserver of test_triton_e2e.py serving the tiny demo engine. Greedy decoding is
 deterministic, so what the server counts must equal what the in-process engine produces."""
 
@@ -9,13 +9,14 @@ from click.testing import CliRunner
 
 pytest.importorskip("tritonclient.grpc", reason="needs tritonclient[grpc,http]")
 
-from dflash_trt import bench, loadgen  # noqa: E402
-from dflash_trt.cli import cli  # noqa: E402
-from dflash_trt.client import ClientError  # noqa: E402
-from dflash_trt.datasets import load_prompts  # noqa: E402
-from dflash_trt.sampling import SamplingParams  # noqa: E402
 from ports import free_ports  # noqa: E402
 from test_triton_e2e import demo, local, server  # noqa: E402, F401  (module fixtures: build, serve, load)
+
+from dflash_trt.benchmark import bench, loadgen  # noqa: E402
+from dflash_trt.benchmark.datasets import load_prompts  # noqa: E402
+from dflash_trt.cli import cli  # noqa: E402
+from dflash_trt.sampling import SamplingParams  # noqa: E402
+from dflash_trt.serving.client import ClientError  # noqa: E402
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 12

@@ -6,9 +6,8 @@ import shutil
 import pytest
 from click.testing import CliRunner
 
-from dflash_trt.build import load_engine
 from dflash_trt.cli import cli
-from dflash_trt.engine import load_pair
+from dflash_trt.loading import load_engine, load_pair
 from dflash_trt.sampling import SamplingParams
 
 

@@ -7,8 +7,8 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from dflash_trt.config import DraftConfig, default_target_layer_ids
-from dflash_trt.engine import load_pair
 from dflash_trt.errors import CheckpointError, ConfigError, PairError
+from dflash_trt.loading import load_pair
 
 
 @pytest.fixture

@@ -9,11 +9,13 @@ import time
 
 import pytest
 from click.testing import CliRunner
-
-from dflash_trt.build import load_engine, resolve_config, run
-from dflash_trt.cli import cli
-from dflash_trt.sampling import SamplingParams
 from ports import free_ports
+
+from dflash_trt.build import run
+from dflash_trt.cli import cli
+from dflash_trt.config import resolve_config
+from dflash_trt.loading import load_engine
+from dflash_trt.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
 PROMPT = "Zürich"

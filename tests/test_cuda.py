@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from dflash_trt.engine import load_pair
+from dflash_trt.loading import load_pair
 from dflash_trt.sampling import SamplingParams
 from dflash_trt.speculate import OracleDrafts
 

@@ -5,11 +5,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-
-from dflash_trt import client
-from dflash_trt.build import resolve_config, run
-from dflash_trt.fixtures import TinyPairSpec, write_tiny_pair
 from ports import free_ports
+
+from dflash_trt.build import run
+from dflash_trt.config import resolve_config
+from dflash_trt.fixtures.pair import TinyPairSpec, write_tiny_pair
+from dflash_trt.serving import client
 
 pytestmark = pytest.mark.cuda
 
@@ -22,7 +23,7 @@ ONE_B = TinyPairSpec(hidden_size=2048, intermediate_size=6144, num_layers=12, nu
 
 @pytest.fixture(scope="module", params=["tiny-demo", "random-1b"])
 def served(request, tmp_path_factory):
-    from dflash_trt.serve import TritonServer
+    from dflash_trt.serving.server import TritonServer
 
     tmp = tmp_path_factory.mktemp(request.param)
     start = time.perf_counter()

@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dflash_trt.engine import load_pair
 from dflash_trt.kv_cache import Batch
+from dflash_trt.loading import load_pair
 
 ATOL = 1e-4
 

@@ -4,8 +4,9 @@ for fla's chunked kernel: the kernel itself needs a GPU and is tested there)."""
 import pytest
 import torch
 
-from dflash_trt import gated_delta
-from dflash_trt.gated_delta import gated_delta_rule_reference, l2_normalize
+from dflash_trt.models import gated_delta
+from dflash_trt.models.gated_delta import l2_normalize
+from dflash_trt.ops import gated_delta_rule_reference
 
 
 def inputs(bs, T, Hk=2, Hv=4, dk=8, dv=6, seed=0):

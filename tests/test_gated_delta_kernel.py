@@ -6,12 +6,18 @@ reference over a table of shapes, in a CUDA graph too (cuda marker)."""
 import pytest
 import torch
 import torch.nn.functional as F
+from host_program import run_host_program
 
 from dflash_trt import plugins
-from dflash_trt.gated_delta import L2_EPS, gated_delta_rule, gated_delta_rule_reference, l2_normalize
-from dflash_trt.ops import (gated_delta_kernel_supports, gated_delta_prepare, gated_delta_prepare_reference,
-                            gated_delta_recurrent, gated_delta_recurrent_reference)
-from host_program import run_host_program
+from dflash_trt.models.gated_delta import L2_EPS, gated_delta_rule, l2_normalize
+from dflash_trt.ops import (
+    gated_delta_kernel_supports,
+    gated_delta_prepare,
+    gated_delta_prepare_reference,
+    gated_delta_recurrent,
+    gated_delta_recurrent_reference,
+    gated_delta_rule_reference,
+)
 
 
 def make_case(bs, T, Hk, Hv, dk, dv, NS, num_tokens, start, slots=None, num_slots=None, device="cpu", seed=0):

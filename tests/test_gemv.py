@@ -7,10 +7,10 @@ single row only (cuda marker)."""
 import pytest
 import torch
 import torch.nn.functional as F
+from test_layer_ops import dims_for, rand, randomise
 
 from dflash_trt import ops
 from dflash_trt.models.layers import MLP, Linear, PackedLinear
-from test_layer_ops import dims_for, rand, randomise
 
 
 @pytest.mark.parametrize("bias", [False, True])

@@ -11,8 +11,9 @@ import random
 import pytest
 import torch
 
-from dflash_trt.engine import Engine, load_pair
+from dflash_trt.engine import Engine
 from dflash_trt.graphs import DecodePasses, GraphedPasses
+from dflash_trt.loading import load_pair
 from dflash_trt.sampling import SamplingParams
 
 pytestmark = pytest.mark.cuda

@@ -6,8 +6,8 @@ import random
 import pytest
 import torch
 
-from dflash_trt.engine import load_pair, load_target
 from dflash_trt.kv_cache import Batch
+from dflash_trt.loading import load_pair, load_target
 from dflash_trt.sampling import SamplingParams
 from dflash_trt.speculate import OracleDrafts
 

@@ -12,10 +12,21 @@ from dflash_trt import plugins
 from dflash_trt.config import LayerDims
 from dflash_trt.models.layers import MLP, AttentionProjections, RMSNorm, Rotary, apply_rope
 from dflash_trt.models.qwen3_5 import GatedRMSNorm, ZeroCenteredRMSNorm
-from dflash_trt.gated_delta import causal_conv1d
-from dflash_trt.ops import (add_rms_norm, add_rms_norm_reference, causal_conv, causal_conv_reference, gated_rms_norm,
-                            gated_rms_norm_reference, qk_norm_rope, qk_norm_rope_reference, rms_norm,
-                            rms_norm_reference, silu_mul, silu_mul_reference)
+from dflash_trt.ops import (
+    add_rms_norm,
+    add_rms_norm_reference,
+    causal_conv,
+    causal_conv1d,
+    causal_conv_reference,
+    gated_rms_norm,
+    gated_rms_norm_reference,
+    qk_norm_rope,
+    qk_norm_rope_reference,
+    rms_norm,
+    rms_norm_reference,
+    silu_mul,
+    silu_mul_reference,
+)
 
 EPS = 1e-6
 
@@ -155,7 +166,7 @@ def conv_case(bs, T, C, K, NS, dtype=torch.float32, device="cpu", seed=0):
 @pytest.mark.parametrize("T, NS", [(1, 0), (3, 0), (4, 4), (4, 5), (4, 1)])
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_causal_conv_reference_is_the_layer_conv_with_its_window(dtype, T, NS):
-    """What GatedDeltaNet.forward does for a ragged pass (gated_delta.causal_conv1d on the
+    """What GatedDeltaNet.forward does for a ragged pass (ops.causal_conv1d on the
     masked window, then the window(s) scattered to the cache), on every-row-full passes."""
     case = conv_case(3, T, 24, 4, NS, dtype)
     cache, snaps = case["conv_cache"].clone(), None if NS == 0 else case["snapshots"].clone()

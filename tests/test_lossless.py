@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from dflash_trt.engine import load_pair
+from dflash_trt.loading import load_pair
 from dflash_trt.sampling import SamplingParams
 from dflash_trt.speculate import OracleDrafts
 

@@ -4,8 +4,9 @@ allocating anything); the sizes come from "meta" caches, which must count what r
 import pytest
 import torch
 
-from dflash_trt.engine import GiB, cache_bytes, check_caches_fit, load_pair
+from dflash_trt.engine import GiB, cache_bytes, check_caches_fit
 from dflash_trt.errors import ConfigError
+from dflash_trt.loading import load_pair
 
 HYBRID = dict(target_type="qwen3_5", tokenizer_tokens=None, vocab_size=512, head_dim=32, rope_theta=1e7,
               draft_rope_theta=1e7, target_layer_ids=(1, 3))

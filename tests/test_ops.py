@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from host_program import run_host_program
 
 from dflash_trt import plugins
 from dflash_trt.ops import (
@@ -17,7 +18,6 @@ from dflash_trt.ops import (
     paged_block_attention,
     paged_block_attention_reference,
 )
-from host_program import run_host_program
 
 
 # An independent oracle: an explicit [bs, T, L] mask over gathered keys, then SDPA.

@@ -25,7 +25,14 @@ def test_wheel_ships_plugin_sources_presets_templates_and_datasets(wheel):
             assert f"dflash_trt/plugin_sources/{path.name}" in names
     assert "dflash_trt/build_configs/qwen3-8b-b16.toml" in names
     assert "dflash_trt/triton_repo/dflash/1/model.py" in names
-    assert "dflash_trt/datasets/gsm8k.jsonl" in names
+    assert "dflash_trt/benchmark/datasets/gsm8k.jsonl" in names
+
+
+def test_wheel_ships_every_module_of_the_package(wheel):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    missing = [str(path.relative_to(ROOT)) for path in (ROOT / "dflash_trt").rglob("*.py")
+               if "__pycache__" not in path.parts and str(path.relative_to(ROOT)) not in names]
+    assert not missing, f"pyproject.toml's packages leave out {missing}"
 
 
 def test_installed_wheel_finds_its_plugin_sources(wheel, tmp_path):

@@ -5,11 +5,11 @@ import logging
 import shutil
 
 import pytest
+from test_checkpoint_errors import edit_json
 
 from dflash_trt.config import HybridTargetConfig, TargetConfig, load_target_config
-from dflash_trt.engine import load_target
 from dflash_trt.errors import ConfigError
-from test_checkpoint_errors import edit_json
+from dflash_trt.loading import load_target
 
 HYBRID = dict(target_type="qwen3_5", tokenizer_tokens=None, vocab_size=512, head_dim=32)
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from dflash_trt.build import _save_model
-from dflash_trt.engine import load_target
 from dflash_trt.kv_cache import Batch
+from dflash_trt.loading import load_target
 
 transformers = pytest.importorskip("transformers")
 

@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
-from dflash_trt.engine import load_target
-from dflash_trt.fixtures import TinyPairSpec, write_tiny_pair
+from dflash_trt.fixtures.pair import TinyPairSpec, write_tiny_pair
 from dflash_trt.kv_cache import Batch
+from dflash_trt.loading import load_target
 
 transformers = pytest.importorskip("transformers")
 

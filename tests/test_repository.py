@@ -6,10 +6,10 @@ import shutil
 
 import pytest
 
-from dflash_trt import protocol as p
-from dflash_trt.build import BuildConfig
+from dflash_trt.config import BuildConfig
 from dflash_trt.errors import BuildError, ConfigError
-from dflash_trt.repository import CONFIG_FILE, engine_dir_from_args, render_repository, template_dir
+from dflash_trt.serving import protocol as p
+from dflash_trt.serving.repository import CONFIG_FILE, engine_dir_from_args, render_repository, template_dir
 
 CONFIG = BuildConfig(max_batch_size=5, triton_max_batch_size=12)
 

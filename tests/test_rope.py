@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dflash_trt.config import DraftConfig, TargetConfig
-from dflash_trt.engine import load_pair
+from dflash_trt.loading import load_pair
 from dflash_trt.models.layers import rope_inv_freq
 from dflash_trt.sampling import SamplingParams
 
@@ -73,9 +73,9 @@ def test_a_yarn_drafter_uses_its_scaling_and_dflash_stays_lossless(make_pair, no
 
 
 def test_the_transformers_baseline_of_a_yarn_target_has_the_same_logits(make_pair, no_tokenizer, tmp_path):
-    from dflash_trt.engine import load_target
-    from dflash_trt.hf_baseline import to_transformers
+    from dflash_trt.benchmark.transformers_baseline import to_transformers
     from dflash_trt.kv_cache import Batch
+    from dflash_trt.loading import load_target
 
     pair = make_pair(**no_tokenizer, rope_theta=1e4)
     config = json.loads((pair.target / "config.json").read_text())

@@ -1,4 +1,4 @@
-"""`serve.py` against a real tritonserver (nvidia-pytriton's) on throwaway Python-backend models."""
+"""`serving/server.py` against a real tritonserver (nvidia-pytriton's) on throwaway Python-backend models."""
 
 import importlib.metadata
 import os
@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from ports import free_ports
 
 import dflash_trt
 from dflash_trt.errors import ServeError
-from dflash_trt.serve import TritonServer, _check_stub_numpy, check_ports_free, find_tritonserver
-from ports import free_ports
+from dflash_trt.serving.server import TritonServer, _check_stub_numpy, check_ports_free, find_tritonserver
 
 CONFIG = """
 name: "{name}"
@@ -166,7 +166,7 @@ def test_server_stops_when_the_process_that_started_it_is_killed(tmp_path):
     repository = write_repository(tmp_path, ECHO)
     launcher = f"""
 import sys, time
-from dflash_trt.serve import TritonServer
+from dflash_trt.serving.server import TritonServer
 server = TritonServer({str(repository)!r}, http_port={{}}, grpc_port={{}}, metrics_port={{}}, host="127.0.0.1",
                       log_path={str(tmp_path / "tritonserver.log")!r})
 server.start()

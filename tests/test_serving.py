@@ -8,12 +8,12 @@ import time
 import numpy as np
 import pytest
 
-from dflash_trt import protocol as p
-from dflash_trt.engine import load_pair
+from dflash_trt.loading import load_pair
 from dflash_trt.sampling import SamplingParams
 from dflash_trt.sequence import RequestStats
-from dflash_trt.serving import (Chunk, EngineWorker, IncrementalDetokenizer, Preprocessor, perf_metrics,
-                                postprocess, stop_cut)
+from dflash_trt.serving import protocol as p
+from dflash_trt.serving.text import IncrementalDetokenizer, Preprocessor, postprocess
+from dflash_trt.serving.worker import Chunk, EngineWorker, perf_metrics, stop_cut
 from dflash_trt.tokenizer import Tokenizer
 
 LIMITS = p.Limits(max_input_len=64, max_output_len=48)

@@ -7,8 +7,8 @@ own class), and tiktoken over the same ranks (the encoder Qwen ships in `qwen-to
 from __future__ import annotations
 
 import base64
-import importlib.resources
 import functools
+import importlib.resources
 import json
 import re
 import shutil
@@ -19,11 +19,8 @@ from pathlib import Path
 import pytest
 import tokenizers
 
-from dflash_trt.tokenizer import (
-    Tokenizer,
-    TokenizerSpec,
-    write_qwen_tokenizer,
-)
+from dflash_trt.fixtures.tokenizer import TokenizerSpec, write_qwen_tokenizer
+from dflash_trt.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 tiktoken = pytest.importorskip("tiktoken")

@@ -9,14 +9,31 @@ import time
 
 import numpy as np
 import pytest
+from triton_clients import (
+    MAX_TOKENS,
+    TIMEOUT_S,
+    InferenceServerException,
+    expected_text,
+    greedy_reference,
+    grpc_infer,
+    grpc_stream,
+    grpcclient,
+    http_client,
+    http_infer,
+    httpclient,
+    np_to_triton_dtype,
+    post,
+    serving,
+    tensors,
+    text_of,
+)
 
-from dflash_trt import protocol as p
-from dflash_trt.build import load_engine, resolve_config, run
+from dflash_trt.build import run
+from dflash_trt.config import resolve_config
+from dflash_trt.loading import load_engine
 from dflash_trt.sampling import SamplingParams
-from dflash_trt.serving import perf_metrics
-from triton_clients import (MAX_TOKENS, TIMEOUT_S, InferenceServerException, expected_text, greedy_reference,
-                            grpc_infer, grpc_stream, grpcclient, http_client, http_infer, httpclient,
-                            np_to_triton_dtype, post, serving, tensors, text_of)
+from dflash_trt.serving import protocol as p
+from dflash_trt.serving.worker import perf_metrics
 
 pytestmark = pytest.mark.slow
 

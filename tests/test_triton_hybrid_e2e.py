@@ -10,16 +10,28 @@ import threading
 import pytest
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
+from triton_clients import (
+    MAX_TOKENS,
+    TIMEOUT_S,
+    InferenceServerException,
+    expected_text,
+    greedy_reference,
+    grpc_infer,
+    grpc_stream,
+    http_client,
+    http_infer,
+    post,
+    serving,
+    text_of,
+)
 
-from dflash_trt import protocol as p
-from dflash_trt.build import load_engine
 from dflash_trt.cli import cli
-from dflash_trt.fixtures import TinyPairSpec, write_tiny_pair
+from dflash_trt.fixtures.pair import TinyPairSpec, write_tiny_pair
+from dflash_trt.loading import load_engine
 from dflash_trt.sampling import SamplingParams
-from dflash_trt.serving import perf_metrics
+from dflash_trt.serving import protocol as p
+from dflash_trt.serving.worker import perf_metrics
 from dflash_trt.tokenizer import Tokenizer
-from triton_clients import (MAX_TOKENS, TIMEOUT_S, InferenceServerException, expected_text, greedy_reference,
-                            grpc_infer, grpc_stream, http_client, http_infer, post, serving, text_of)
 
 pytestmark = pytest.mark.slow
 

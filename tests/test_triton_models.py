@@ -12,9 +12,10 @@ import types
 import numpy as np
 import pytest
 
-from dflash_trt import protocol as p
-from dflash_trt.build import BuildConfig, run
-from dflash_trt.repository import template_dir
+from dflash_trt.build import run
+from dflash_trt.config import BuildConfig
+from dflash_trt.serving import protocol as p
+from dflash_trt.serving.repository import template_dir
 
 FINAL = 1
 

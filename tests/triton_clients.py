@@ -14,12 +14,12 @@ import pytest
 
 grpcclient = pytest.importorskip("tritonclient.grpc", reason="needs tritonclient[grpc,http]")
 httpclient = pytest.importorskip("tritonclient.http", reason="needs tritonclient[grpc,http]")
+from ports import free_ports  # noqa: E402
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype  # noqa: E402, F401 (for the tests)
 
-from dflash_trt import protocol as p  # noqa: E402
 from dflash_trt.sampling import SamplingParams  # noqa: E402
-from dflash_trt.serve import TritonServer  # noqa: E402
-from ports import free_ports  # noqa: E402
+from dflash_trt.serving import protocol as p  # noqa: E402
+from dflash_trt.serving.server import TritonServer  # noqa: E402
 
 MAX_TOKENS = 32  # what a request asks for unless a test says otherwise
 TIMEOUT_S = 60

@@ -12,10 +12,10 @@ with `stateful = False` (the decode passes then skip the call). A stateful targe
 
 from __future__ import annotations
 
+from dflash_trt.models.qwen3 import Qwen3ForCausalLM
+from dflash_trt.models.qwen3_5 import Qwen3_5ForCausalLM
+
 
 def target_class(model_type: str):
-    from dflash_trt.models.qwen3 import Qwen3ForCausalLM
-    from dflash_trt.models.qwen3_5 import Qwen3_5ForCausalLM
-
     classes = {"qwen3": Qwen3ForCausalLM, "qwen3_5": Qwen3_5ForCausalLM}
     return classes[model_type]

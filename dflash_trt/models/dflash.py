@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dflash_trt import ops
 from dflash_trt.config import DraftConfig, LayerDims
 from dflash_trt.kv_cache import Batch, KVCache
-from dflash_trt import ops
 from dflash_trt.models.layers import AttentionProjections, DecoderLayer, Linear, RMSNorm, Rotary
 from dflash_trt.ops import paged_block_attention
 

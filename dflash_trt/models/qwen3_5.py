@@ -7,7 +7,7 @@ the multi-token-prediction head (`mtp.*`) are not loaded: this target serves tex
 Two layer kinds, each followed by the usual SwiGLU MLP, all norms zero-centred (1 + w):
 - full attention: like Qwen3 (q/k RMSNorm, GQA, causal over the KV cache) plus an output
   gate (q_proj also yields a sigmoid gate per head) and RoPE on part of each head only;
-- linear attention (Gated DeltaNet, see dflash_trt/gated_delta.py): a causal conv window and a
+- linear attention (Gated DeltaNet, see models/gated_delta.py): a causal conv window and a
   recurrent state matrix per head, kept per slot in the cache.
 
 Rollback. Full-attention rows roll back by length as for Qwen3. A recurrent state cannot
@@ -33,15 +33,15 @@ from __future__ import annotations
 import logging
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 from dflash_trt import ops
 from dflash_trt.config import HybridTargetConfig
-from dflash_trt.gated_delta import L2_EPS, causal_conv1d, gated_delta_rule
 from dflash_trt.kv_cache import Batch, KVCache
+from dflash_trt.models.gated_delta import L2_EPS, gated_delta_rule
 from dflash_trt.models.layers import DecoderLayer, Linear, PackedLinear, Rotary, apply_rope
-from dflash_trt.ops import gated_delta_prepare, gated_delta_recurrent, paged_block_attention
+from dflash_trt.ops import causal_conv1d, gated_delta_prepare, gated_delta_recurrent, paged_block_attention
 
 log = logging.getLogger(__name__)
 

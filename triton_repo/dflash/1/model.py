@@ -1,4 +1,4 @@
-"""Triton adapter for the engine; the logic is dflash_trt.serving.EngineWorker.
+"""Triton adapter for the engine; the logic is dflash_trt.serving.worker.EngineWorker.
 
 Decoupled: execute() validates and enqueues, then returns None. The worker's thread sends
 each request's responses through its response sender, FINAL flag on the last one.
@@ -6,9 +6,9 @@ each request's responses through its response sender, FINAL flag on the last one
 
 import triton_python_backend_utils as pb_utils
 
-from dflash_trt import protocol
-from dflash_trt.repository import engine_dir_from_args
-from dflash_trt.serving import EngineWorker
+from dflash_trt.serving import protocol
+from dflash_trt.serving.repository import engine_dir_from_args
+from dflash_trt.serving.worker import EngineWorker
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 

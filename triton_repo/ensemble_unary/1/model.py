@@ -9,7 +9,7 @@ import threading
 
 import triton_python_backend_utils as pb_utils
 
-from dflash_trt import protocol
+from dflash_trt.serving import protocol
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 OUTPUT_NAMES = [spec.name for spec in protocol.ENSEMBLE_OUTPUTS]

@@ -1,9 +1,9 @@
-"""Triton adapter for postprocessing; the logic is dflash_trt.serving.postprocess."""
+"""Triton adapter for postprocessing; the logic is dflash_trt.serving.text.postprocess."""
 
 import triton_python_backend_utils as pb_utils
 
-from dflash_trt import protocol
-from dflash_trt.serving import postprocess
+from dflash_trt.serving import protocol
+from dflash_trt.serving.text import postprocess
 
 
 class TritonPythonModel:

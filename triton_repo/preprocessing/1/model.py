@@ -1,10 +1,10 @@
-"""Triton adapter for preprocessing; the logic is dflash_trt.serving.Preprocessor."""
+"""Triton adapter for preprocessing; the logic is dflash_trt.serving.text.Preprocessor."""
 
 import triton_python_backend_utils as pb_utils
 
-from dflash_trt import protocol
-from dflash_trt.repository import engine_dir_from_args
-from dflash_trt.serving import Preprocessor
+from dflash_trt.serving import protocol
+from dflash_trt.serving.repository import engine_dir_from_args
+from dflash_trt.serving.text import Preprocessor
 
 
 class TritonPythonModel:

@@ -12,8 +12,8 @@ from typing import Iterator
 
 import numpy as np
 
-from dflash_trt import protocol as p
 from dflash_trt.errors import DFlashError
+from dflash_trt.serving import protocol as p
 
 
 class ClientError(DFlashError):
@@ -71,6 +71,7 @@ def generate(url: str, prompt: str, *, protocol: str = "grpc", stream: bool = Fa
     if stream and protocol != "grpc":
         raise ClientError("streaming needs --protocol grpc (Triton's HTTP streaming is the generate_stream endpoint)")
     if protocol == "http":
+        # tritonclient is optional (the serve extra), and its HTTP client pulls in gevent
         import tritonclient.http as module
         from tritonclient.utils import InferenceServerException
 
@@ -86,7 +87,7 @@ def generate(url: str, prompt: str, *, protocol: str = "grpc", stream: bool = Fa
 
 
 def _grpc(url, prompt, stream, completion, options) -> Iterator[str]:
-    from tritonclient.utils import InferenceServerException
+    from tritonclient.utils import InferenceServerException  # optional (the serve extra)
 
     try:
         with GrpcStream(url) as connection:
@@ -100,7 +101,7 @@ class GrpcStream:
     read to its final response before the next is sent (what a closed-loop client does)."""
 
     def __init__(self, url: str):
-        import tritonclient.grpc as module
+        import tritonclient.grpc as module  # optional (the serve extra)
 
         self.url, self._module = url, module
         self._responses: queue.Queue = queue.Queue()

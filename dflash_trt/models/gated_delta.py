@@ -23,7 +23,7 @@ returns its final state; on CUDA its head runs through flash-linear-attention's 
 kernel when `fla` is installed (tested on the GPU with fla-core 0.6.0), and the rest (or,
 without fla, all of it) through the same recurrent kernel.
 
-The recurrent form below (`gated_delta_rule_reference`) is the reference: the CPU path of
+The recurrent form (`ops.gated_delta_rule_reference`) is the reference: the CPU path of
 both entry points and the test oracle.
 """
 
@@ -36,7 +36,6 @@ import torch.nn.functional as F
 
 from dflash_trt.ops import gated_delta_recurrent
 
-
 L2_EPS = 1e-6  # of the q/k L2 norm, inside the root, as fla and transformers have it
 
 
@@ -44,71 +43,7 @@ def l2_normalize(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
 
-# -- causal conv ------------------------------------------------------------------------------
-
-
-def causal_conv1d(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor, num_tokens: torch.Tensor,
-                  num_snapshots: int, full_rows: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal conv + SiLU over a pass, continuing from `window`.
-
-    x [bs, T, C] this pass's inputs; window [bs, K-1, C] the K-1 inputs before it (zeros
-    for a new sequence); weight [C, K]; num_tokens [bs]. Returns (out [bs, T, C] in x's
-    dtype, window snapshots [bs, S, K-1, C]: the window after each of the last S tokens).
-    `full_rows` (known on the host): every row has T tokens, so the snapshots are a slice.
-    """
-    bs, T, C = x.shape
-    W = weight.shape[1] - 1
-    assert window.shape == (bs, W, C) and weight.shape == (C, W + 1), (x.shape, window.shape, weight.shape)
-    assert num_tokens.shape == (bs,), num_tokens.shape
-    full = torch.cat([window.to(x.dtype), x], dim=1)  # [bs, W + T, C]; input t sits at W + t
-    weight = weight.to(x.dtype)
-    # out[t] = sum_j weight[:, j] * full[t + j]: tap W (the last) meets input t itself
-    acc = full[:, :T] * weight[:, 0]
-    for j in range(1, W + 1):
-        acc = acc + full[:, j: j + T] * weight[:, j]
-    out = F.silu(acc)
-    # The window after n tokens is full[n : n + W]; snapshot j is for n = num_tokens - S + 1 + j.
-    if full_rows and num_snapshots <= T + 1:  # n = T - S + 1 + j >= 0 for every row: one slice
-        return out, full.unfold(1, W, 1)[:, T - num_snapshots + 1:].transpose(-1, -2)
-    n = (num_tokens[:, None] - num_snapshots + 1 + torch.arange(num_snapshots, device=x.device)).clamp(min=0)
-    index = n[:, :, None] + torch.arange(W, device=x.device)  # [bs, S, W]
-    snapshots = full.gather(1, index.flatten(1)[:, :, None].expand(-1, -1, C)).unflatten(1, (num_snapshots, W))
-    return out, snapshots
-
-
 # -- the gated delta rule ---------------------------------------------------------------------
-
-
-def gated_delta_rule_reference(q, k, v, g, beta, state, num_tokens, num_snapshots):
-    """The recurrence, one token at a time, in fp32.
-
-    q, k [bs, T, Hk, dk] (normalised and scaled already); v [bs, T, Hv, dv]; g (log decay)
-    and beta [bs, T, Hv]; state [bs, Hv, dk, dv] before the pass; num_tokens [bs].
-    Returns (out [bs, T, Hv, dv] fp32, snapshots [bs, S, Hv, dk, dv] fp32).
-    """
-    bs, T, Hk, _ = q.shape
-    group = v.shape[2] // Hk
-    # grouped values: q/k head h serves value heads h*group .. (h+1)*group-1
-    q, k = q.float().repeat_interleave(group, dim=2), k.float().repeat_interleave(group, dim=2)
-    v, g, beta = v.float(), g.float(), beta.float()
-    state = state.float().clone()
-    out = torch.zeros_like(v)
-    snapshots = torch.zeros((bs, num_snapshots, *state.shape[1:]), dtype=torch.float32, device=state.device)
-    rows = torch.arange(bs, device=state.device)
-    # Padding only ever follows a row's tokens, so it may run through the recurrence: its
-    # outputs are ignored and the snapshots are taken before it.
-    for t in range(T):
-        decayed = state * g[:, t, :, None, None].exp()
-        predicted = (decayed * k[:, t, :, :, None]).sum(-2)  # S^T k: [bs, Hv, dv]
-        delta = (v[:, t] - predicted) * beta[:, t, :, None]
-        state = decayed + k[:, t, :, :, None] * delta[:, :, None, :]
-        out[:, t] = (state * q[:, t, :, :, None]).sum(-2)  # S^T q
-        if num_snapshots:
-            slot = t + num_snapshots - num_tokens  # right-aligned: the row's last token lands at S-1
-            keep = ((slot >= 0) & (t < num_tokens))[:, None, None, None]
-            slot = slot.clamp(0, num_snapshots - 1)  # no host sync: rows that keep nothing rewrite a value
-            snapshots[rows, slot] = torch.where(keep, state, snapshots[rows, slot])
-    return out, snapshots
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -156,7 +91,7 @@ def recurrent_pass(q, k, v, g, beta, state, num_tokens, num_snapshots):
 @functools.cache
 def _fla_chunk():
     """fla's chunked gated delta rule, or None where fla (or its triton) is missing."""
-    try:
+    try:  # fla is optional: without it, prefill runs the recurrent kernel
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except Exception:  # ImportError, or triton failing to initialise
         return None

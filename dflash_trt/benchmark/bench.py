@@ -26,7 +26,7 @@ passes cost what real ones do, and "identical" is n/a. Every row says which mode
 `run_report` adds, per dataset, the same prompts measured through a running Triton server
 (loadgen.py: a client-side closed loop at the same concurrencies, so serving overhead shows
 next to the in-process numbers) and a `transformers` generate baseline at concurrency 1
-(hf_baseline.py). The engine may be a built OUTPUT_DIR or real-shape random weights.
+(transformers_baseline.py). The engine may be a built OUTPUT_DIR or real-shape random weights.
 """
 
 from __future__ import annotations
@@ -38,8 +38,16 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
+import torch
+
+from dflash_trt.benchmark import loadgen
+from dflash_trt.benchmark.datasets import dataset_label, load_prompts
+from dflash_trt.benchmark.loadgen import TritonRow, format_triton_table, percentile
+from dflash_trt.benchmark.transformers_baseline import generate_tok_s, to_transformers
+from dflash_trt.engine import Engine
 from dflash_trt.errors import ConfigError
-from dflash_trt.loadgen import TritonRow, format_triton_table, percentile
+from dflash_trt.sampling import SamplingParams
+from dflash_trt.speculate import OracleDrafts
 
 DEFAULT_CONCURRENCIES = (1, 8, 16, 32)
 
@@ -109,8 +117,6 @@ def encode_prompts(tokenizer, prompts: Sequence[str], *, chat: bool = True, thin
 
 def _sync(device) -> None:
     if device.type == "cuda":
-        import torch
-
         torch.cuda.synchronize(device)
 
 
@@ -152,10 +158,6 @@ def run_bench(loaded_engine, prompts: Sequence[str], *, dataset: str = "custom",
     """One BenchRow per concurrency: AR then DFlash over `prompts` (greedy, see the module doc).
 
     `ar_outputs`, when given, is filled with {concurrency: AR output ids per prompt}."""
-    from dflash_trt.engine import Engine
-    from dflash_trt.sampling import SamplingParams
-    from dflash_trt.speculate import OracleDrafts
-
     base, tok = loaded_engine.engine, loaded_engine.tokenizer
     if base.drafter is None:
         raise ConfigError("the benchmark needs an engine with a drafter")
@@ -269,8 +271,6 @@ def run_transformers(loaded_engine, hf_model, prompts: Sequence[str], *, dataset
                      progress: Progress | None = None) -> TransformersRow:
     """transformers generate over `prompts` (same stop tokens and max_tokens as run_bench),
     compared with the in-process row and AR outputs at concurrency 1 when given."""
-    from dflash_trt.hf_baseline import generate_tok_s
-
     tok = loaded_engine.tokenizer
     prompt_ids = encode_prompts(tok, prompts, chat=chat, thinking=thinking)
     kw = dict(eos_token_ids=tuple(tok.stop_token_ids), max_cache_len=max(map(len, prompt_ids)) + max_tokens)
@@ -319,9 +319,6 @@ def run_report(loaded_engine, datasets: Sequence[str], *, url: str | None = None
                compare_transformers: bool = False, progress: Progress | None = None) -> Report:
     """Per dataset: in-process rows (with an engine), the transformers row (if asked), and rows
     through the Triton server at `url` (if given), all over the same prompts."""
-    from dflash_trt import loadgen
-    from dflash_trt.datasets import dataset_label, load_prompts
-
     if loaded_engine is None and (url is None or compare_transformers or oracle_tau is not None):
         raise ConfigError("an in-process engine is needed for in-process rows, oracle τ and the transformers "
                           "baseline; only --url rows can run without one")
@@ -329,8 +326,6 @@ def run_report(loaded_engine, datasets: Sequence[str], *, url: str | None = None
         loadgen.check_server(url)  # fail before the in-process runs, not after them
     hf_model = None
     if compare_transformers:
-        from dflash_trt.hf_baseline import to_transformers
-
         hf_model = to_transformers(loaded_engine.engine.target)
     report = Report()
     for name in datasets:

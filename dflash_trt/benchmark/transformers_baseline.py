@@ -43,6 +43,7 @@ def _shared_state_dict(target) -> dict[str, torch.Tensor]:
 
 def to_transformers(target, attn_implementation: str = "sdpa"):
     """A transformers Qwen3ForCausalLM sharing `target`'s weights (same device and dtype)."""
+    # transformers is optional (the test extra): only --compare-transformers needs it
     import transformers
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
@@ -84,7 +85,7 @@ def generate_tok_s(model, prompt_ids: Sequence[Sequence[int]], max_tokens: int, 
 
     Outputs stop after an eos_token_ids token (kept, as the engine keeps its stop token) or
     at max_tokens; with no eos_token_ids every output has max_tokens tokens (ignore_eos)."""
-    import transformers
+    import transformers  # optional (the test extra)
 
     if not prompt_ids:
         raise ConfigError("no prompts to generate from")

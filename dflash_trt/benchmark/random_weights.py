@@ -24,8 +24,14 @@ from pathlib import Path
 
 import torch
 
+from dflash_trt.config import BuildConfig, DraftConfig, check_pair, load_target_config
+from dflash_trt.engine import Engine
 from dflash_trt.errors import ConfigError
-from dflash_trt.fixtures import PairPaths, TinyPairSpec, write_tiny_pair
+from dflash_trt.fixtures.pair import PairPaths, TinyPairSpec, write_tiny_pair
+from dflash_trt.loading import LoadedEngine
+from dflash_trt.models import target_class
+from dflash_trt.models.dflash import DFlashDrafter
+from dflash_trt.tokenizer import Tokenizer
 
 _QWEN3 = dict(num_heads=32, num_kv_heads=8, head_dim=128, draft_layers=5, block_size=16, rope_theta=1e6,
               draft_rope_theta=1e6, target_layer_ids=None, tokenizer_tokens=151643, vocab_size=151936,
@@ -62,7 +68,7 @@ def write_configs(directory: Path, name: str, dtype: torch.dtype = torch.bfloat1
 
 @torch.no_grad()
 def randomize(model: torch.nn.Module, seed: int, scale: float = 1.0) -> None:
-    """Fill every parameter in place, with the scales fixtures.py uses for tiny pairs:
+    """Fill every parameter in place, with the scales fixtures/pair.py uses for tiny pairs:
     norms near 1, linear weights with std scale/sqrt(fan_in), so activations stay O(1)."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for name, p in model.named_parameters():
@@ -77,10 +83,6 @@ def randomize(model: torch.nn.Module, seed: int, scale: float = 1.0) -> None:
 
 def random_pair(sources: PairPaths, device, dtype, seed: int = 0):
     """Target and bound drafter from `sources` (configs only), with random weights on `device`."""
-    from dflash_trt.config import DraftConfig, check_pair, load_target_config
-    from dflash_trt.models import target_class
-    from dflash_trt.models.dflash import DFlashDrafter
-
     target_config = load_target_config(sources.target)
     draft_config = DraftConfig.from_dir(sources.drafter, target_config.dims.num_hidden_layers)
     check_pair(target_config, draft_config, sources.drafter)
@@ -102,10 +104,6 @@ def random_pair(sources: PairPaths, device, dtype, seed: int = 0):
 def random_engine(preset: str, device: str = "cuda", dtype: torch.dtype = torch.bfloat16, max_batch_size: int = 32,
                   max_seq_len: int = 4096, seed: int = 0):
     """A LoadedEngine (engine + tokenizer) for a random-weights preset, built on `device`."""
-    from dflash_trt.build import BuildConfig, LoadedEngine
-    from dflash_trt.engine import Engine
-    from dflash_trt.tokenizer import Tokenizer
-
     with tempfile.TemporaryDirectory(prefix="dflash-random-") as tmp:
         sources = write_configs(Path(tmp), preset, dtype)
         target, drafter = random_pair(sources, device, dtype, seed)

@@ -29,8 +29,10 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from dflash_trt import protocol as p
-from dflash_trt.client import ClientError, Completion, GrpcStream
+import numpy as np
+
+from dflash_trt.serving import protocol as p
+from dflash_trt.serving.client import ClientError, Completion, GrpcStream
 
 RESPONSE_TIMEOUT_S = 600.0  # longest wait for one response before the run is given up
 
@@ -84,8 +86,6 @@ class TritonRow:
 def percentile(values: Sequence[float], q: float) -> float:
     if not values:
         return 0.0
-    import numpy as np
-
     return float(np.percentile(np.asarray(values, dtype=float), q))
 
 
@@ -96,7 +96,7 @@ def triton_mode_label(speculative: bool) -> str:
 
 def check_server(url: str, timeout_s: float = 10.0) -> None:
     """Raise ClientError naming `url` unless a Triton server there has the ensemble ready."""
-    import tritonclient.grpc as grpcclient
+    import tritonclient.grpc as grpcclient  # optional (the serve extra): only --url runs need it
     from tritonclient.utils import InferenceServerException
 
     try:
@@ -127,7 +127,7 @@ def _request(connection: GrpcStream, index: int, prompt: str, options: dict) -> 
 def closed_loop(url: str, prompts: Sequence[str], concurrency: int, *, max_tokens: int, chat: bool = True,
                 thinking: bool = False, progress: Progress | None = None) -> LoadRun:
     """Send every prompt once with `concurrency` closed-loop workers; results in prompt order."""
-    from tritonclient.utils import InferenceServerException
+    from tritonclient.utils import InferenceServerException  # optional (the serve extra)
 
     if concurrency < 1:
         raise ClientError(f"concurrency must be >= 1, got {concurrency}")

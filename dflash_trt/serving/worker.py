@@ -1,12 +1,10 @@
-"""Serving logic behind the Triton models, free of Triton so it is unit-tested without it.
+"""The engine worker behind the `dflash` Triton model, free of Triton so it is unit-tested
+without it.
 
-- `Preprocessor`: text request -> token ids, stop-word lists, resolved end/pad ids.
-- `EngineWorker`: one thread owning the Engine. Requests join between steps (continuous
-  batching); every step's new tokens go to a second thread that turns them into text and
-  sends them through the request's `Sink`, so the engine never waits for a response to
-  leave; cancelled requests are aborted; a failing step fails its requests, not the thread.
-- `IncrementalDetokenizer`: stream chunks that never split a character.
-- `postprocess`: what the postprocessing model does to each dflash response.
+`EngineWorker` is one thread owning the Engine. Requests join between steps (continuous
+batching); every step's new tokens go to a second thread that turns them into text and
+sends them through the request's `Sink`, so the engine never waits for a response to
+leave; cancelled requests are aborted; a failing step fails its requests, not the thread.
 
 Detokenization happens here, in the dflash model's sender thread, not in postprocessing:
 a correct incremental detokenizer needs per-request state across a stream's responses (where
@@ -30,7 +28,6 @@ direct dflash calls are aborted early; an abandoned ensemble stream generates to
 
 from __future__ import annotations
 
-import json
 import queue
 import sys
 import threading
@@ -42,113 +39,11 @@ from typing import Callable, Protocol
 
 import numpy as np
 
-from dflash_trt import protocol as p
-from dflash_trt.errors import BuildError, DFlashError, RequestError
-
-TOKENIZER_DIR = "tokenizer"  # inside the engine directory, as `build` writes it
-REPLACEMENT_CHAR = "\ufffd"  # what decoding puts in place of an incomplete UTF-8 sequence
-
-
-def read_limits(engine_dir: Path) -> p.Limits:
-    """The request limits of a built engine, from its engine.json (no weights loaded)."""
-    from dflash_trt.build import ENGINE_FILE, BuildConfig
-
-    path = Path(engine_dir) / ENGINE_FILE
-    try:
-        config = BuildConfig.from_mapping(json.loads(path.read_text())["build_config"], str(path))
-    except FileNotFoundError:
-        raise BuildError(f"{path}: not found; is {engine_dir} an engine directory from `dflash-trt build`?") from None
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise BuildError(f"{path}: not a valid engine record ({e!r})") from None
-    return p.Limits(max_input_len=config.max_input_len, max_output_len=config.max_output_len)
-
-
-def _batch1(array) -> np.ndarray:
-    return np.asarray(array)[np.newaxis]
-
-
-# -- preprocessing ----------------------------------------------------------------------------
-
-
-class Preprocessor:
-    """Tokenizes one request for the dflash model (the preprocessing model's logic)."""
-
-    def __init__(self, tokenizer, limits: p.Limits):
-        self.tokenizer, self.limits = tokenizer, limits
-
-    @classmethod
-    def load(cls, engine_dir: Path) -> "Preprocessor":
-        from dflash_trt.tokenizer import Tokenizer
-
-        return cls(Tokenizer.from_dir(Path(engine_dir) / TOKENIZER_DIR), read_limits(engine_dir))
-
-    def __call__(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        query = p.Query.from_arrays(arrays)
-        query.validate(self.limits)
-        ids = self.tokenizer.encode(self._prompt(query))
-        p.check_prompt_ids(ids, self.limits)
-        stop_words = [self.tokenizer.encode(w) for w in query.stop_words]
-        return {
-            p.INPUT_ID: _batch1(np.array(ids, dtype=np.int32)),
-            p.REQUEST_INPUT_LEN: _batch1(np.array([len(ids)], dtype=np.int32)),
-            p.REQUEST_OUTPUT_LEN: _batch1(np.array([query.max_tokens], dtype=np.int32)),
-            p.STOP_WORDS_IDS: _batch1(p.pack_word_list(stop_words)),
-            p.BAD_WORDS_IDS: _batch1(p.pack_word_list([])),
-            p.OUT_END_ID: _batch1(np.array([p.NO_END_ID if query.end_id is None else query.end_id], np.int32)),
-            p.OUT_PAD_ID: _batch1(np.array([self.tokenizer.pad_token_id if query.pad_id is None else query.pad_id],
-                                           np.int32)),
-        }
-
-    def _prompt(self, query: p.Query) -> str:
-        if not query.chat:
-            return query.text  # raw prompts behave like TensorRT-LLM's
-        try:
-            return self.tokenizer.apply_chat_template([{"role": "user", "content": query.text}],
-                                                      add_generation_prompt=True, enable_thinking=query.thinking)
-        except DFlashError as e:
-            raise p.RequestValidationError(f"'{p.CHAT}' is true, but the chat template failed: {e}") from None
-
-
-# -- postprocessing ---------------------------------------------------------------------------
-
-
-def postprocess(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """dflash response tensors (batch dimension removed, as `read_inputs` returns them) ->
-    postprocessing outputs: the text becomes OUTPUT, perf metrics pass when present."""
-    out = {p.OUTPUT: arrays[p.OUTPUT_TEXT]}
-    out.update({name: arrays[name] for name in p.PERF_INTERNAL.values() if name in arrays})
-    return {name: _batch1(array) for name, array in out.items()}
-
-
-# -- text -------------------------------------------------------------------------------------
-
-
-class IncrementalDetokenizer:
-    """Decodes a growing token list into chunks whose concatenation is decode(all tokens).
-
-    Invariant: the tokens before `_start` decode to text ending on a character boundary. A
-    byte-level decode restarts cleanly at such a boundary, so decode(ids[:s]) + decode(ids[s:])
-    == decode(ids). Pending tokens are held back while their text ends in U+FFFD, which is how
-    an incomplete UTF-8 sequence decodes; `flush` emits whatever is left at the end.
-    """
-
-    def __init__(self, decode: Callable[[list[int]], str]):
-        self._decode = decode
-        self._ids: list[int] = []
-        self._start = 0
-
-    def push(self, ids: list[int]) -> str:
-        self._ids += ids
-        text = self._decode(self._ids[self._start:])
-        if text.endswith(REPLACEMENT_CHAR):
-            return ""
-        self._start = len(self._ids)
-        return text
-
-    def flush(self) -> str:
-        text = self._decode(self._ids[self._start:]) if self._start < len(self._ids) else ""
-        self._start = len(self._ids)
-        return text
+from dflash_trt.errors import RequestError
+from dflash_trt.loading import load_engine
+from dflash_trt.sampling import SamplingParams
+from dflash_trt.serving import protocol as p
+from dflash_trt.serving.text import IncrementalDetokenizer, read_limits
 
 
 def stop_cut(output: list[int], new: list[int], stop_words: tuple[tuple[int, ...], ...]) -> int | None:
@@ -272,8 +167,6 @@ class EngineWorker:
 
     @classmethod
     def load(cls, engine_dir: Path, device: str | None = None) -> "EngineWorker":
-        from dflash_trt.build import load_engine
-
         loaded = load_engine(engine_dir, device)
         loaded.engine.warm_up()  # CUDA graphs captured before the first request, not during it
         return cls(loaded.engine, loaded.tokenizer, read_limits(engine_dir))
@@ -288,8 +181,6 @@ class EngineWorker:
             self._inbox.put(job)
 
     def _sampling_params(self, request: p.Request):
-        from dflash_trt.sampling import SamplingParams
-
         if request.end_id is None:
             stop, ignore_eos = tuple(self.tokenizer.stop_token_ids), False
         else:  # end_id replaces the eos, as in TensorRT-LLM

@@ -23,8 +23,8 @@ import shutil
 import string
 from pathlib import Path
 
-from dflash_trt import protocol as p
 from dflash_trt.errors import BuildError, ConfigError
+from dflash_trt.serving import protocol as p
 
 CONFIG_FILE = "config.pbtxt"
 ENGINE_DIR_PARAMETER = "engine_dir"

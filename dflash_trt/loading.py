@@ -1,0 +1,104 @@
+"""Loading, in one place: checkpoints -> models, and engine directories -> a ready engine.
+
+A checkpoint directory (Hugging Face layout) becomes a target or drafter module with its
+weights packed as the model wants them (`load_target`, `load_drafter`, `load_pair`). An engine
+directory (what `dflash-trt build` writes) becomes a `LoadedEngine`: the engine, its tokenizer
+and the build config recorded in engine.json (`config.read_engine_record`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from dflash_trt.config import (
+    TOKENIZER_DIR,
+    BuildConfig,
+    DraftConfig,
+    check_pair,
+    load_target_config,
+    read_engine_record,
+)
+from dflash_trt.engine import Engine
+from dflash_trt.errors import PairError
+from dflash_trt.models import target_class
+from dflash_trt.models.dflash import DFlashDrafter
+from dflash_trt.models.qwen3 import Qwen3ForCausalLM
+from dflash_trt.tokenizer import Tokenizer
+from dflash_trt.weights import Checkpoint, load_weights
+
+
+def torch_dtype(config: BuildConfig) -> torch.dtype:
+    return getattr(torch, config.resolved_dtype)
+
+
+# -- checkpoints ----------------------------------------------------------------------------
+
+
+def _build(model_cls, config, checkpoint: Checkpoint, device, dtype, prefixes=("",)):
+    with torch.device("meta"):
+        model = model_cls(config)
+    model = model.to(dtype).to_empty(device=device)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    load_weights(model, checkpoint, prefixes)
+    return model.eval()
+
+
+def load_target(directory: Path, device="cpu", dtype=torch.float32) -> Qwen3ForCausalLM:
+    config = load_target_config(directory)
+    return _build(target_class(config.model_type), config, Checkpoint(directory), device, dtype)
+
+
+def load_drafter(directory: Path, target: Qwen3ForCausalLM, device="cpu", dtype=torch.float32) -> DFlashDrafter:
+    config = DraftConfig.from_dir(directory, target.config.dims.num_hidden_layers)
+    check_pair(target.config, config, directory)
+    checkpoint = Checkpoint(directory)
+    # z-lab drafters store flat names; some exports add a "model." prefix. Any stray
+    # embed_tokens / lm_head tensors are ignored: the drafter always uses the target's.
+    prefixes = ("", "model.")
+    fc_name = checkpoint.resolve("fc.weight", prefixes)
+    width = checkpoint.get(fc_name).shape[-1]
+    expected = config.num_taps * target.config.dims.hidden_size
+    if width != expected:
+        raise PairError(
+            f"{checkpoint.files[fc_name]}: '{fc_name}' has input width {width}, but {config.num_taps} taps x "
+            f"hidden_size {target.config.dims.hidden_size} = {expected}"
+        )
+    drafter = _build(DFlashDrafter, config, checkpoint, device, dtype, prefixes)
+    drafter.bind(target)
+    return drafter
+
+
+def load_pair(target_dir, drafter_dir=None, *, device="cpu", dtype=torch.float32,
+              max_batch_size: int = 8, max_seq_len: int = 4096, mode: str | None = None) -> Engine:
+    """Load a Qwen3 target (and optionally its DFlash drafter) into an Engine."""
+    target = load_target(Path(target_dir), device, dtype)
+    drafter = load_drafter(Path(drafter_dir), target, device, dtype) if drafter_dir else None
+    return Engine(target, drafter, max_batch_size=max_batch_size, max_seq_len=max_seq_len, mode=mode)
+
+
+# -- engine directories -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LoadedEngine:
+    engine: Engine
+    tokenizer: Tokenizer
+    config: BuildConfig
+    block_size: int
+
+
+def load_engine(engine_dir: Path, device: str | None = None) -> LoadedEngine:
+    """Load a built engine directory (`out/engine`) onto `device` (default: the build's)."""
+    engine_dir = Path(engine_dir)
+    record, config = read_engine_record(engine_dir)
+    device = device or config.device
+    target = load_target(engine_dir / "target", device, torch_dtype(config))
+    drafter = load_drafter(engine_dir / "drafter", target, device, torch_dtype(config))
+    if record["block_size"] != drafter.config.block_size:
+        drafter.config = replace(drafter.config, block_size=record["block_size"])
+    engine = Engine(target, drafter, max_batch_size=config.max_batch_size, max_seq_len=config.max_seq_len)
+    return LoadedEngine(engine, Tokenizer.from_dir(engine_dir / TOKENIZER_DIR), config, record["block_size"])
