@@ -49,11 +49,12 @@ class StepEvent:
 
 class Engine:
     def __init__(self, target: Qwen3ForCausalLM, drafter: DFlashDrafter | None = None, *,
-                 max_batch_size: int = 8, max_seq_len: int = 4096, mode: str | None = None,
+                 max_batch_size: int = 8, max_seq_len: int = 4096, block_size: int = 0, mode: str | None = None,
                  oracle: OracleDrafts | None = None, cuda_graphs: bool = True):
         self.target, self.drafter, self.oracle = target, drafter, oracle
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
-        self.block_size = drafter.config.block_size if drafter else 1
+        # block_size 0: the drafter's trained block size (a build may choose another)
+        self.block_size = (block_size or drafter.config.block_size) if drafter else 1
         self.taps = drafter.config.target_layer_ids if drafter else ()
         self.mode = mode or ("dflash" if drafter else "ar")
         self._check_mode(self.mode)
@@ -71,7 +72,7 @@ class Engine:
             check_caches_fit(per_slot, max_batch_size, max_seq_len, free, total)
         self.target_cache = target.new_cache(max_batch_size + 1, capacity, **snapshots)
         self.draft_cache = drafter.new_cache(max_batch_size + 1, capacity) if drafter else None
-        passes = (self.target, self.drafter, self.target_cache, self.draft_cache, self.taps)
+        passes = (self.target, self.drafter, self.target_cache, self.draft_cache, self.taps, self.block_size)
         use_graphs = cuda_graphs and graphs_supported(target, self.device)
         self.passes = GraphedPasses(*passes, max_batch_size=max_batch_size) if use_graphs else DecodePasses(*passes)
         self.eos_token_ids = frozenset(target.config.eos_token_ids)

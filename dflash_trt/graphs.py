@@ -48,10 +48,11 @@ class StepInputs:
 class DecodePasses:
     """Eager decode passes over the engine's models and caches."""
 
-    def __init__(self, target, drafter, target_cache: KVCache, draft_cache: KVCache | None, taps: tuple[int, ...]):
+    def __init__(self, target, drafter, target_cache: KVCache, draft_cache: KVCache | None, taps: tuple[int, ...],
+                 block_size: int):
         self.target, self.drafter = target, drafter
         self.target_cache, self.draft_cache, self.taps = target_cache, draft_cache, taps
-        self.block_size = drafter.config.block_size if drafter else 1
+        self.block_size = block_size
         self.device = target_cache.k.device
         # One pinned staging buffer: the step's inputs go to the device in one async copy.
         # Reusing it is safe because every step ends with a host sync (the token readback),

@@ -8,7 +8,7 @@ and the build config recorded in engine.json (`config.read_engine_record`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -88,7 +88,6 @@ class LoadedEngine:
     engine: Engine
     tokenizer: Tokenizer
     config: BuildConfig
-    block_size: int
 
 
 def load_engine(engine_dir: Path, device: str | None = None) -> LoadedEngine:
@@ -98,7 +97,6 @@ def load_engine(engine_dir: Path, device: str | None = None) -> LoadedEngine:
     device = device or config.device
     target = load_target(engine_dir / "target", device, torch_dtype(config))
     drafter = load_drafter(engine_dir / "drafter", target, device, torch_dtype(config))
-    if record["block_size"] != drafter.config.block_size:
-        drafter.config = replace(drafter.config, block_size=record["block_size"])
-    engine = Engine(target, drafter, max_batch_size=config.max_batch_size, max_seq_len=config.max_seq_len)
-    return LoadedEngine(engine, Tokenizer.from_dir(engine_dir / TOKENIZER_DIR), config, record["block_size"])
+    engine = Engine(target, drafter, max_batch_size=config.max_batch_size, max_seq_len=config.max_seq_len,
+                    block_size=record["block_size"])
+    return LoadedEngine(engine, Tokenizer.from_dir(engine_dir / TOKENIZER_DIR), config)

@@ -62,12 +62,12 @@ def test_rows_per_concurrency_are_lossless_and_positive(loaded):
         assert r.mode_label == "real acceptance" and r.dataset == "mt_bench" and r.num_prompts == 3
         assert r.identical_share == 1.0  # greedy fp32: DFlash reproduces AR exactly
         assert min(r.ar_tok_s, r.dflash_tok_s, r.ar_decode_tok_s, r.dflash_decode_tok_s, r.speedup) > 0
-        assert 1.0 <= r.tau_steps <= loaded.block_size and r.tau_per_request >= 1.0
+        assert 1.0 <= r.tau_steps <= loaded.engine.block_size and r.tau_per_request >= 1.0
         assert 0 < r.ttft_p50_s <= r.ttft_p99_s
 
 
 def test_oracle_tau_sets_the_mean_acceptance_length(loaded):
-    assert loaded.block_size == 8
+    assert loaded.engine.block_size == 8
     prompts = load_prompts("gsm8k", 4)
     (row,) = bench.run_bench(loaded, prompts, dataset="gsm8k", concurrencies=(4,), max_tokens=64,
                              oracle_tau=4, seed=1, chat=False)

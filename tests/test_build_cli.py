@@ -9,6 +9,7 @@ from click.testing import CliRunner
 from dflash_trt.cli import cli
 from dflash_trt.loading import load_engine, load_pair
 from dflash_trt.sampling import SamplingParams
+from dflash_trt.speculate import OracleDrafts
 
 
 def invoke(*args):
@@ -50,6 +51,20 @@ def test_packed_engine_generates_what_the_source_checkpoints_generate(make_pair,
     packed = load_engine(out / "engine").engine.generate(prompts, params, mode="dflash")
     source = load_pair(pair.target, pair.drafter).generate(prompts, params, mode="dflash")
     assert [r.token_ids for r in packed] == [r.token_ids for r in source]
+
+
+def test_build_block_size_sets_the_engines_block_and_leaves_the_drafter_config_alone(make_pair, tmp_path):
+    pair = make_pair()  # trained block size 8
+    out = tmp_path / "block4"
+    assert invoke("build", "--target", pair.target, "--drafter", pair.drafter, "--dtype", "float32",
+                  "--block-size", 4, "-o", out).exit_code == 0
+    engine = load_engine(out / "engine").engine
+    assert engine.block_size == engine.passes.block_size == 4 and engine.drafter.config.block_size == 8
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    reference = engine.generate([[5, 6, 7]], params, mode="ar")[0].token_ids
+    engine.oracle = OracleDrafts({(5, 6, 7): reference}, lambda seq: 99)  # every draft right
+    result = engine.generate([[5, 6, 7]], params, mode="dflash")[0]
+    assert result.token_ids == reference and max(result.stats.acceptance_lengths) == 4
 
 
 def test_run_generates_text_and_reports_stats(demo):

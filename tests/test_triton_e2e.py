@@ -179,11 +179,11 @@ def test_perf_metrics_match_the_in_process_dflash_run_and_appear_only_when_asked
     tok, prompt = local.tokenizer, "Hello"
     params = SamplingParams(max_tokens=MAX_TOKENS, stop_token_ids=tuple(tok.stop_token_ids))
     run_ = local.engine.generate([tok.encode(prompt)], params, mode="dflash")[0]
-    want = perf_metrics(run_.stats, local.block_size, len(expected(prompt)))
+    want = perf_metrics(run_.stats, local.engine.block_size, len(expected(prompt)))
     result = http_infer(server, text=prompt, return_perf_metrics=True)
     got = {name: result.as_numpy(name)[0, 0].item() for name in want}
     assert got == pytest.approx(want)
-    assert got[p.TOTAL_DRAFT_TOKENS] == run_.stats.verify_steps * (local.block_size - 1) > 0
+    assert got[p.TOTAL_DRAFT_TOKENS] == run_.stats.verify_steps * (local.engine.block_size - 1) > 0
     plain = http_infer(server, text=prompt)
     assert [o["name"] for o in plain.get_response()["outputs"]] == [p.TEXT_OUTPUT]
 

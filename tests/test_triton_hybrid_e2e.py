@@ -94,7 +94,7 @@ def expected(local):
 
 def test_the_build_keeps_the_qwen3_5_tokenizer_files_and_the_hybrid_target(built, local):
     assert (built / "engine" / "tokenizer" / "chat_template.jinja").is_file()
-    assert local.engine.target.stateful and local.engine.target_cache.num_snapshots == local.block_size == 8
+    assert local.engine.target.stateful and local.engine.target_cache.num_snapshots == local.engine.block_size == 8
     assert local.engine.drafter.config.layer_types == ("sliding_attention", "full_attention")
 
 
@@ -152,11 +152,11 @@ def test_perf_metrics_report_the_drafted_and_accepted_tokens(server, local, expe
     params = SamplingParams(max_tokens=MAX_TOKENS, stop_token_ids=tuple(tok.stop_token_ids))
     run = local.engine.generate([tok.encode(prompt)], params, mode="dflash")[0]
     assert run.token_ids[:len(expected(prompt))] == expected(prompt)  # lossless in-process too
-    want = perf_metrics(run.stats, local.block_size, len(expected(prompt)))
+    want = perf_metrics(run.stats, local.engine.block_size, len(expected(prompt)))
     result = http_infer(server, text=prompt, return_perf_metrics=True)
     got = {name: result.as_numpy(name)[0, 0].item() for name in want}
     assert got == pytest.approx(want)
-    assert got[p.TOTAL_DRAFT_TOKENS] == run.stats.verify_steps * (local.block_size - 1) > 0
+    assert got[p.TOTAL_DRAFT_TOKENS] == run.stats.verify_steps * (local.engine.block_size - 1) > 0
     assert got[p.TOTAL_ACCEPTED_DRAFT_TOKENS] > 0, "no draft accepted: favour other tokens (FAVOURED_WORDS)"
 
 

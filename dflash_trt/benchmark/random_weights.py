@@ -112,4 +112,4 @@ def random_engine(preset: str, device: str = "cuda", dtype: torch.dtype = torch.
     config = BuildConfig(device=str(torch.device(device).type), dtype=str(dtype).removeprefix("torch."),
                          max_batch_size=max_batch_size, max_input_len=max(1, max_seq_len // 2),
                          max_output_len=max(1, max_seq_len - max_seq_len // 2), preset=f"random:{preset}")
-    return LoadedEngine(engine, tokenizer, config, drafter.config.block_size)
+    return LoadedEngine(engine, tokenizer, config)
