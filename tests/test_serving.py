@@ -2,6 +2,7 @@
 preprocessing, and the engine thread (batching, streaming, stops, cancellation, failures)."""
 
 import random
+import re
 import threading
 import time
 
@@ -134,10 +135,6 @@ def read(specs, arrays):
 QUERY_ERRORS = {
     "missing text_input": (dict(REQUEST_OUTPUT_LEN=np.int32(4)), "missing required input 'QUERY'"),
     "empty text_input": (dict(QUERY=np.array([b""], object), REQUEST_OUTPUT_LEN=np.int32(4)), "'text_input' is empty"),
-    "max_tokens 0": (dict(QUERY=np.array([b"hi"], object), REQUEST_OUTPUT_LEN=np.int32(0)),
-                     "'max_tokens' must be > 0, got 0"),
-    "max_tokens too large": (dict(QUERY=np.array([b"hi"], object), REQUEST_OUTPUT_LEN=np.int32(49)),
-                             "'max_tokens' is 49, more than this engine's max_output_len = 48"),
     "max_tokens as FP32": (dict(QUERY=np.array([b"hi"], object), REQUEST_OUTPUT_LEN=np.float32(4)),
                            "input 'REQUEST_OUTPUT_LEN' must be INT32, got float32"),
     "bad words": (dict(QUERY=np.array([b"hi"], object), REQUEST_OUTPUT_LEN=np.int32(4),
@@ -150,7 +147,7 @@ QUERY_ERRORS = {
 def test_bad_queries_are_rejected_with_a_clear_message(case):
     values, message = QUERY_ERRORS[case]
     with pytest.raises(p.RequestValidationError, match=message):
-        p.Query.from_arrays(read(p.PREPROCESSING_INPUTS, arrays_of(**values))).validate(LIMITS)
+        p.Query.from_arrays(read(p.PREPROCESSING_INPUTS, arrays_of(**values))).validate()
 
 
 def test_a_batch_of_several_prompts_is_rejected():
@@ -173,21 +170,33 @@ REQUEST_ERRORS = {
     "length beyond ids": (dict(REQUEST_INPUT_LEN=np.int32(4)), "'REQUEST_INPUT_LEN' is 4, but 'INPUT_ID' holds 3"),
     "id outside vocab": (dict(INPUT_ID=np.array([1, 5000], np.int32), REQUEST_INPUT_LEN=np.int32(2)),
                          "prompt token id 5000 is outside the vocabulary"),
-    "max_tokens too large": (dict(REQUEST_OUTPUT_LEN=np.int32(100)), "max_output_len = 48"),
+    "max_tokens 0": (dict(REQUEST_OUTPUT_LEN=np.int32(0)), "'max_tokens' must be an int > 0, got 0"),
+    "max_tokens too large": (dict(REQUEST_OUTPUT_LEN=np.int32(49)),
+                             "'max_tokens' is 49, more than this engine's max_output_len = 48"),
     "negative temperature": (dict(TEMPERATURE=np.float32(-1)), "'temperature' must be a number >= 0"),
     "nan temperature": (dict(TEMPERATURE=np.float32("nan")), "'temperature' must be a number >= 0"),
-    "negative top_k": (dict(TOP_K=np.int32(-2)), "'top_k' must be >= 0, got -2"),
+    "negative top_k": (dict(TOP_K=np.int32(-2)), "'top_k' must be an int >= 0, got -2"),
     "top_p 0": (dict(TOP_P=np.float32(0)), r"'top_p' must be in \(0, 1\]"),
-    "end_id outside vocab": (dict(END_ID=np.int32(4096)), "'end_id' 4096 is outside the vocabulary"),
+    "end_id outside vocab": (dict(END_ID=np.int32(5000)), "'end_id' 5000 is outside the vocabulary"),
     "temperature as FP64": (dict(TEMPERATURE=np.float64(1)), "input 'TEMPERATURE' must be FP32, got float64"),
 }
 
 
 @pytest.mark.parametrize("case", REQUEST_ERRORS)
-def test_bad_engine_requests_are_rejected_with_a_clear_message(case):
+def test_bad_engine_requests_get_a_client_error_naming_the_value(case, worker):
+    """Whichever layer owns the field (protocol, SamplingParams, the engine), the client gets
+    one error with the message, flagged as its own fault, and the worker serves on."""
     values, message = REQUEST_ERRORS[case]
-    with pytest.raises(p.RequestValidationError, match=message):
-        engine_request(**values).validate(LIMITS, vocab_size=1024)
+    sink = ClientErrorSink()
+    try:
+        worker.submit(engine_request(**values), sink)
+    except p.RequestValidationError as e:  # refused in the caller's thread
+        errors = [(str(e), True)]
+    else:  # refused by the engine thread
+        errors = sink.wait().failures
+    assert len(errors) == 1 and errors[0][1], errors
+    assert re.search(message, errors[0][0]), errors
+    assert worker.alive
 
 
 def test_an_engine_request_reads_every_setting():
@@ -205,7 +214,7 @@ def test_an_engine_request_reads_every_setting():
 
 def preprocess(tokenizer, **values):
     arrays = read(p.PREPROCESSING_INPUTS, arrays_of(**values))
-    return Preprocessor(tokenizer, LIMITS)(arrays)
+    return Preprocessor(tokenizer)(arrays)
 
 
 def test_preprocessing_tokenizes_the_prompt_and_the_stop_words(tokenizer):
@@ -227,11 +236,6 @@ def test_preprocessing_applies_the_chat_template_when_asked(tokenizer):
                      END_ID=np.int32(42))
     text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], enable_thinking=False)
     assert out[p.INPUT_ID][0].tolist() == tokenizer.encode(text) and out[p.OUT_END_ID].tolist() == [[42]]
-
-
-def test_preprocessing_rejects_a_prompt_longer_than_max_input_len(tokenizer):
-    with pytest.raises(p.RequestValidationError, match="more than this engine's max_input_len = 64"):
-        preprocess(tokenizer, QUERY=np.array([("word " * 70).encode()], object), REQUEST_OUTPUT_LEN=np.int32(5))
 
 
 # -- the engine thread ------------------------------------------------------------------------
@@ -268,6 +272,18 @@ class RecordingSink:
     def wait(self):
         assert self.done.wait(60), "the worker never finished this request"
         return self
+
+
+class ClientErrorSink(RecordingSink):
+    """Also records whether each failure was flagged as the client's fault."""
+
+    def __init__(self):
+        super().__init__()
+        self.failures = []
+
+    def fail(self, message, client_error=False):
+        self.failures.append((message, client_error))
+        super().fail(message, client_error)
 
 
 # With this tiny pair, "def f(x):" and "é" make the model generate multi-byte characters.

@@ -190,7 +190,7 @@ def test_perf_metrics_match_the_in_process_dflash_run_and_appear_only_when_asked
 
 BAD_REQUESTS = {
     "missing text_input": (dict(text=None), "missing required input(s) ['text_input']"),
-    "max_tokens 0": (dict(text="Hello", max_tokens=0), "'max_tokens' must be > 0, got 0"),
+    "max_tokens 0": (dict(text="Hello", max_tokens=0), "'max_tokens' must be an int > 0, got 0"),
     "max_tokens beyond max_output_len": (dict(text="Hello", max_tokens=257),
                                          "'max_tokens' is 257, more than this engine's max_output_len = 256"),
     "max_tokens as FP32": (dict(text="Hello", max_tokens=None, max_tokens_fp32=np.array([[8.0]], np.float32)),
@@ -221,7 +221,7 @@ def test_a_bad_request_gets_a_clear_error_and_the_server_serves_on(server, local
 
 
 def test_a_bad_streamed_request_gets_its_error_through_the_stream(server):
-    with pytest.raises(InferenceServerException, match="'max_tokens' must be > 0"):
+    with pytest.raises(InferenceServerException, match="'max_tokens' must be an int > 0"):
         grpc_stream(server, text="Hello", max_tokens=0, stream=True)
 
 

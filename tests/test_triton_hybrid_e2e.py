@@ -164,7 +164,7 @@ def test_a_bad_request_gets_a_clear_error_and_the_server_serves_on(server, local
     too_long = f"'max_tokens' is {MAX_OUTPUT_LEN + 1}, more than this engine's max_output_len = {MAX_OUTPUT_LEN}"
     with pytest.raises(InferenceServerException, match=too_long):
         http_infer(server, text="Hello", max_tokens=MAX_OUTPUT_LEN + 1)
-    with pytest.raises(InferenceServerException, match="'max_tokens' must be > 0"):
+    with pytest.raises(InferenceServerException, match="'max_tokens' must be an int > 0"):
         grpc_stream(server, text="Hello", max_tokens=0, stream=True)
     with http_client(server) as client:
         assert client.is_server_live() and client.is_model_ready(p.ENSEMBLE)

@@ -125,10 +125,10 @@ def test_preprocessing_answers_each_request_and_a_bad_one_gets_invalid_arg(pb_ut
     model = load_model(p.PREPROCESSING)
     model.initialize(args_for(built, p.PREPROCESSING))
     good = Request(QUERY=batch(b"hello", object), REQUEST_OUTPUT_LEN=batch(4, np.int32))
-    bad = Request(QUERY=batch(b"hello", object), REQUEST_OUTPUT_LEN=batch(99, np.int32))
+    bad = Request(QUERY=batch(b"", object), REQUEST_OUTPUT_LEN=batch(4, np.int32))
     ok, error = model.execute([good, bad])
     assert not ok.has_error() and ok.outputs[p.INPUT_ID].shape[0] == 1
-    assert error.error().code() == TritonError.INVALID_ARG and "max_output_len = 16" in error.error().message()
+    assert error.error().code() == TritonError.INVALID_ARG and "'text_input' is empty" in error.error().message()
 
 
 def dflash_request(stream, max_tokens=8, cancelled=False):

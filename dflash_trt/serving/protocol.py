@@ -17,7 +17,6 @@ tensor and the bad value. This module imports neither torch nor Triton.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
@@ -311,24 +310,10 @@ def unpack_word_list(packed: np.ndarray) -> tuple[tuple[int, ...], ...]:
 
 @dataclass(frozen=True)
 class Limits:
-    """What one built engine accepts; read from engine.json (`serving.read_limits`)."""
+    """What one built engine accepts (its build config's limits)."""
 
     max_input_len: int
     max_output_len: int
-
-
-def _check_max_tokens(max_tokens: int, limits: Limits, name: str) -> None:
-    if max_tokens <= 0:
-        _fail(f"'{name}' must be > 0, got {max_tokens}")
-    if max_tokens > limits.max_output_len:
-        _fail(f"'{name}' is {max_tokens}, more than this engine's max_output_len = {limits.max_output_len}")
-
-
-def check_prompt_ids(ids: list[int], limits: Limits) -> None:
-    if not ids:
-        _fail("the prompt is empty (text_input encodes to no tokens)")
-    if len(ids) > limits.max_input_len:
-        _fail(f"the prompt is {len(ids)} tokens, more than this engine's max_input_len = {limits.max_input_len}")
 
 
 @dataclass(frozen=True)
@@ -357,10 +342,9 @@ class Query:
             thinking=_scalar(arrays, THINKING_IN, bool, False),
         )
 
-    def validate(self, limits: Limits) -> None:
+    def validate(self) -> None:
         if not self.text:
             _fail(f"'{TEXT_INPUT}' is empty")
-        _check_max_tokens(self.max_tokens, limits, MAX_TOKENS)
         if self.bad_words:
             _fail(f"'{BAD_WORDS}' is not supported by dflash-trt (got {list(self.bad_words)})")
         if self.end_id is not None and self.end_id < 0:
@@ -407,19 +391,17 @@ class Request:
         )
 
     def validate(self, limits: Limits, vocab_size: int) -> None:
-        check_prompt_ids(list(self.prompt_ids), limits)
-        _check_max_tokens(self.max_tokens, limits, MAX_TOKENS)
-        bad = [t for t in self.prompt_ids if not 0 <= t < vocab_size]
-        if bad:
-            _fail(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
+        """What the build's limits and the protocol decide. The sampling values are checked where
+        they become SamplingParams, and the prompt ids against the model by Engine.add_request
+        (emptiness, vocabulary, cache capacity): each field in one place."""
+        if len(self.prompt_ids) > limits.max_input_len:
+            _fail(f"the prompt is {len(self.prompt_ids)} tokens, more than this engine's max_input_len = "
+                  f"{limits.max_input_len}")
+        if self.max_tokens > limits.max_output_len:
+            _fail(f"'{MAX_TOKENS}' is {self.max_tokens}, more than this engine's max_output_len = "
+                  f"{limits.max_output_len}")
         if self.end_id is not None and not 0 <= self.end_id < vocab_size:
             _fail(f"'{END_ID}' {self.end_id} is outside the vocabulary (0..{vocab_size - 1})")
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            _fail(f"'{TEMPERATURE}' must be a number >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            _fail(f"'{TOP_K}' must be >= 0, got {self.top_k}")
-        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
-            _fail(f"'{TOP_P}' must be in (0, 1], got {self.top_p}")
         if self.bad_words:
             _fail(f"'{BAD_WORDS}' is not supported by dflash-trt")
         if any(not w for w in self.stop_words):

@@ -14,18 +14,12 @@ from typing import Callable
 
 import numpy as np
 
-from dflash_trt.config import TOKENIZER_DIR, read_engine_record
+from dflash_trt.config import TOKENIZER_DIR
 from dflash_trt.errors import DFlashError
 from dflash_trt.serving import protocol as p
 from dflash_trt.tokenizer import Tokenizer
 
 REPLACEMENT_CHAR = "\ufffd"  # what decoding puts in place of an incomplete UTF-8 sequence
-
-
-def read_limits(engine_dir: Path) -> p.Limits:
-    """The request limits of a built engine, from its engine.json (no weights loaded)."""
-    _, config = read_engine_record(engine_dir)
-    return p.Limits(max_input_len=config.max_input_len, max_output_len=config.max_output_len)
 
 
 def _batch1(array) -> np.ndarray:
@@ -38,18 +32,17 @@ def _batch1(array) -> np.ndarray:
 class Preprocessor:
     """Tokenizes one request for the dflash model (the preprocessing model's logic)."""
 
-    def __init__(self, tokenizer, limits: p.Limits):
-        self.tokenizer, self.limits = tokenizer, limits
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
 
     @classmethod
     def load(cls, engine_dir: Path) -> "Preprocessor":
-        return cls(Tokenizer.from_dir(Path(engine_dir) / TOKENIZER_DIR), read_limits(engine_dir))
+        return cls(Tokenizer.from_dir(Path(engine_dir) / TOKENIZER_DIR))
 
     def __call__(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         query = p.Query.from_arrays(arrays)
-        query.validate(self.limits)
+        query.validate()
         ids = self.tokenizer.encode(self._prompt(query))
-        p.check_prompt_ids(ids, self.limits)
         stop_words = [self.tokenizer.encode(w) for w in query.stop_words]
         return {
             p.INPUT_ID: _batch1(np.array(ids, dtype=np.int32)),

@@ -43,7 +43,7 @@ from dflash_trt.errors import RequestError
 from dflash_trt.loading import load_engine
 from dflash_trt.sampling import SamplingParams
 from dflash_trt.serving import protocol as p
-from dflash_trt.serving.text import IncrementalDetokenizer, read_limits
+from dflash_trt.serving.text import IncrementalDetokenizer
 
 
 def stop_cut(output: list[int], new: list[int], stop_words: tuple[tuple[int, ...], ...]) -> int | None:
@@ -169,7 +169,8 @@ class EngineWorker:
     def load(cls, engine_dir: Path, device: str | None = None) -> "EngineWorker":
         loaded = load_engine(engine_dir, device)
         loaded.engine.warm_up()  # CUDA graphs captured before the first request, not during it
-        return cls(loaded.engine, loaded.tokenizer, read_limits(engine_dir))
+        limits = p.Limits(max_input_len=loaded.config.max_input_len, max_output_len=loaded.config.max_output_len)
+        return cls(loaded.engine, loaded.tokenizer, limits)
 
     def submit(self, request: p.Request, sink: Sink) -> None:
         """Validate (raising RequestValidationError here, in the caller's thread) and enqueue."""
