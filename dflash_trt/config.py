@@ -15,7 +15,6 @@ from pathlib import Path
 
 from dflash_trt.errors import BuildError, ConfigError, PairError
 
-SUPPORTED_TARGET_TYPES = ("qwen3",)
 LAYER_KINDS = ("full_attention", "sliding_attention")
 
 
@@ -210,8 +209,8 @@ class TargetConfig:
         path = Path(directory) / "config.json"
         f = _Fields(read_json(path), path)
         model_type = f.data.get("model_type")
-        if model_type not in SUPPORTED_TARGET_TYPES:
-            raise f.error("model_type", f"is {model_type!r}; supported targets: {', '.join(SUPPORTED_TARGET_TYPES)}")
+        if model_type != cls.model_type:
+            raise f.error("model_type", f"is {model_type!r}; expected {cls.model_type!r}")
         _check_activation(f)
         eos = _token_ids(f, "eos_token_id")
         gen_path = Path(directory) / "generation_config.json"
@@ -368,20 +367,6 @@ def _eos_token_ids(f: _Fields, directory: Path, top: _Fields | None = None) -> t
     if gen_path.exists():
         eos += _token_ids(_Fields(read_json(gen_path), gen_path), "eos_token_id")
     return tuple(dict.fromkeys(eos))  # without repeats
-
-
-# Target configs by the HF `model_type` at the top of config.json.
-TARGET_CONFIGS = {"qwen3": TargetConfig, "qwen3_5": HybridTargetConfig, "qwen3_5_text": HybridTargetConfig}
-
-
-def load_target_config(directory: Path) -> TargetConfig | HybridTargetConfig:
-    """The target config of a checkpoint directory, of the class its `model_type` names."""
-    path = Path(directory) / "config.json"
-    f = _Fields(read_json(path), path)
-    model_type = f.data.get("model_type")
-    if model_type not in TARGET_CONFIGS:
-        raise f.error("model_type", f"is {model_type!r}; supported targets: {', '.join(TARGET_CONFIGS)}")
-    return TARGET_CONFIGS[model_type].from_dir(directory)
 
 
 def default_target_layer_ids(num_draft_layers: int, num_target_layers: int) -> tuple[int, ...]:

@@ -18,12 +18,11 @@ from dflash_trt.config import (
     BuildConfig,
     DraftConfig,
     check_pair,
-    load_target_config,
     read_engine_record,
 )
 from dflash_trt.engine import Engine
 from dflash_trt.errors import PairError
-from dflash_trt.models import target_class
+from dflash_trt.models import load_target_config, target_class
 from dflash_trt.models.dflash import DFlashDrafter
 from dflash_trt.models.qwen3 import Qwen3ForCausalLM
 from dflash_trt.tokenizer import Tokenizer

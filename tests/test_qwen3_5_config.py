@@ -7,9 +7,10 @@ import shutil
 import pytest
 from test_checkpoint_errors import edit_json
 
-from dflash_trt.config import HybridTargetConfig, TargetConfig, load_target_config
+from dflash_trt.config import HybridTargetConfig, TargetConfig
 from dflash_trt.errors import ConfigError
 from dflash_trt.loading import load_target
+from dflash_trt.models import load_target_config
 
 HYBRID = dict(target_type="qwen3_5", tokenizer_tokens=None, vocab_size=512, head_dim=32)
 

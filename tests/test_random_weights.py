@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from dflash_trt.benchmark import random_weights as rw
-from dflash_trt.config import DraftConfig, TargetConfig, load_target_config
+from dflash_trt.config import DraftConfig, TargetConfig
 from dflash_trt.engine import Engine
 from dflash_trt.errors import ConfigError
 from dflash_trt.fixtures.pair import TinyPairSpec, write_tiny_pair
-from dflash_trt.models import target_class
+from dflash_trt.models import load_target_config, target_class
 from dflash_trt.models.dflash import DFlashDrafter
 from dflash_trt.models.qwen3 import Qwen3ForCausalLM
 from dflash_trt.sampling import SamplingParams

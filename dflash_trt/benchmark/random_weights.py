@@ -24,12 +24,12 @@ from pathlib import Path
 
 import torch
 
-from dflash_trt.config import BuildConfig, DraftConfig, check_pair, load_target_config
+from dflash_trt.config import BuildConfig, DraftConfig, check_pair
 from dflash_trt.engine import Engine
 from dflash_trt.errors import ConfigError
 from dflash_trt.fixtures.pair import PairPaths, TinyPairSpec, write_tiny_pair
 from dflash_trt.loading import LoadedEngine
-from dflash_trt.models import target_class
+from dflash_trt.models import load_target_config, target_class
 from dflash_trt.models.dflash import DFlashDrafter
 from dflash_trt.tokenizer import Tokenizer
 

@@ -1,4 +1,5 @@
-"""Target model classes by HF `model_type`; the engine needs nothing else to pick one.
+"""The supported targets, by the HF `model_type` at the top of config.json (`TARGETS`, the one
+registry: a model class names its config class); the engine needs nothing else to pick one.
 
 A target class takes its config and offers `forward(input_ids, batch, cache, taps)`,
 `logits(hidden)`, `new_cache(num_slots, capacity, device=None)` (device "meta" sizes a cache
@@ -12,10 +13,26 @@ with `stateful = False` (the decode passes then skip the call). A stateful targe
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from dflash_trt.config import read_json
+from dflash_trt.errors import ConfigError
 from dflash_trt.models.qwen3 import Qwen3ForCausalLM
 from dflash_trt.models.qwen3_5 import Qwen3_5ForCausalLM
 
+# "qwen3_5" is the released multimodal layout (text model under text_config), "qwen3_5_text"
+# a text-only export of the same model.
+TARGETS = {"qwen3": Qwen3ForCausalLM, "qwen3_5": Qwen3_5ForCausalLM, "qwen3_5_text": Qwen3_5ForCausalLM}
+
 
 def target_class(model_type: str):
-    classes = {"qwen3": Qwen3ForCausalLM, "qwen3_5": Qwen3_5ForCausalLM}
-    return classes[model_type]
+    return TARGETS[model_type]
+
+
+def load_target_config(directory: Path):
+    """The target config of a checkpoint directory, of the class its `model_type` names."""
+    path = Path(directory) / "config.json"
+    model_type = read_json(path).get("model_type")
+    if model_type not in TARGETS:
+        raise ConfigError(f"{path}: key 'model_type' is {model_type!r}; supported targets: {', '.join(TARGETS)}")
+    return TARGETS[model_type].config_class.from_dir(directory)

@@ -60,6 +60,7 @@ class Qwen3Model(nn.Module):
 
 
 class Qwen3ForCausalLM(nn.Module):
+    config_class = TargetConfig
     graph_safe = True  # no host sync in a pass: decode passes may run as CUDA graphs
     stateful = False  # rollback is by length alone: commit() has nothing to do
 

@@ -297,6 +297,7 @@ class Qwen3_5Model(nn.Module):
 
 
 class Qwen3_5ForCausalLM(nn.Module):
+    config_class = HybridTargetConfig
     stateful = True  # recurrent state: commit() restores the accepted prefix's snapshot
     # Decode passes (width <= snapshots) read no device value on the host and run the gated
     # delta rule on the cache in place; only a prefill's chunked head (gated_delta.py) reads
