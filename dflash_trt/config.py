@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.resources
 import json
 import math
+import os
 import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -16,6 +17,14 @@ from pathlib import Path
 from dflash_trt.errors import BuildError, ConfigError, PairError
 
 LAYER_KINDS = ("full_attention", "sliding_attention")
+
+
+def cache_dir() -> Path:
+    """What dflash-trt caches between runs (compiled plugins, Triton backend links):
+    $DFLASH_TRT_CACHE, else $XDG_CACHE_HOME/dflash-trt, else ~/.cache/dflash-trt."""
+    if os.environ.get("DFLASH_TRT_CACHE"):
+        return Path(os.environ["DFLASH_TRT_CACHE"]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "dflash-trt"
 
 
 def read_json(path: Path) -> dict:

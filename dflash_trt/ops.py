@@ -6,10 +6,15 @@ the same signatures.
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 import torch.nn.functional as F
 
 from dflash_trt import plugins
+
+log = logging.getLogger(__name__)
 
 
 def attention_mask(q_pos, k_pos, k_valid, causal: bool, window: int | None) -> torch.Tensor:
@@ -76,6 +81,19 @@ def _plugins_loaded() -> bool:
     return plugins.load() is not None
 
 
+def _log_fallback(op: str, t: torch.Tensor) -> None:
+    """A CUDA tensor about to take the PyTorch reference: say so (once per op and dtype), so a
+    slow path is never silent. On the CPU the reference is the only path."""
+    if t.is_cuda:
+        _warn_once(op, t.dtype, _plugins_loaded())
+
+
+@functools.cache
+def _warn_once(op: str, dtype: torch.dtype, loaded: bool) -> None:
+    why = "its kernel does not cover this dtype or shape" if loaded else "the CUDA plugins are not loaded"
+    log.warning("%s on CUDA (%s) runs its PyTorch reference: %s", op, dtype, why)
+
+
 def _cuda_block_attention_supported(q: torch.Tensor) -> bool:
     return q.is_cuda and block_attention_kernel_supports(q.dtype, q.shape[3]) and _plugins_loaded()
 
@@ -107,6 +125,7 @@ def paged_block_attention(q, k_cache, v_cache, slots, ctx_len, q_start, k_blk=No
     if _cuda_block_attention_supported(q):
         return torch.ops.dflash.block_attention(q, k_cache, v_cache, slots, ctx_len, q_start, k_blk, v_blk,
                                                 bool(causal), int(window), float(scale), int(max_keys or 0))
+    _log_fallback("block_attention", q)
     return paged_block_attention_reference(q, k_cache, v_cache, slots, ctx_len, q_start, k_blk, v_blk, causal,
                                            window, scale)
 
@@ -198,6 +217,7 @@ def rms_norm(x, weight, eps: float, zero_centered: bool = False):
     _check_rms_args(x, None, weight)
     if _layer_kernel_ready(weight):
         return torch.ops.dflash.rms_norm(x, weight, float(eps), zero_centered)
+    _log_fallback("rms_norm", weight)
     return rms_norm_reference(x, weight, eps, zero_centered)
 
 
@@ -207,6 +227,7 @@ def gated_rms_norm(x, gate, weight, eps: float):
     _check_rms_args(x, gate, weight, "gate")
     if _layer_kernel_ready(weight):
         return torch.ops.dflash.gated_rms_norm(x, gate, weight, float(eps))
+    _log_fallback("gated_rms_norm", weight)
     return gated_rms_norm_reference(x, gate, weight, eps)
 
 
@@ -215,6 +236,7 @@ def add_rms_norm(x, delta, weight, eps: float, zero_centered: bool = False):
     _check_rms_args(x, delta, weight)
     if _layer_kernel_ready(weight):
         return torch.ops.dflash.add_rms_norm(x, delta, weight, float(eps), zero_centered)
+    _log_fallback("add_rms_norm", weight)
     return add_rms_norm_reference(x, delta, weight, eps, zero_centered)
 
 
@@ -259,6 +281,7 @@ def qk_norm_rope(qkv, num_q_heads: int, num_kv_heads: int, q_weight, k_weight, e
                                                 sin, k_cache, v_cache, slots, positions)
         q = q if num_q_heads else None
         return (q, None, None) if k_cache is not None else (q, k, v)
+    _log_fallback("qk_norm_rope", qkv)
     return qk_norm_rope_reference(qkv, num_q_heads, num_kv_heads, q_weight, k_weight, eps, cos, sin, k_cache,
                                   v_cache, slots, positions)
 
@@ -285,6 +308,7 @@ def gemv(x, weight, bias=None):
         f"{None if bias is None else (bias.dtype, tuple(bias.shape))}"
     if _gemv_kernel_fits(x, weight, bias):
         return torch.ops.dflash.gemv(x, weight, bias)
+    _log_fallback("gemv", x)
     return gemv_reference(x, weight, bias)
 
 
@@ -296,9 +320,8 @@ def _gemv_kernel_fits(x, weight, bias) -> bool:
 
 def linear(x, weight, bias=None):
     """nn.Linear's forward, x [..., K]. One row on CUDA (an AR step at batch 1: the weights
-    streamed once) goes to the gemv kernel, which beat cuBLAS by 2-17% on every Qwen3-8B
-    linear at M = 1 but lost on three of five at M = 4 (BENCHMARKS.md, "GEMV"); everything
-    else, and the CPU, is F.linear."""
+    streamed once) goes to the gemv kernel, which is faster than cuBLAS there but not at a few
+    rows (BENCHMARKS.md, "GEMV"); everything else, and the CPU, is F.linear."""
     if x.numel() == x.shape[-1] and x.dtype == weight.dtype:
         x1 = x.reshape(1, x.shape[-1])
         if _gemv_kernel_fits(x1, weight, bias):
@@ -312,6 +335,7 @@ def silu_mul(gate_up):
     assert gate_up.is_contiguous(), "gate_up must be contiguous"
     if _layer_kernel_ready(gate_up):
         return torch.ops.dflash.silu_mul(gate_up)
+    _log_fallback("silu_mul", gate_up)
     return silu_mul_reference(gate_up)
 
 
@@ -389,6 +413,7 @@ def causal_conv(x, weight, conv_cache, snapshots, slots, start):
         assert t.dtype == torch.int32 and t.shape == (bs,) and t.device == x.device, f"{name} must be int32 [{bs}]"
     if _layer_kernel_ready(x) and W + 1 <= 8 and x.stride(0) == x.stride(1) * T:
         return torch.ops.dflash.causal_conv(x, weight, conv_cache, snapshots, slots, start)
+    _log_fallback("causal_conv", x)
     return causal_conv_reference(x, weight, conv_cache, snapshots, slots, start)
 
 
@@ -436,6 +461,7 @@ def gated_delta_prepare(qkv, a, b, neg_a, dt_bias, num_k_heads: int, key_dim: in
             a.stride(0) == a.stride(1) * a.shape[1] and _plugins_loaded():
         return torch.ops.dflash.gated_delta_prepare(qkv, a, b, neg_a, dt_bias, num_k_heads, key_dim, value_dim,
                                                     float(eps), float(q_scale))
+    _log_fallback("gated_delta_prepare", qkv)
     return gated_delta_prepare_reference(qkv, a, b, neg_a, dt_bias, num_k_heads, key_dim, value_dim, eps, q_scale)
 
 
@@ -528,4 +554,5 @@ def gated_delta_recurrent(q, k, v, g, beta, state_cache, snapshot_cache, slots, 
     if q.is_cuda and gated_delta_kernel_supports(dk, dv) and _plugins_loaded():
         return torch.ops.dflash.gated_delta_recurrent(q, k, v, g, beta, state_cache, snapshot_cache, slots, start,
                                                       num_tokens)
+    _log_fallback("gated_delta_recurrent", q)
     return gated_delta_recurrent_reference(q, k, v, g, beta, state_cache, snapshot_cache, slots, start, num_tokens)

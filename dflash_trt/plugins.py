@@ -1,15 +1,17 @@
 """Build and load the CUDA plugins (plugins/*.cu, ops.cpp) as torch ops under torch.ops.dflash.
 
 The library is compiled once per GPU architecture and source hash with ninja into
-$DFLASH_TRT_CACHE (default ~/.cache/dflash-trt/plugins) and reused after that. On a machine
-without a CUDA GPU, or with DFLASH_TRT_PLUGINS=0, `load()` returns None and ops.py uses
-the PyTorch references.
+plugins/ under the cache directory (`config.cache_dir()`: $DFLASH_TRT_CACHE, default
+~/.cache/dflash-trt) and reused after that. On a machine without a CUDA GPU, or with
+DFLASH_TRT_PLUGINS=0 (logged: every op then runs its PyTorch reference), `load()` returns
+None and ops.py uses the PyTorch references.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
@@ -17,6 +19,10 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+from dflash_trt.config import cache_dir
+
+log = logging.getLogger(__name__)
 
 # one library; ops.cpp holds the registrations
 SOURCES = ("ops.cpp", "block_attention.cu", "layer_ops.cu", "gated_delta.cu", "gemv.cu")
@@ -43,14 +49,15 @@ def source_hash(directory: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("DFLASH_TRT_CACHE", Path.home() / ".cache" / "dflash-trt" / "plugins"))
 
 
 @functools.cache
 def load():
     """The loaded library's path, or None where the plugins cannot run (no CUDA GPU)."""
-    if os.environ.get("DFLASH_TRT_PLUGINS", "1") == "0" or not torch.cuda.is_available() or torch.version.cuda is None:
+    if not torch.cuda.is_available() or torch.version.cuda is None:
+        return None
+    if os.environ.get("DFLASH_TRT_PLUGINS", "1") == "0":
+        log.warning("DFLASH_TRT_PLUGINS=0: the CUDA plugins are off; every op runs its PyTorch reference")
         return None
     # Only a GPU build needs it, and it needs setuptools and a compiler on import.
     from torch.utils import cpp_extension
@@ -59,7 +66,7 @@ def load():
     src = plugin_dir()
     # torch and CUDA versions are part of the key: the library links against both.
     key = f"sm{major}{minor}-torch{torch.__version__}-cu{torch.version.cuda}-{source_hash(src)}"
-    build_dir = cache_root() / key
+    build_dir = cache_dir() / "plugins" / key
     build_dir.mkdir(parents=True, exist_ok=True)
     # Build only for this GPU (cpp_extension reads the arch list from the environment).
     saved = os.environ.get("TORCH_CUDA_ARCH_LIST")
@@ -81,10 +88,6 @@ def load():
         else:
             os.environ["TORCH_CUDA_ARCH_LIST"] = saved
     return path
-
-
-def available() -> bool:
-    return load() is not None
 
 
 def nvcc_path() -> str | None:

@@ -35,6 +35,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash_trt.config import cache_dir
 from dflash_trt.errors import ServeError
 
 LOG_TAIL_LINES = 40
@@ -292,7 +293,7 @@ def _prepare_backend_dir(root: Path) -> Path:
         raise ServeError(f"nvidia-pytriton has no Python backend stub for Python {version} (it has {have})")
     # Keyed by the wheel's location, so two venvs never re-point each other's links.
     key = hashlib.sha1(str(root.resolve()).encode()).hexdigest()[:10]
-    backends = _cache_dir() / "triton-backends" / f"py{version}-{key}"
+    backends = cache_dir() / "triton-backends" / f"py{version}-{key}"
     links = {p.name: p for p in (root / "backends" / "python").iterdir() if p.name != "__pycache__"}
     links[STUB] = stub
     try:
@@ -313,12 +314,6 @@ def _symlink(link: Path, target: Path) -> None:
     os.replace(tmp, link)  # atomic: a server starting concurrently never sees a missing stub
 
 
-def _cache_dir() -> Path:
-    if os.environ.get("DFLASH_TRT_CACHE"):
-        return Path(os.environ["DFLASH_TRT_CACHE"]).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "dflash-trt"
-
-
 def _libpython_dir() -> str | None:
     """A directory holding only this interpreter's libpython, to put first on LD_LIBRARY_PATH."""
     name, libdir = sysconfig.get_config_var("INSTSONAME"), sysconfig.get_config_var("LIBDIR")
@@ -327,7 +322,7 @@ def _libpython_dir() -> str | None:
     # LIBDIR itself may be /usr/lib/<arch>; putting all of it first could shadow the CUDA
     # libraries a user put on LD_LIBRARY_PATH.
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
-    private = _cache_dir() / "libpython" / f"{version}-{hashlib.sha1(libdir.encode()).hexdigest()[:10]}"
+    private = cache_dir() / "libpython" / f"{version}-{hashlib.sha1(libdir.encode()).hexdigest()[:10]}"
     try:
         private.mkdir(parents=True, exist_ok=True)
         _symlink(private / name, Path(libdir) / name)
