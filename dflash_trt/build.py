@@ -122,13 +122,12 @@ def run(config: BuildConfig, output: Path, force: bool = False) -> Path:
         _save_model(target, engine_dir / "target", target_src)
         _save_model(drafter, engine_dir / "drafter", drafter_src)
         _copy_tokenizer(target_src, engine_dir / TOKENIZER_DIR)
-        plugin = _place_plugins(config, engine_dir)
+        _compile_plugins(config)
         record = {
             "build_config": dataclasses.asdict(config),
             "block_size": config.block_size or drafter.config.block_size,
             "sources": {"target": _source_record(target_src), "drafter": _source_record(drafter_src)},
             "versions": _versions(),
-            "plugins": plugin,  # None: no GPU build; the engine runs the PyTorch reference ops
         }
         (engine_dir / ENGINE_FILE).write_text(json.dumps(record, indent=2) + "\n")
         render_repository(engine_dir, work / "out" / "model_repository", config)
@@ -140,21 +139,15 @@ def run(config: BuildConfig, output: Path, force: bool = False) -> Path:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _place_plugins(config: BuildConfig, engine_dir: Path) -> str | None:
-    """Compile the CUDA plugins for this GPU (a cached ninja build) and keep a copy in the engine."""
+def _compile_plugins(config: BuildConfig) -> None:
+    """A GPU build compiles the CUDA plugins for this GPU now (a cached ninja build, see
+    plugins.py), so a build that cannot run them fails here, not at the first request."""
     if config.device != "cuda":
-        return None
+        return
     if not torch.cuda.is_available():
         raise BuildError("--device cuda needs a visible CUDA GPU to compile the plugins for its architecture")
-    built = plugins.load()
-    if built is None:
+    if plugins.load() is None:
         raise BuildError("the CUDA plugins could not be built (see the compiler output above)")
-    major, minor = torch.cuda.get_device_capability()
-    target = engine_dir / "plugins" / f"sm{major}{minor}" / "libdflash_plugins.so"
-    target.parent.mkdir(parents=True)
-    shutil.copy(built, target)
-    _log(f"CUDA plugins for sm{major}{minor}: {target.relative_to(engine_dir)}")
-    return str(target.relative_to(engine_dir))
 
 
 def _versions() -> dict:
