@@ -19,13 +19,12 @@ window is small: a pass records it after each of its last S tokens and commit co
 kept one. A one-token pass (an AR step) keeps all it runs, so it steps both in place and
 its commit has nothing to do; a prefill commits all it runs and writes them directly.
 
-Why replay rather than per-token state snapshots (spec section 4, measured in
-BENCHMARKS.md): snapshots cost S x (value heads x dk x dv) fp32 of writes per linear layer
-and row in every verify (34 MB for Qwen3.5-9B at S = 16, more than the pass's own
-recurrence), plus a gather-and-scatter commit, and S times the state in memory (768 MiB
-per slot for Qwen3.5-9B); on the H100 that was 25% of a DFlash step at batch 32. The replay
-re-runs ~tau tokens from inputs of 33 KB per token and layer; its commit is graphed like
-the passes.
+Why replay rather than per-token state snapshots: snapshots write S x (value heads x dk x
+dv) fp32 per linear layer and row in every verify, more than the pass's own recurrence
+reads, plus a gather-and-scatter commit, and hold S times the state in memory per slot. The
+replay re-runs the ~tau accepted tokens from their saved inputs (a few KB per token and
+layer); its commit is graphed like the passes. The measurements that decided it are in
+BENCHMARKS.md, "Qwen3.5 hybrid".
 """
 
 from __future__ import annotations
@@ -61,9 +60,7 @@ class HybridCache(KVCache):
     [Ll, rows, S, Hv, dv], replay_g / replay_beta [Ll, rows, S, Hv].
 
     A decode pass of several tokens (a verify) leaves `state` as it was; commit replays the
-    accepted tokens from the saved inputs (spec section 4, "replay"). Keeping a snapshot of
-    the state per token instead would write S x 2 MiB per row and linear layer in every
-    verify for Qwen3.5-9B, and hold S times the state in memory (BENCHMARKS.md).
+    accepted tokens from the saved inputs (the module docstring says why, not snapshots).
     """
 
     def __init__(self, config: HybridTargetConfig, num_slots: int, capacity: int, num_snapshots: int, dtype, device):
