@@ -36,12 +36,19 @@ def torch_dtype(config: BuildConfig) -> torch.dtype:
 # -- checkpoints ----------------------------------------------------------------------------
 
 
-def _build(model_cls, config, checkpoint: Checkpoint, device, dtype, prefixes=("",)):
+def empty_model(model_cls, config, device, dtype) -> torch.nn.Module:
+    """The model with uninitialised weights on `device` (built on "meta": nothing allocated
+    twice), its tied weights tied."""
     with torch.device("meta"):
         model = model_cls(config)
     model = model.to(dtype).to_empty(device=device)
     if hasattr(model, "tie_weights"):
         model.tie_weights()
+    return model
+
+
+def _build(model_cls, config, checkpoint: Checkpoint, device, dtype, prefixes=("",)):
+    model = empty_model(model_cls, config, device, dtype)
     load_weights(model, checkpoint, prefixes)
     return model.eval()
 

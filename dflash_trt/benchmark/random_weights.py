@@ -28,7 +28,7 @@ from dflash_trt.config import BuildConfig, DraftConfig, check_pair
 from dflash_trt.engine import Engine
 from dflash_trt.errors import ConfigError
 from dflash_trt.fixtures.pair import PairPaths, TinyPairSpec, write_tiny_pair
-from dflash_trt.loading import LoadedEngine
+from dflash_trt.loading import LoadedEngine, empty_model
 from dflash_trt.models import load_target_config, target_class
 from dflash_trt.models.dflash import DFlashDrafter
 from dflash_trt.tokenizer import Tokenizer
@@ -89,11 +89,7 @@ def random_pair(sources: PairPaths, device, dtype, seed: int = 0):
     models = []
     target_cls = target_class(target_config.model_type)
     for cls, config, model_seed in ((target_cls, target_config, seed), (DFlashDrafter, draft_config, seed + 1)):
-        with torch.device("meta"):
-            model = cls(config)
-        model = model.to(dtype).to_empty(device=device)
-        if hasattr(model, "tie_weights"):
-            model.tie_weights()
+        model = empty_model(cls, config, device, dtype)
         randomize(model, model_seed)
         models.append(model.eval())
     target, drafter = models
