@@ -3,7 +3,7 @@
 # few minutes on a lent GPU machine (run from the repository root; results go to $OUT).
 #
 #   bash bench/gpu_check.sh tests      # build the plugins, the Qwen3 and kernel GPU tests (fp32 + bf16)
-#   bash bench/gpu_check.sh hybrid     # the Qwen3.5 GPU tests (fla's Triton JIT alone takes ~4 min)
+#   bash bench/gpu_check.sh hybrid     # the Qwen3.5 GPU tests (a stage of their own: fla's Triton JIT)
 #   bash bench/gpu_check.sh benches    # Qwen3.5 kernels, the Qwen3.5-9B profile and bench
 #   bash bench/gpu_check.sh roofline   # Qwen3-8B AR at batch 1: its GEMMs per BLAS library, profiles
 #   bash bench/gpu_check.sh bench8b    # Qwen3-8B AR vs DFlash, oracle acceptance, concurrency 1 and 32
@@ -59,7 +59,7 @@ tests)
   step plugins 240 python3 -c 'from dflash_trt import plugins; print(plugins.load())'
   DFLASH_TEST_DEVICE=cuda step tests-core 200 python3 -m pytest -q -p no:cacheprovider tests/test_lossless.py \
     tests/test_oracle.py tests/test_cuda.py tests/test_ops.py tests/test_layer_ops.py tests/test_memory.py \
-    tests/test_gemv.py
+    tests/test_gemv.py tests/test_environment.py
   ;;
 hybrid)
   DFLASH_TEST_DEVICE=cuda step tests-hybrid 420 python3 -m pytest -q -p no:cacheprovider \

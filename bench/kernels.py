@@ -1,12 +1,12 @@
-"""Time the block-attention plugin against today's path (gather K/V from the cache, explicit
-mask, torch SDPA) and, when installed, FlashInfer's batch prefill over a paged cache.
+"""Time the block-attention plugin against the path it replaces (gather K/V from the cache,
+explicit mask, torch SDPA) and, when installed, FlashInfer's batch prefill over a paged cache.
 
 Qwen3-8B attention layout (32 query heads, 8 KV heads, head_dim 128), bf16, one layer.
   non-causal: the drafter's full layers: context rows from the cache + the block's own K/V.
   causal:     the target verify: the block is already in the cache, causal inside it.
 Every timing replays a CUDA graph of the call (what the engine does), so host overhead is
 out. Bandwidth = K/V bytes the kernel must read / time, as a share of a device-to-device
-copy measured here (bytes read + written / time, the convention of performance.md).
+copy measured here (bytes read + written / time).
 
     python bench/kernels.py --json $OUT/kernels.json
     python bench/kernels.py --layer-ops      # the fused layer ops instead
@@ -35,8 +35,8 @@ TOKENS, BATCHES, CONTEXTS = (1, 8, 16), (1, 8, 32), (512, 4096, 32768)
 PAGE = 16
 
 
-# The SDPA baseline: an explicit [bs, T, L] mask (ops.attention_mask) over gathered K/V, as
-# the engine did before the kernel.
+# The SDPA baseline: an explicit [bs, T, L] mask (ops.attention_mask) over gathered K/V, the
+# unfused path the kernel replaces.
 def sdpa_with_mask(q, k, v, mask, scale):
     out = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None], scale=scale,
@@ -111,8 +111,8 @@ def flashinfer_fn(fi, k_pages, v_pages, q, batch, T, kv_len, causal, pages_per_s
 
 
 def layer_ops_rows(dtype=torch.bfloat16) -> list[dict]:
-    """The fused layer ops (plugins/layer_ops.cu) against their PyTorch references, which are
-    today's model code, on Qwen3-8B shapes (hidden 4096, 32/8 heads of 128, intermediate
+    """The fused layer ops (plugins/layer_ops.cu) against their PyTorch references, the unfused
+    formulas they replace, on Qwen3-8B shapes (hidden 4096, 32/8 heads of 128, intermediate
     12288) for N = bs x T rows; qk_norm_rope includes the K/V cache write (16 slots). Then
     the Qwen3.5 ones (hybrid_layer_cases)."""
     from dflash_trt import ops
@@ -149,7 +149,7 @@ def layer_ops_rows(dtype=torch.bfloat16) -> list[dict]:
 def hybrid_layer_cases(n: int, rand, eps: float) -> dict:
     """The Qwen3.5 ops (Qwen3.5-9B shapes: hidden 4096; Gated DeltaNet 16 key / 32 value heads
     of 128, conv over 8192 channels, kernel 4) for n tokens as n / 16 rows of 16 (a verify),
-    against their references (the model code they replaced)."""
+    against their references (the unfused formulas they replace)."""
     from dflash_trt import ops
 
     H, hk, hv, d, conv = 4096, 16, 32, 128, 8192
@@ -280,8 +280,8 @@ def gated_delta_rows() -> list[dict]:
             def kernel():
                 return ops.gated_delta_recurrent(*args)
 
-            # What the engine runs since rollback became a replay: the verify pass writes no
-            # state (NS = 0); commit re-runs the kept tokens (7 here, about τ = 7) in place.
+            # What the engine runs: the verify pass writes no state (NS = 0); commit re-runs
+            # the kept tokens (7 here, about τ = 7) in place.
             no_snapshots = snapshot_cache[:, :0]
             kept = torch.full((batch,), min(T, 7), **i32)
 
@@ -292,7 +292,7 @@ def gated_delta_rows() -> list[dict]:
                 return ops.gated_delta_recurrent(q, k, v, g, beta, state_cache, state_cache.unsqueeze(1), slots,
                                                  start, kept)
 
-            def today():  # GatedDeltaNet.forward before the kernel, for passes of at most S tokens
+            def today():  # the path the kernel replaces in GatedDeltaNet.forward, for passes of at most S tokens
                 state = state_cache[slots.long()].masked_fill((start == 0)[:, None, None, None], 0)
                 out, snapshots = gated_delta_rule_reference(q, k, v, g, beta, state, num_tokens.long(), ns)
                 snapshot_cache[slots.long()] = snapshots
@@ -432,7 +432,7 @@ def main() -> None:
 
                     kv_bytes = sum(c + T for c in contexts) * HKV * D * 2 * 2
                     k_us, _ = time_us(kernel)
-                    try:  # today's path materialises K/V (and, for GQA, may expand them): it can run out
+                    try:  # the SDPA path materialises K/V (and, for GQA, may expand them): it can run out
                         diff = (kernel().float().flatten(2) - sdpa().float()).abs().max().item()
                         s_us, _ = time_us(sdpa)
                     except torch.cuda.OutOfMemoryError:
@@ -456,8 +456,9 @@ def main() -> None:
                             if f_us is not None:
                                 # A second round of both, each keeping its better time, so the
                                 # order (ours first, right after the previous shape) favours
-                                # neither: small shapes measured up to 2.5 us slower in runs
-                                # with FlashInfer than in runs without it.
+                                # neither: with ours always first, our small shapes timed
+                                # slower in runs with FlashInfer than in runs without it
+                                # (BENCHMARKS.md, Block attention kernel).
                                 k_us = min(k_us, time_us(kernel)[0])
                                 f_us = min(f_us, time_us(f_run)[0])
                         except Exception as e:  # noqa: BLE001 - API drift between versions

@@ -811,7 +811,7 @@ int fp32_num_splits(const BlockAttentionParams& p, int num_sms) {
 
 // CTAs of the kernel instance with m_tiles m-tiles resident per SM (2 at d = 128 and 256), from
 // the occupancy calculator, asked once per instance and device: an eager pass (prefill) plans
-// every layer's launch, and each ask costs microseconds of host time.
+// every layer's launch, and the answer never changes.
 int resident_ctas(const BlockAttentionParams& p, int m_tiles) {
   constexpr int kMaxDevices = 64;
   int device = 0;
@@ -849,9 +849,10 @@ LaunchPlan launch_plan(const BlockAttentionParams& p, int num_sms) {
     // Every row gets num_splits CTAs whatever its length, so in a ragged batch the longest
     // rows' CTAs are the tail: aim for about four waves of resident CTAs, so that they are
     // short. Batch 1 cannot be ragged, and there each extra wave costs: one wave of two CTAs
-    // per SM. On the H100 at 32k context, batch 1, T = 16: 71 us at 33 splits, 90 us at 64
-    // (four waves), 76 us at 16 (one CTA per SM, which wins by 5-7% at T = 1 and 8); a ragged
-    // batch of 8 (32k, 16k, ... 256): 151 us at four waves, 269 us at one (BENCHMARKS.md).
+    // per SM (T = 16 wants the second CTA; T = 1 and 8 would do a little better with one).
+    // Larger batches keep four waves: the lengths are on the device, so the plan cannot tell
+    // a ragged batch from a uniform one, and one wave costs a ragged batch more than four
+    // cost a uniform one (BENCHMARKS.md, "Block attention kernel").
     // But each split must read enough keys to pay for writing and re-reading its fp32
     // partial (M rows x d x 8 bytes against keys x d x 4 bytes of K/V): 8 * M keys keeps
     // that below 1/4 of the traffic, usually far below. Unknown lengths are not split.
@@ -863,10 +864,9 @@ LaunchPlan launch_plan(const BlockAttentionParams& p, int num_sms) {
     plan.num_splits = std::max(1, std::min({by_length, wanted, kMaxSplits}));
     // A short context at batch 1 leaves most SMs idle even split to the minimum chunk (T = 16
     // at context 512: 16 CTAs of 64 rows). Then fewer rows per CTA put more SMs to work, at
-    // the price of re-reading K/V from L2 once per query chunk: on the H100, T = 16 at
-    // context 512 went from 20.7 to 11.7 us with 16-row CTAs; where the launch had half the
-    // SMs' worth of CTAs or more, smaller CTAs won 8% once (T = 16 at context 4096, 72 CTAs)
-    // and lost everywhere else, up to 2.3x at 32k (BENCHMARKS.md).
+    // the price of re-reading K/V from L2 once per query chunk, a price that grows with the
+    // context; once the launch has half the SMs' worth of CTAs, too few SMs are idle to pay
+    // for it (BENCHMARKS.md, "Block attention kernel").
     if (plan.m_tiles == min_mt || 2 * ctas * plan.num_splits >= num_sms) return plan;
     plan.m_tiles /= 2;
   }

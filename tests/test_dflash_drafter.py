@@ -1,5 +1,5 @@
-"""The drafter matches a naive reference written straight from the DFlash math
-(spec 1.5-1.7): no cache, no batching, explicit loops over heads and queries."""
+"""The drafter matches a naive reference written straight from the DFlash math: no cache,
+no batching, explicit loops over heads and queries."""
 
 import math
 

@@ -1,6 +1,6 @@
 """The gated delta rule of decode/verify passes on the cache in place (ops.gated_delta_recurrent,
-plugins/gated_delta.cu): the reference equals the old gather / reference / scatter path bit for
-bit (CPU), the wrapper rejects bad input naming it, and the CUDA kernel agrees with the
+plugins/gated_delta.cu): the reference equals the unfused gather / reference / scatter path
+bit for bit (CPU), the wrapper rejects bad input naming it, and the CUDA kernel agrees with the
 reference over a table of shapes, in a CUDA graph too (cuda marker)."""
 
 import pytest
@@ -50,7 +50,7 @@ def reached(case):
 
 
 def old_path(case):
-    """What GatedDeltaNet.forward did before the op: gather, reference, scatter all NS."""
+    """The unfused path the op replaces: gather, reference, scatter all NS."""
     slots = case["slots"].long()
     fresh = (case["start"] == 0)[:, None, None, None]
     state = case["state_cache"][slots].masked_fill(fresh, 0)
@@ -123,7 +123,7 @@ def test_prepare_reference_is_what_the_layer_computed_before_the_kernel():
 
 def test_the_model_entry_point_equals_the_gated_delta_rule_on_a_gathered_state():
     """The op on gated_delta_prepare's inputs against gated_delta_rule on raw q/k (the path the
-    model took for every pass before, and still takes for prefills): CPU bit for bit."""
+    model takes for prefills): CPU bit for bit."""
     bs, T, Hk, Hv, dk, dv, S = 3, 4, 2, 4, 16, 32, 4
     case = make_case(bs, T, Hk, Hv, dk, dv, S, [4, 2, 1], [3, 0, 8])
     proj = packed_projection(bs, T, Hk, Hv, dk, dv)

@@ -11,7 +11,7 @@ from dflash_trt.loading import load_pair, load_target
 from dflash_trt.sampling import SamplingParams
 from dflash_trt.speculate import OracleDrafts
 
-# Qwen3.5-family drafter settings (spec 1.2): Qwen3 layers, RoPE theta 1e7, explicit taps.
+# Qwen3.5-family drafter settings: Qwen3 layers, RoPE theta 1e7, explicit taps.
 HYBRID = dict(target_type="qwen3_5", tokenizer_tokens=None, vocab_size=512, head_dim=32, rope_theta=1e7,
               draft_rope_theta=1e7)
 PAIRS = {

@@ -1,5 +1,5 @@
-"""Fused layer ops (plugins/layer_ops.cu): each reference equals today's model code bit for bit
-(CPU, fp32 and bf16), the wrappers reject bad arguments, and the CUDA kernels agree with the
+"""Fused layer ops (plugins/layer_ops.cu): each reference equals the plain PyTorch formulas its
+op fuses bit for bit (CPU, fp32 and bf16), the wrappers reject bad arguments, and the CUDA kernels agree with the
 references to within a unit in the last place (cuda marker)."""
 
 import os
@@ -52,8 +52,8 @@ def rand(*shape, dtype=torch.float32, device="cpu", seed=0, scale=1.0):
 
 
 # ----------------------------------------------------------------------------------------------
-# CPU: the references round exactly like the plain PyTorch formulas the model code used before
-# it went through these ops (written out here, so the check does not go through dflash_trt.ops).
+# CPU: the references round exactly like the plain PyTorch formulas that these ops fuse
+# (written out here, so the check does not go through dflash_trt.ops).
 
 
 def plain_rms_norm(x, weight, eps):
@@ -63,14 +63,14 @@ def plain_rms_norm(x, weight, eps):
 
 
 def plain_zero_centered_rms_norm(x, weight, eps):
-    """Qwen3.5's RMSNorm as the model wrote it before the op: fp32 throughout, one rounding."""
+    """Qwen3.5's RMSNorm as a plain PyTorch formula: fp32 throughout, one rounding."""
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return (x32 * (1.0 + weight.float())).to(weight.dtype)
 
 
 def plain_gated_rms_norm(x, gate, weight, eps):
-    """Qwen3.5's gated norm of the linear-attention output, as the model wrote it before the op."""
+    """Qwen3.5's gated norm of the linear-attention output, as a plain PyTorch formula."""
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return (weight * x32.to(weight.dtype) * torch.nn.functional.silu(gate.float())).to(weight.dtype)

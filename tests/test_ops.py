@@ -83,7 +83,7 @@ def as_fp32(c):
 
 
 def mask_and_sdpa(c, causal, window, scale):
-    """Today's path: gather rows [0, max ctx) of each slot (+ the block), explicit mask, SDPA."""
+    """The path the kernel replaces: gather rows [0, max ctx) of each slot (+ the block), explicit mask, SDPA."""
     bs, T, Hq, d = c["q"].shape
     length = int(c["ctx_len"].max())
     k = c["k_cache"][c["slots"].long(), :length]
