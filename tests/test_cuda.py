@@ -70,7 +70,7 @@ def test_bf16_verify_blocks_agree_with_ar_tokens_position_by_position(make_pair)
 # flips a few percent of its greedy choices whatever the pass shape. Trained models are far
 # more confident. So the 99% contract is checked on a target trained for a minute on
 # GSM8K text: DFLASH_TRAIN_CORPUS points at a torch file {"vocab", "seqs", "questions"} of
-# token ids (made from ../shared/data by the GPU run command; see BENCHMARKS.md).
+# token ids (bench/make_train_corpus.py makes it from ../shared/data).
 CORPUS = os.environ.get("DFLASH_TRAIN_CORPUS")
 
 

@@ -104,7 +104,7 @@ def calls(monkeypatch):
 @pytest.mark.cuda
 def test_linear_takes_the_kernel_for_one_row_and_cublas_beyond(monkeypatch, calls):
     # one row is where the kernel is the faster on every Qwen3-8B linear (BENCHMARKS.md,
-    # Bandwidth roofline and where a step goes: GEMV)
+    # "GEMV")
     x, w, _ = gpu_case(5, 300, 256, torch.bfloat16, False)
     y = ops.linear(x[:1], w)
     assert_within_an_ulp(y, ops.gemv_reference(x[:1], w))
