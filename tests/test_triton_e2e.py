@@ -15,6 +15,7 @@ from triton_clients import (
     InferenceServerException,
     expected_text,
     greedy_reference,
+    grpc_client,
     grpc_infer,
     grpc_stream,
     grpcclient,
@@ -213,7 +214,11 @@ def test_a_bad_request_gets_a_clear_error_and_the_server_serves_on(server, local
         inputs.append(wrong)
     with pytest.raises(InferenceServerException) as error:
         http_infer(server, inputs=inputs)
-    assert message in str(error.value)
+    assert message in str(error.value) and error.value.status() == "400", (error.value.status(), str(error.value))
+    if "max_tokens_fp32" not in kw:  # the same request as a unary gRPC call
+        with grpc_client(server) as client, pytest.raises(InferenceServerException) as error:
+            client.infer(p.ENSEMBLE_UNARY, tensors(grpcclient, **kw))
+        assert message in str(error.value) and error.value.status() == "StatusCode.INVALID_ARGUMENT"
     with http_client(server) as client:
         assert client.is_server_live() and client.is_model_ready(p.ENSEMBLE)
     got = http_infer(server, text="Hello", max_tokens=8, exclude_input_in_output=True)

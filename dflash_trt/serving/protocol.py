@@ -214,6 +214,24 @@ def _fail(message: str):
     raise RequestValidationError(message)
 
 
+# Triton 2.51's BLS hands a called model's error back as INTERNAL whatever its code was, and
+# ensemble_unary relays through BLS: so a client error also says so in its text, in this one
+# form, which the relay recognises (the ensemble prefixes its own context to the message).
+CLIENT_ERROR = "invalid request: "
+
+
+def triton_error(pb_utils, message: str, client_error: bool):
+    """The TritonError of a failed request: INVALID_ARG (HTTP 400) and marked when the client
+    is at fault, INTERNAL (500) when the server is."""
+    if client_error:
+        return pb_utils.TritonError(CLIENT_ERROR + message, pb_utils.TritonError.INVALID_ARG)
+    return pb_utils.TritonError(message, pb_utils.TritonError.INTERNAL)
+
+
+def is_client_error(message: str) -> bool:
+    return CLIENT_ERROR in message
+
+
 def read_inputs(get: Callable[[str], np.ndarray | None], specs) -> dict[str, np.ndarray]:
     """The request's tensors by name, via `get(name)` (None when absent), dtype- and shape-checked.
 

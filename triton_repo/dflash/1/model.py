@@ -24,8 +24,8 @@ class _Sink:
         self._sender.send(pb_utils.InferenceResponse(tensors), flags=FINAL if chunk.final else 0)
 
     def fail(self, message, client_error=False):
-        code = pb_utils.TritonError.INVALID_ARG if client_error else pb_utils.TritonError.INTERNAL
-        self._sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code)), flags=FINAL)
+        error = protocol.triton_error(pb_utils, message, client_error)
+        self._sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
 
     def cancel(self):
         error = pb_utils.TritonError("the request was cancelled", pb_utils.TritonError.CANCELLED)

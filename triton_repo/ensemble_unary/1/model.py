@@ -24,8 +24,9 @@ def _relay(request):
     outputs = []
     for response in call.exec(decoupled=True):
         if response.has_error():
-            error = response.error()
-            return pb_utils.InferenceResponse(error=pb_utils.TritonError(error.message(), error.code()))
+            message = response.error().message()
+            code = pb_utils.TritonError.INVALID_ARG if protocol.is_client_error(message) else response.error().code()
+            return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
         outputs = response.output_tensors() or outputs  # the last response may be an empty FINAL
     return pb_utils.InferenceResponse(outputs)
 

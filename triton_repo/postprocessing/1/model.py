@@ -14,5 +14,5 @@ class TritonPythonModel:
         try:
             outputs = postprocess(protocol.read_request(pb_utils, request, protocol.POSTPROCESSING_INPUTS))
         except protocol.RequestValidationError as e:
-            return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG))
+            return pb_utils.InferenceResponse(error=protocol.triton_error(pb_utils, str(e), client_error=True))
         return pb_utils.InferenceResponse([pb_utils.Tensor(name, array) for name, array in outputs.items()])

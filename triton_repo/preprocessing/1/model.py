@@ -18,5 +18,5 @@ class TritonPythonModel:
         try:
             outputs = self.preprocess(protocol.read_request(pb_utils, request, protocol.PREPROCESSING_INPUTS))
         except protocol.RequestValidationError as e:  # this request fails, the batch goes on
-            return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG))
+            return pb_utils.InferenceResponse(error=protocol.triton_error(pb_utils, str(e), client_error=True))
         return pb_utils.InferenceResponse([pb_utils.Tensor(name, array) for name, array in outputs.items()])
