@@ -520,6 +520,9 @@ class BuildConfig:
     max_input_len: int = 2048  # prompt tokens
     max_output_len: int = 1024  # generated tokens per request
     block_size: int = 0  # 0: the drafter's trained block size
+    # text_input bytes preprocessing accepts before tokenizing; 0: what max_input_len tokens
+    # can be at most (serving.text.max_text_bytes)
+    max_input_bytes: int = 0
     triton_max_batch_size: int = 64  # Triton-level batching of pre/postprocessing
     preset: str = ""  # name of the preset this came from, for the record
 
@@ -532,6 +535,8 @@ class BuildConfig:
         for name in ("max_batch_size", "max_input_len", "max_output_len", "triton_max_batch_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 problems.append(f"{name} must be an int > 0, got {getattr(self, name)!r}")
+        if not isinstance(self.max_input_bytes, int) or self.max_input_bytes < 0:
+            problems.append(f"max_input_bytes must be 0 (derived) or an int > 0, got {self.max_input_bytes!r}")
         if not isinstance(self.block_size, int) or self.block_size < 0 or self.block_size == 1:
             problems.append(f"block_size must be 0 (the drafter's) or an int >= 2, got {self.block_size!r}")
         if bool(self.target) != bool(self.drafter):

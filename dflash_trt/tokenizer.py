@@ -4,6 +4,7 @@ template; it needs only `tokenizers` and `jinja2` (never `transformers`).
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -77,6 +78,14 @@ class Tokenizer:
     @property
     def pad_token_id(self) -> int:
         return self._pad_token_id
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """UTF-8 bytes of the longest token: byte-level BPE spells each byte as one character,
+        added tokens are their text."""
+        regular = max(map(len, self._backend.get_vocab(with_added_tokens=False)), default=1)
+        added = (len(t.content.encode()) for t in self._backend.get_added_tokens_decoder().values())
+        return max(regular, *added)
 
     @property
     def vocab_size(self) -> int:

@@ -13,7 +13,7 @@ from dflash_trt.loading import load_pair
 from dflash_trt.sampling import SamplingParams
 from dflash_trt.sequence import RequestStats
 from dflash_trt.serving import protocol as p
-from dflash_trt.serving.text import IncrementalDetokenizer, Preprocessor, postprocess
+from dflash_trt.serving.text import IncrementalDetokenizer, Preprocessor, max_text_bytes, postprocess
 from dflash_trt.serving.worker import Chunk, EngineWorker, perf_metrics, stop_cut
 from dflash_trt.tokenizer import Tokenizer
 
@@ -214,7 +214,7 @@ def test_an_engine_request_reads_every_setting():
 
 def preprocess(tokenizer, **values):
     arrays = read(p.PREPROCESSING_INPUTS, arrays_of(**values))
-    return Preprocessor(tokenizer)(arrays)
+    return Preprocessor(tokenizer, max_text_bytes=4096)(arrays)
 
 
 def test_preprocessing_tokenizes_the_prompt_and_the_stop_words(tokenizer):
@@ -229,6 +229,24 @@ def test_preprocessing_tokenizes_the_prompt_and_the_stop_words(tokenizer):
     assert out[p.OUT_END_ID].tolist() == [[p.NO_END_ID]] and out[p.OUT_PAD_ID].tolist() == [[tokenizer.pad_token_id]]
     for spec in p.PREPROCESSING_OUTPUTS:  # what the dflash model will check
         assert out[spec.name].dtype == p.NUMPY_DTYPES[spec.dtype] and out[spec.name].ndim == len(spec.dims) + 1
+
+
+def test_a_text_over_the_byte_limit_is_refused_before_it_is_tokenized(tokenizer, monkeypatch):
+    monkeypatch.setattr(tokenizer, "encode", lambda text: pytest.fail("tokenized an oversized text"))
+    for name in ("QUERY", "STOP_WORDS_DICT"):
+        values = dict(QUERY=np.array([b"hi"], object), REQUEST_OUTPUT_LEN=np.int32(5))
+        values[name] = np.array([b"x" * 4097], object)
+        client_name = {"QUERY": "text_input", "STOP_WORDS_DICT": "stop_words"}[name]
+        with pytest.raises(p.RequestValidationError, match=f"'{client_name}' is 4,097 bytes, more than this engine"):
+            preprocess(tokenizer, **values)
+
+
+def test_the_derived_byte_limit_admits_every_text_of_max_input_len_tokens(tokenizer):
+    # the longest token repeated: the most bytes max_input_len tokens can spell
+    longest = max(tokenizer.decode([i]).encode() for i in range(tokenizer.vocab_size) if "\ufffd" not in
+                  tokenizer.decode([i]))
+    limit = max_text_bytes(LIMITS.max_input_len, tokenizer)
+    assert len(longest) * LIMITS.max_input_len <= limit <= 3 * tokenizer.max_token_bytes * LIMITS.max_input_len
 
 
 def test_preprocessing_applies_the_chat_template_when_asked(tokenizer):

@@ -348,7 +348,14 @@ class Query:
     thinking: bool = False
 
     @classmethod
-    def from_arrays(cls, arrays: Mapping[str, np.ndarray]) -> "Query":
+    def from_arrays(cls, arrays: Mapping[str, np.ndarray], max_text_bytes: int | None = None) -> "Query":
+        """`max_text_bytes` bounds each text input before anything decodes or tokenizes it."""
+        if max_text_bytes is not None:
+            for name, client_name in ((QUERY, TEXT_INPUT), (STOP_WORDS_DICT, STOP_WORDS), (BAD_WORDS_DICT, BAD_WORDS)):
+                size = sum(len(v.encode() if isinstance(v, str) else v) for v in arrays.get(name, np.empty(0)).flat)
+                if size > max_text_bytes:
+                    _fail(f"'{client_name}' is {size:,} bytes, more than this engine takes ({max_text_bytes:,}: "
+                          f"max_input_bytes, see the build config)")
         return cls(
             text=_scalar(arrays, QUERY, _text),
             max_tokens=_scalar(arrays, REQUEST_OUTPUT_LEN, int),

@@ -14,7 +14,7 @@ from typing import Callable
 
 import numpy as np
 
-from dflash_trt.config import TOKENIZER_DIR
+from dflash_trt.config import TOKENIZER_DIR, read_engine_record
 from dflash_trt.errors import DFlashError
 from dflash_trt.serving import protocol as p
 from dflash_trt.tokenizer import Tokenizer
@@ -29,18 +29,27 @@ def _batch1(array) -> np.ndarray:
 # -- preprocessing ----------------------------------------------------------------------------
 
 
+def max_text_bytes(max_input_len: int, tokenizer) -> int:
+    """The most UTF-8 bytes a text of max_input_len tokens can have, so that a longer text is
+    refused before it is tokenized: each token spells at most max_token_bytes bytes, and the
+    tokenizer's NFC normalization shrinks a text at most 3x (Hangul jamo composing)."""
+    return max_input_len * tokenizer.max_token_bytes * 3
+
+
 class Preprocessor:
     """Tokenizes one request for the dflash model (the preprocessing model's logic)."""
 
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, max_text_bytes: int):
+        self.tokenizer, self.max_text_bytes = tokenizer, max_text_bytes
 
     @classmethod
     def load(cls, engine_dir: Path) -> "Preprocessor":
-        return cls(Tokenizer.from_dir(Path(engine_dir) / TOKENIZER_DIR))
+        _, config = read_engine_record(engine_dir)
+        tokenizer = Tokenizer.from_dir(Path(engine_dir) / TOKENIZER_DIR)
+        return cls(tokenizer, config.max_input_bytes or max_text_bytes(config.max_input_len, tokenizer))
 
     def __call__(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        query = p.Query.from_arrays(arrays)
+        query = p.Query.from_arrays(arrays, self.max_text_bytes)
         query.validate()
         ids = self.tokenizer.encode(self._prompt(query))
         stop_words = [self.tokenizer.encode(w) for w in query.stop_words]
