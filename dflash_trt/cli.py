@@ -49,7 +49,8 @@ def cli():
 @click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="A TOML file with BuildConfig fields (instead of --preset).")
 @click.option("-o", "--output", required=True, type=click.Path(path_type=Path), help="Output directory.")
-@click.option("--force", is_flag=True, help="Overwrite an existing output directory.")
+@click.option("--force", is_flag=True, help="Replace an output directory that an earlier build made "
+                                             "(it holds a .dflash-trt-build marker and nothing else).")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]))
 @click.option("--device", type=click.Choice(["cpu", "cuda"]))
 @click.option("--max-batch-size", type=click.IntRange(min=1))
@@ -172,8 +173,7 @@ def serve(output_dir, tritonserver_args, http_port, grpc_port, metrics_port, hos
 
 @cli.command()
 @click.argument("prompt")
-@click.option("--url", default="localhost:8001", show_default=True,
-              help="Server address (gRPC port for grpc, HTTP port for http).")
+@click.option("--url", help="Server address host:port [default: localhost:8001 for grpc, localhost:8000 for http].")
 @click.option("--protocol", type=click.Choice(["grpc", "http"]), default="grpc", show_default=True)
 @click.option("--stream", is_flag=True, help="Print text as it arrives (gRPC).")
 @_sampling_options
@@ -185,6 +185,7 @@ def generate(prompt, url, protocol, stream, max_tokens, temperature, top_k, top_
     """
     from dflash_trt.serving import client
 
+    url = url or ("localhost:8000" if protocol == "http" else "localhost:8001")
     completion = client.Completion()
     start = time.perf_counter()
     with _errors():

@@ -72,6 +72,17 @@ def test_generate_against_no_server_fails_clearly():
     assert result.exit_code == 1 and f"127.0.0.1:{port}" in result.stderr
 
 
+def test_generate_over_http_defaults_to_the_http_port():
+    result = CliRunner().invoke(cli, ["generate", "hi", "--protocol", "http", "--max-tokens", "4"])
+    assert result.exit_code == 1 and "localhost:8000" in result.stderr and "Traceback" not in result.output
+
+
+def test_generate_over_http_at_a_grpc_port_fails_clearly(serving):
+    _, (_, grpc, _) = serving
+    result = CliRunner().invoke(cli, ["generate", "hi", "--protocol", "http", "--url", f"127.0.0.1:{grpc}"])
+    assert result.exit_code == 1 and f"127.0.0.1:{grpc}" in result.stderr and "Traceback" not in result.output
+
+
 def test_serve_exits_1_with_the_reason_when_a_port_is_taken(demo, serving):
     _, (http, _, _) = serving
     grpc, metrics = free_ports(2)

@@ -6,6 +6,7 @@ works the same way; this module only saves the boilerplate.
 
 from __future__ import annotations
 
+import http.client
 import queue
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -79,8 +80,9 @@ def generate(url: str, prompt: str, *, protocol: str = "grpc", stream: bool = Fa
             client = module.InferenceServerClient(url)
             # Triton 2.51 refuses unary calls on an ensemble with a decoupled step; ensemble_unary relays them.
             result = client.infer(p.ENSEMBLE_UNARY, _inputs(module, prompt, stream=False, **options))
-        except (InferenceServerException, ConnectionError, OSError) as e:
-            raise ClientError(f"{url}: {e}") from None
+        except (InferenceServerException, ConnectionError, OSError, http.client.HTTPException) as e:
+            # HTTPException: what answered is not an HTTP server (e.g. the gRPC port)
+            raise ClientError(f"{url}: {e!r}") from None
         yield _read(result, completion)
         return
     yield from _grpc(url, prompt, stream, completion, options)
