@@ -7,23 +7,20 @@ streaming through the ensemble, HTTP /generate, and unary HTTP infer (ensemble_u
 
 import json
 import os
-import re
 import threading
-from pathlib import Path
 
 import pytest
+from test_triton_e2e import demo, server  # noqa: F401  (module fixtures: build the demo, serve it)
 from triton_clients import (
     expected_text,
     greedy_reference,
     grpc_stream,
     http_infer,
     post,
-    serving,
+    server_rss_kib,
     text_of,
 )
 
-from dflash_trt.build import run
-from dflash_trt.config import resolve_config
 from dflash_trt.loading import load_engine
 
 pytestmark = pytest.mark.slow
@@ -31,38 +28,6 @@ CLIENTS = 32
 REQUESTS = int(os.environ.get("DFLASH_LOAD_REQUESTS", "10"))
 MAX_TOKENS = 12
 PROMPTS = ["Hello", "The capital of France is", "def f(x):", "Zürich", "1 2 3", "你好", "Once upon a time", "é"]
-
-
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    out = tmp_path_factory.mktemp("load") / "demo"
-    run(resolve_config("tiny"), out)
-    return out
-
-
-@pytest.fixture(scope="module")
-def server(demo):
-    with serving(demo) as server:
-        yield server
-
-
-def server_rss_kib(server) -> dict[str, int]:
-    """Resident memory of tritonserver and of each Python backend stub it runs, by name."""
-    rss = {}
-    needle = str(server.repository).encode()
-    for proc in Path("/proc").iterdir():
-        try:
-            argv = (proc / "cmdline").read_bytes().split(b"\0")
-            if proc.name == str(server.pid):
-                name = "tritonserver"
-            elif argv[0].endswith(b"triton_python_backend_stub") and any(needle in arg for arg in argv):
-                name = next(a.decode() for a in argv if needle in a).split("/")[-3]  # .../<model>/1/model.py
-            else:
-                continue
-            rss[name] = int(re.search(r"VmRSS:\s+(\d+)", (proc / "status").read_text()).group(1))
-        except (OSError, IndexError, AttributeError, StopIteration):
-            continue
-    return rss
 
 
 def ask(server, way: str, prompt: str) -> str:

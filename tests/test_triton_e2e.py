@@ -4,10 +4,8 @@ gRPC streaming, the HTTP generate endpoints. Outputs must equal the in-process e
 greedy output; bad requests must get clear errors while the server keeps serving."""
 
 import json
-import re
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,6 +24,7 @@ from triton_clients import (
     httpclient,
     np_to_triton_dtype,
     post,
+    server_rss_kib,
     serving,
     tensors,
     text_of,
@@ -227,21 +226,8 @@ def test_a_bad_request_gets_a_clear_error_and_the_server_serves_on(server, local
     assert text_of(got) == expected_text(local, expected, "Hello", 8)
 
 
-def stub_rss_kib(server, model):
-    """Resident memory of the Python backend stub serving `model` for this server."""
-    needle = f"{server.repository}/{model}/".encode()
-    for proc in Path("/proc").iterdir():
-        try:
-            argv = (proc / "cmdline").read_bytes().split(b"\0")
-            if argv[0].endswith(b"triton_python_backend_stub") and any(needle in arg for arg in argv):
-                return int(re.search(r"VmRSS:\s+(\d+)", (proc / "status").read_text()).group(1))
-        except (OSError, IndexError, AttributeError):
-            continue
-    pytest.fail(f"no stub process for {model} under {server.repository}")
-
-
 def test_an_oversized_text_input_is_refused_fast_without_growing_preprocessing(server, local, expected):
-    before = stub_rss_kib(server, p.PREPROCESSING)
+    before = server_rss_kib(server)[p.PREPROCESSING]
     huge = "word " * (4 << 20)  # 20 MiB, far over what max_input_len = 512 tokens can spell
     for _ in range(3):
         start = time.perf_counter()
@@ -249,7 +235,7 @@ def test_an_oversized_text_input_is_refused_fast_without_growing_preprocessing(s
             http_infer(server, text=huge)
         assert error.value.status() == "400" and "'text_input' is 20,971,520 bytes" in str(error.value)
         assert time.perf_counter() - start < 10, "refused only after tokenizing"
-    assert stub_rss_kib(server, p.PREPROCESSING) - before < 64 << 10  # KiB
+    assert server_rss_kib(server)[p.PREPROCESSING] - before < 64 << 10  # KiB
     got = http_infer(server, text="Hello", max_tokens=8, exclude_input_in_output=True)
     assert text_of(got) == expected_text(local, expected, "Hello", 8)
 

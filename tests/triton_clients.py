@@ -6,6 +6,7 @@ every served output is compared with."""
 import contextlib
 import json
 import queue
+import re
 import urllib.request
 from pathlib import Path
 
@@ -128,3 +129,22 @@ def post(server, path, body):
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     with opener.open(request, timeout=TIMEOUT_S) as response:
         return response.read().decode("utf-8")
+
+
+def server_rss_kib(server) -> dict[str, int]:
+    """Resident memory of tritonserver and of each Python backend stub it runs, by name."""
+    rss = {}
+    needle = str(server.repository).encode()
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            if proc.name == str(server.pid):
+                name = "tritonserver"
+            elif argv[0].endswith(b"triton_python_backend_stub") and any(needle in arg for arg in argv):
+                name = next(a.decode() for a in argv if needle in a).split("/")[-3]  # .../<model>/1/model.py
+            else:
+                continue
+            rss[name] = int(re.search(r"VmRSS:\s+(\d+)", (proc / "status").read_text()).group(1))
+        except (OSError, IndexError, AttributeError, StopIteration):
+            continue
+    return rss
