@@ -2,18 +2,22 @@
 
 Steps: resolve sources -> validate the pair -> pack weights -> copy the tokenizer ->
 render the Triton repository. Everything is written into a temporary sibling directory
-and renamed at the end, so a failed build leaves nothing half-written.
+and renamed at the end, so a failed build leaves nothing half-written. The output carries a
+marker file (MARKER); --force replaces only a directory holding that marker and nothing else.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -27,6 +31,8 @@ from dflash_trt.serving.repository import render_repository
 from dflash_trt.tokenizer import Tokenizer
 from dflash_trt.weights import write_safetensors
 
+MARKER = ".dflash-trt-build"  # written into every output: what proves --force may replace it
+OUTPUT_ENTRIES = ("engine", "model_repository")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "chat_template.jinja", "generation_config.json")
 
@@ -100,43 +106,131 @@ def _copy_tokenizer(target_dir: Path, out: Path) -> None:
         shutil.copy(target_dir / name, out / name)
 
 
+def _is_marked(directory: Path) -> bool:
+    try:
+        return json.loads((directory / MARKER).read_text()).get("tool") == "dflash-trt"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _check_output(output: Path, force: bool) -> None:
+    """Refuse an output that is not a build's to create or replace, before any work is done.
+
+    --force must never delete a user's files: it replaces only a directory that a build made
+    (its marker) and that holds nothing a build did not write."""
+    if not os.path.lexists(output):
+        blocker = next(p for p in output.parents if p.exists())  # "." or "/" at the latest
+        if not blocker.is_dir():
+            raise BuildError(f"cannot create {output}: {blocker} is not a directory; choose another -o")
+        if output.name == "..":  # "x/.." where x does not exist yet: no name to rename to
+            raise BuildError(f"cannot create {output}: name the output directory itself; choose another -o")
+        return
+    remedy = "choose another -o, or remove it yourself"
+    if output.is_symlink():  # replacing it would replace the link, not what it points to
+        raise BuildError(f"{output} is a symbolic link, not a directory a build made; {remedy}")
+    here = Path.cwd().resolve()
+    if output.resolve() in (here, *here.parents, Path(os.path.expanduser("~")).resolve()):
+        raise BuildError(f"{output} is the current directory, one of its parents or the home directory; "
+                         "a build never replaces it: choose another -o")
+    if not output.is_dir():
+        raise BuildError(f"{output} exists and is not a directory; {remedy}")
+    foreign = sorted(p.name for p in output.iterdir() if p.name not in (*OUTPUT_ENTRIES, MARKER))
+    if foreign:
+        raise BuildError(f"{output} holds files that dflash-trt build did not write ({', '.join(foreign[:5])}"
+                         f"{', ...' if len(foreign) > 5 else ''}); {remedy}")
+    if not _is_marked(output):
+        raise BuildError(f"{output} was not made by dflash-trt build (no {MARKER} marker); {remedy}")
+    if not force:
+        raise BuildError(f"{output} already exists; pass --force to overwrite it")
+
+
+@contextlib.contextmanager
+def _sigterm_unwinds():
+    """SIGTERM's default action ends the process without running `finally` blocks, which would
+    leave the temporary sibling behind. For the build it raises SystemExit(143) (128 + SIGTERM,
+    what a shell reports) instead. Only the main thread may set handlers, and a handler the
+    caller installed (or SIG_IGN) is theirs: it is left alone."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        yield
+        return
+
+    def terminate(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _swap_in(new: Path, output: Path, aside: Path) -> None:
+    """Rename the finished build `new` to `output`. An old output is renamed to `aside` first
+    and deleted only once the new one is in place, so at every point one of them is complete
+    (a crash between the renames leaves both whole, in hidden siblings); if the new one cannot
+    move in, the old one is renamed back."""
+    try:
+        if output.exists():
+            os.replace(output, aside)
+        try:
+            os.replace(new, output)
+        except BaseException:
+            if os.path.lexists(aside):
+                os.replace(aside, output)
+            raise
+    except OSError as e:
+        raise BuildError(f"cannot move the new build into {output}: {e.strerror or e}") from e
+    shutil.rmtree(aside, ignore_errors=True)
+
+
 def run(config: BuildConfig, output: Path, force: bool = False) -> Path:
     """Build the engine directory and the Triton model repository at `output`."""
     output = Path(output)
-    if output.exists() and not force:
-        raise BuildError(f"{output} already exists; pass --force to overwrite it")
-    output.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
-    try:
-        if config.target:
-            target_src = resolve_source(config.target, "target")
-            drafter_src = resolve_source(config.drafter, "drafter")
-        else:
-            target_src, drafter_src = _demo_sources(work)
-        _log(f"validating the pair: {target_src} + {drafter_src}")
-        target = load_target(target_src, "cpu", torch_dtype(config))
-        drafter = load_drafter(drafter_src, target, "cpu", torch_dtype(config))
-        Tokenizer.from_dir(target_src)  # fails early, naming the file, if the tokenizer is broken
-        engine_dir = work / "out" / "engine"
-        _log(f"packing weights (fused qkv and gate_up, cast to {config.resolved_dtype})")
-        _save_model(target, engine_dir / "target", target_src)
-        _save_model(drafter, engine_dir / "drafter", drafter_src)
-        _copy_tokenizer(target_src, engine_dir / TOKENIZER_DIR)
-        _compile_plugins(config)
-        record = {
-            "build_config": dataclasses.asdict(config),
-            "block_size": config.block_size or drafter.config.block_size,
-            "sources": {"target": _source_record(target_src), "drafter": _source_record(drafter_src)},
-            "versions": _versions(),
-        }
-        (engine_dir / ENGINE_FILE).write_text(json.dumps(record, indent=2) + "\n")
-        render_repository(engine_dir, work / "out" / "model_repository", config)
-        if output.exists():
-            shutil.rmtree(output)
-        os.replace(work / "out", output)
-        return output
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    with _sigterm_unwinds():
+        try:
+            _check_output(output, force)
+            output.parent.mkdir(parents=True, exist_ok=True)
+            work = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+        except OSError as e:  # a read-only or unreadable directory: a user's problem, not a crash
+            raise BuildError(f"cannot write {output}: {e.strerror or e}") from e
+        try:
+            _build_into(config, work)
+            _check_output(output, force)  # again: the directory may have changed during a long build
+            # The old output goes beside `work`, not into it: if it cannot be renamed back,
+            # the cleanup below must not delete it.
+            _swap_in(work / "out", output, work.with_name(work.name + ".old"))
+            return output
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _build_into(config: BuildConfig, work: Path) -> None:
+    """Write the whole output to `work/out` (scratch files, such as the demo pair, go in `work`)."""
+    if config.target:
+        target_src = resolve_source(config.target, "target")
+        drafter_src = resolve_source(config.drafter, "drafter")
+    else:
+        target_src, drafter_src = _demo_sources(work)
+    _log(f"validating the pair: {target_src} + {drafter_src}")
+    target = load_target(target_src, "cpu", torch_dtype(config))
+    drafter = load_drafter(drafter_src, target, "cpu", torch_dtype(config))
+    Tokenizer.from_dir(target_src)  # fails early, naming the file, if the tokenizer is broken
+    engine_dir = work / "out" / "engine"
+    _log(f"packing weights (fused qkv and gate_up, cast to {config.resolved_dtype})")
+    _save_model(target, engine_dir / "target", target_src)
+    _save_model(drafter, engine_dir / "drafter", drafter_src)
+    _copy_tokenizer(target_src, engine_dir / TOKENIZER_DIR)
+    _compile_plugins(config)
+    record = {
+        "build_config": dataclasses.asdict(config),
+        "block_size": config.block_size or drafter.config.block_size,
+        "sources": {"target": _source_record(target_src), "drafter": _source_record(drafter_src)},
+        "versions": _versions(),
+    }
+    (engine_dir / ENGINE_FILE).write_text(json.dumps(record, indent=2) + "\n")
+    render_repository(engine_dir, work / "out" / "model_repository", config)
+    marker = {"tool": "dflash-trt", "version": __version__, "contents": list(OUTPUT_ENTRIES)}
+    (work / "out" / MARKER).write_text(json.dumps(marker) + "\n")
 
 
 def _compile_plugins(config: BuildConfig) -> None:

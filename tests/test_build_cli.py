@@ -1,11 +1,17 @@
 """`dflash-trt build` / `run`: outputs, exit codes, and nothing half-written on failure."""
 
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 from click.testing import CliRunner
 
+from dflash_trt import build
 from dflash_trt.cli import cli
 from dflash_trt.loading import load_engine, load_pair
 from dflash_trt.sampling import SamplingParams
@@ -79,6 +85,160 @@ def test_existing_output_needs_force(demo):
     result = invoke("build", "-o", out)
     assert result.exit_code == 1 and "already exists; pass --force" in result.stderr
     assert (out / "engine" / "engine.json").read_text() == before
+
+
+def snapshot(directory):
+    """Every path under `directory` with its bytes (None for a directory), to prove nothing changed."""
+    return {str(p.relative_to(directory)): None if p.is_dir() else p.read_bytes() for p in directory.rglob("*")}
+
+
+def test_build_marks_its_output_as_its_own(demo):
+    marker = json.loads((demo[0] / ".dflash-trt-build").read_text())
+    assert marker["tool"] == "dflash-trt" and marker["contents"] == ["engine", "model_repository"]
+
+
+def test_force_replaces_an_earlier_build_and_leaves_no_temporary_directory(tmp_path):
+    out = tmp_path / "out"
+    assert invoke("build", "-o", out, "--preset", "tiny").exit_code == 0
+    (out / "engine" / "engine.json").write_text("{}")  # so the replacement shows
+    result = invoke("build", "-o", out, "--preset", "tiny", "--force")
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "engine" / "engine.json").read_text())["build_config"]["preset"] == "tiny"
+    assert leftovers(tmp_path, "out") == ["out"]
+
+
+@pytest.mark.parametrize("where", [".", ".."])
+def test_force_never_replaces_the_current_directory_or_its_parents(tmp_path, monkeypatch, where):
+    here = tmp_path / "project"
+    (here / "src").mkdir(parents=True)
+    (here / "src" / "main.py").write_text("keep me")
+    monkeypatch.chdir(here)
+    before = snapshot(tmp_path)
+    result = invoke("build", "-o", where, "--force")
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert "current directory" in result.stderr and "embedded demo pair" not in result.stderr  # refused before work
+    assert snapshot(tmp_path) == before
+
+
+def test_force_never_replaces_the_home_directory(tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / ".dflash-trt-build").write_text('{"tool": "dflash-trt"}')  # even one that looks like a build
+    monkeypatch.setenv("HOME", str(home))
+    result = invoke("build", "-o", home, "--force")
+    assert result.exit_code == 1 and "home directory" in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["home"] and (home / ".dflash-trt-build").exists()
+
+
+def _foreign_file(out):
+    (out / "notes.txt").write_text("mine")
+
+
+def _no_marker(out):
+    (out / ".dflash-trt-build").unlink(missing_ok=True)  # builds older than the marker have none
+
+
+def _only_foreign(out):
+    shutil.rmtree(out)
+    out.mkdir()
+    (out / "thesis.tex").write_text("years of work")
+
+
+def _a_file(out):
+    shutil.rmtree(out)
+    out.write_text("not a directory")
+
+
+def _a_symlink(out):
+    real = out.parent / "real"
+    out.rename(real)
+    out.symlink_to(real)
+
+
+NOT_OURS = {
+    "a build plus a foreign file": (_foreign_file, "notes.txt"),
+    "a build without the marker": (_no_marker, "no .dflash-trt-build marker"),
+    "a directory of someone else's files": (_only_foreign, "thesis.tex"),
+    "a regular file": (_a_file, "not a directory"),
+    "a symlink to a build": (_a_symlink, "symbolic link"),
+}
+
+
+@pytest.mark.parametrize("name", NOT_OURS)
+def test_force_refuses_an_output_a_build_did_not_make_and_changes_nothing(demo, tmp_path, name):
+    damage, reason = NOT_OURS[name]
+    out = tmp_path / "out"
+    shutil.copytree(demo[0], out)
+    damage(out)
+    before = snapshot(tmp_path)
+    result = invoke("build", "-o", out, "--force")
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert str(out) in result.stderr and reason in result.stderr and "remove it yourself" in result.stderr
+    assert "embedded demo pair" not in result.stderr  # refused before any work
+    assert snapshot(tmp_path) == before
+
+
+def test_a_failed_swap_keeps_the_old_output(demo, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    shutil.copytree(demo[0], out)
+    before = snapshot(out)
+    real_replace = os.replace
+
+    def failing_replace(src, dst):
+        if os.fspath(dst) == os.fspath(out) and os.path.basename(src) == "out":  # the new build moving in
+            raise OSError(28, "No space left on device", os.fspath(dst))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(build.os, "replace", failing_replace)
+    result = invoke("build", "-o", out, "--preset", "tiny", "--force")
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert str(out) in result.stderr and "No space left on device" in result.stderr
+    assert snapshot(out) == before and leftovers(tmp_path, "out") == ["out"]
+
+
+def test_output_blocked_by_a_file_is_one_clear_error(tmp_path):
+    (tmp_path / "somefile").write_text("x")
+    for output in (tmp_path / "somefile" / "out", tmp_path / "somefile" / "deeper" / "out"):
+        result = invoke("build", "-o", output)
+        assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.exception
+        assert "Traceback" not in result.output
+        assert str(output) in result.stderr and "somefile is not a directory" in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["somefile"]
+
+
+def test_read_only_parent_is_one_clear_error(tmp_path):
+    parent = tmp_path / "ro"
+    parent.mkdir()
+    parent.chmod(0o555)
+    try:
+        try:  # root (CAP_DAC_OVERRIDE) writes into it anyway: then there is nothing to test
+            (parent / "probe").mkdir()
+        except PermissionError:
+            result = invoke("build", "-o", parent / "out")
+        else:
+            pytest.skip("this user can write into read-only directories")
+    finally:
+        parent.chmod(0o755)
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.exception
+    assert "Traceback" not in result.output
+    assert str(parent / "out") in result.stderr and "Permission denied" in result.stderr
+    assert list(parent.iterdir()) == []
+
+
+def test_sigterm_during_a_build_exits_143_and_leaves_nothing(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_trt", "build", "-o", "X"], cwd=tmp_path,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while not list(tmp_path.glob(".X.*")):
+            assert proc.poll() is None and time.monotonic() < deadline, "the build never made its temp directory"
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 143, proc.stderr.read().decode()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert leftovers(tmp_path, "X") == []
 
 
 def broken_pair(make_pair, tmp_path, damage):
