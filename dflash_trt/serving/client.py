@@ -30,7 +30,7 @@ class Completion:
 
 
 def _inputs(module, prompt: str, *, max_tokens: int, stream: bool, temperature: float, top_k: int, top_p: float,
-            seed: int | None, chat: bool, thinking: bool, stats: bool):
+            seed: int | None, chat: bool, thinking: bool, stats: bool, stop_words: tuple[str, ...] = ()):
     values = [
         (p.TEXT_INPUT, np.array([[prompt.encode()]], dtype=np.object_)),
         (p.MAX_TOKENS, np.array([[max_tokens]], dtype=np.int32)),
@@ -45,6 +45,8 @@ def _inputs(module, prompt: str, *, max_tokens: int, stream: bool, temperature: 
     ]
     if seed is not None:
         values.append((p.SEED, np.array([[seed]], dtype=np.uint64)))
+    if stop_words:
+        values.append((p.STOP_WORDS, np.array([[w.encode() for w in stop_words]], dtype=np.object_)))
     tensors = []
     for name, value in values:
         dtype = "BYTES" if value.dtype == np.object_ else {np.bool_: "BOOL", np.int32: "INT32", np.float32: "FP32",
