@@ -13,6 +13,7 @@ from dflash_trt.loading import load_pair
 from dflash_trt.sampling import SamplingParams
 from dflash_trt.sequence import RequestStats
 from dflash_trt.serving import protocol as p
+from dflash_trt.serving.metrics import TritonMetrics
 from dflash_trt.serving.text import IncrementalDetokenizer, Preprocessor, max_text_bytes, postprocess
 from dflash_trt.serving.worker import Chunk, EngineWorker, perf_metrics, stop_cut
 from dflash_trt.tokenizer import Tokenizer
@@ -467,3 +468,60 @@ def test_stopping_the_worker_fails_requests_still_in_flight(pair, tokenizer):
         assert sink.errors == ["the server is shutting down"] or sink.chunks[-1].final
     with pytest.raises(p.RequestValidationError, match="shutting down"):
         submit(w, tokenizer, "Hello")
+
+
+# -- metrics ------------------------------------------------------------------------------------
+
+
+class FakeMetricFamily:
+    """triton_python_backend_utils.MetricFamily's surface, recording into `series`."""
+
+    COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
+
+    def __init__(self, name, description, kind):
+        self.name, self.kind = name, kind
+
+    def Metric(self, labels, buckets=None):  # noqa: N802 (pb_utils' name)
+        metric = FakeMetric(labels, buckets)
+        FakeMetricFamily.series[self.name] = metric
+        return metric
+
+
+class FakeMetric:
+    def __init__(self, labels, buckets):
+        self.labels, self.buckets, self.value, self.observed = labels, buckets, 0, []
+
+    def increment(self, value):
+        assert value >= 0, "a counter only goes up"
+        self.value += value
+
+    def set(self, value):
+        self.value = value
+
+    def observe(self, value):
+        self.observed.append(value)
+
+
+def test_metrics_add_up_to_the_responses_own_perf_metrics(pair, tokenizer, monkeypatch):
+    monkeypatch.setattr(FakeMetricFamily, "series", {}, raising=False)
+    pb_utils = type("pb_utils", (), {"MetricFamily": FakeMetricFamily})
+    engine = new_engine(pair, max_batch_size=3)
+    metrics = TritonMetrics(pb_utils, {"model": "dflash", "version": "1"}, engine.block_size)
+    worker = EngineWorker(engine, tokenizer, LIMITS, metrics=metrics)
+    try:
+        sinks = [submit(worker, tokenizer, prompt, max_tokens=12, stream=bool(i % 2), return_perf_metrics=True)
+                 for i, prompt in enumerate(PROMPTS)]
+        finals = [sink.wait().chunks[-1].metrics for sink in sinks]
+    finally:
+        worker.stop()  # the sender drains its queue: every update is recorded
+    series = FakeMetricFamily.series
+    assert series["dflash_output_tokens_total"].value == sum(m[p.NUM_OUTPUT_TOKENS] for m in finals)
+    assert series["dflash_draft_tokens_total"].value == sum(m[p.TOTAL_DRAFT_TOKENS] for m in finals) > 0
+    assert series["dflash_accepted_draft_tokens_total"].value == sum(m[p.TOTAL_ACCEPTED_DRAFT_TOKENS] for m in finals)
+    steps = series["dflash_verify_steps_total"].value
+    assert steps * (engine.block_size - 1) == series["dflash_draft_tokens_total"].value
+    observed = series["dflash_acceptance_length"].observed
+    assert len(observed) == steps and sum(observed) - steps == series["dflash_accepted_draft_tokens_total"].value
+    assert series["dflash_acceptance_length"].buckets == [float(b) for b in range(1, engine.block_size + 1)]
+    assert [series[f"dflash_{g}"].value for g in ("running_requests", "waiting_requests", "kv_slots_used")] == [0, 0, 0]
+    assert all(m.labels == {"model": "dflash", "version": "1"} for m in series.values())

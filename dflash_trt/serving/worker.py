@@ -148,8 +148,12 @@ class EngineWorker:
     """
 
     def __init__(self, engine, tokenizer, limits: p.Limits, *, idle_wait_s: float = 0.05,
-                 cancel_check_s: float = 0.02):
+                 cancel_check_s: float = 0.02, metrics=None):
         self.engine, self.tokenizer, self.limits = engine, tokenizer, limits
+        # serving.metrics.TritonMetrics or None; its calls are round trips to the Triton process,
+        # so they go through the sender thread like responses do
+        self.metrics = metrics
+        self._engine_state = None  # the last (running, waiting, slots used) the gauges were given
         self._idle_wait_s = idle_wait_s
         # is_cancelled() is a round trip to the Triton process per request: poll, don't spin.
         self._cancel_check_s = cancel_check_s
@@ -166,11 +170,12 @@ class EngineWorker:
         self._thread.start()
 
     @classmethod
-    def load(cls, engine_dir: Path, device: str | None = None) -> "EngineWorker":
+    def load(cls, engine_dir: Path, device: str | None = None, metrics=None) -> "EngineWorker":
+        """`metrics`: a callable block_size -> metrics object (see serving.metrics), or None."""
         loaded = load_engine(engine_dir, device)
         loaded.engine.warm_up()  # CUDA graphs captured before the first request, not during it
         limits = p.Limits(max_input_len=loaded.config.max_input_len, max_output_len=loaded.config.max_output_len)
-        return cls(loaded.engine, loaded.tokenizer, limits)
+        return cls(loaded.engine, loaded.tokenizer, limits, metrics=metrics and metrics(loaded.engine.block_size))
 
     def submit(self, request: p.Request, sink: Sink) -> None:
         """Validate (raising RequestValidationError here, in the caller's thread) and enqueue."""
@@ -217,6 +222,7 @@ class EngineWorker:
                 self._drop_cancelled()
                 if self._jobs:
                     self._step()
+                self._report_engine_state()
             except Exception:  # a bug in this loop must not silently end serving
                 _log(f"engine loop error:\n{traceback.format_exc()}")
                 self._fail_jobs(list(self._jobs.values()), "internal error in the engine loop")
@@ -243,8 +249,19 @@ class EngineWorker:
         self._outbox.put((job, _WATCH))
 
     def _remove(self, job: _Job) -> None:
-        self._jobs.pop(job.seq, None)
+        if self._jobs.pop(job.seq, None) is not None and self.metrics is not None:
+            stats, num_output = job.seq.stats, len(job.output_ids)
+            self._outbox.put((None, lambda: self.metrics.request_ended(stats, num_output)))
         job.done = True
+
+    def _report_engine_state(self) -> None:
+        if self.metrics is None:
+            return
+        engine = self.engine
+        state = (len(engine.running), len(engine.waiting), engine.max_batch_size - len(engine.free_slots))
+        if state != self._engine_state:  # the gauges change at admissions and ends, not every step
+            self._engine_state = state
+            self._outbox.put((None, lambda: self.metrics.engine_state(*state)))
 
     def _drop_cancelled(self) -> None:
         """Abort the requests the sender found cancelled by their client, or unreachable."""
@@ -344,6 +361,8 @@ class EngineWorker:
                 job, action = item
                 if action is _WATCH:
                     watched.append(job)
+                elif job is None:  # a metrics update
+                    self._record(action)
                 elif not job.send_failed:  # else its client is gone; the engine thread aborts it
                     self._send(job, action)
             if time.monotonic() >= next_poll:
@@ -351,6 +370,12 @@ class EngineWorker:
                 for job in watched:
                     self._poll_cancelled(job)
                 next_poll = time.monotonic() + self._cancel_check_s
+
+    def _record(self, update: Callable[[], None]) -> None:
+        try:
+            update()
+        except Exception:  # metrics must never take serving down
+            _log(f"a metrics update failed:\n{traceback.format_exc()}")
 
     def _send(self, job: _Job, send: Callable[[], None]) -> None:
         try:
