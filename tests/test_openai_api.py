@@ -3,19 +3,16 @@ package: answers equal the in-process engine's greedy text, streaming included, 
 requests get OpenAI-format errors while the server serves on."""
 
 import json
-import threading
-import time
 import urllib.error
 import urllib.request
 
 import pytest
-import uvicorn
 from openai import AuthenticationError, BadRequestError, OpenAI
 from ports import free_ports
 from test_triton_e2e import demo, local, server  # noqa: F401  (module fixtures: build, serve, load)
 from triton_clients import greedy_reference
 
-from dflash_trt.serving.openai_api import Frontend, StopCut
+from dflash_trt.serving.openai_api import ApiServer, Frontend, StopCut
 
 pytestmark = pytest.mark.slow
 MAX_OUTPUT_LEN = 256  # the tiny preset's
@@ -27,24 +24,16 @@ def expected(local):  # noqa: F811
     return greedy_reference(local)
 
 
-def start_api(frontend: Frontend):
+def start_api(frontend: Frontend) -> ApiServer:
     (port,) = free_ports(1)
-    api = uvicorn.Server(uvicorn.Config(frontend.app(), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=api.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not api.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the API did not start"
-        time.sleep(0.05)
-    return api, thread, f"http://127.0.0.1:{port}/v1"
+    return ApiServer(frontend, "127.0.0.1", port)
 
 
 @pytest.fixture(scope="module")
 def api_url(server, local):  # noqa: F811
-    api, thread, url = start_api(Frontend(server.endpoints.grpc, local.tokenizer, MAX_OUTPUT_LEN, "demo"))
-    yield url
-    api.should_exit = True
-    thread.join(30)
+    api = start_api(Frontend(server.endpoints.grpc, local.tokenizer, MAX_OUTPUT_LEN, "demo"))
+    yield api.url
+    api.stop()
 
 
 def chat_text(local, content, enable_thinking=True):  # noqa: F811
@@ -158,14 +147,13 @@ def test_what_the_server_refuses_comes_back_as_a_400(api_url):
 
 
 def test_with_an_api_key_a_request_without_it_is_a_401(server, local):  # noqa: F811
-    api, thread, url = start_api(Frontend(server.endpoints.grpc, local.tokenizer, MAX_OUTPUT_LEN, "demo", "secret"))
+    api = start_api(Frontend(server.endpoints.grpc, local.tokenizer, MAX_OUTPUT_LEN, "demo", "secret"))
     try:
         with pytest.raises(AuthenticationError):
-            OpenAI(base_url=url, api_key="wrong", max_retries=0).models.list()
-        assert OpenAI(base_url=url, api_key="secret").models.list().data[0].id == "demo"
+            OpenAI(base_url=api.url, api_key="wrong", max_retries=0).models.list()
+        assert OpenAI(base_url=api.url, api_key="secret").models.list().data[0].id == "demo"
     finally:
-        api.should_exit = True
-        thread.join(30)
+        api.stop()
 
 
 @pytest.mark.parametrize("chunks, stop, want", [

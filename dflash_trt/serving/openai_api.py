@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+import uvicorn
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -326,3 +328,23 @@ async def _events(meta: dict, chat: bool, first: str, chunks: Iterator[str], com
     finally:
         await run_in_threadpool(chunks.close)  # a client that went away cancels its server request
     yield "data: [DONE]\n\n"
+
+
+class ApiServer:
+    """The API served by uvicorn on a thread of the calling process (`dflash-trt serve` runs it
+    beside tritonserver); `stop` ends it."""
+
+    def __init__(self, frontend: Frontend, host: str, port: int, start_timeout_s: float = 30.0):
+        self._server = uvicorn.Server(uvicorn.Config(frontend.app(), host=host, port=port, log_level="warning"))
+        self._thread = threading.Thread(target=self._server.run, name="openai-api", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + start_timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise DFlashError(f"the OpenAI API could not listen on {host}:{port}")
+            time.sleep(0.05)
+        self.url = f"http://{host}:{port}/v1"
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout_s)
