@@ -131,12 +131,21 @@ def run(output_dir, prompt, mode, device, max_tokens, temperature, top_k, top_p,
 @click.option("--http-port", type=click.IntRange(1, 65535), default=8000, show_default=True)
 @click.option("--grpc-port", type=click.IntRange(1, 65535), default=8001, show_default=True)
 @click.option("--metrics-port", type=click.IntRange(1, 65535), default=8002, show_default=True)
-@click.option("--host", default="0.0.0.0", show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address the HTTP, gRPC and metrics endpoints bind (0.0.0.0: every interface).")
+@click.option("--drain-timeout", type=click.FloatRange(min=0), default=10.0, show_default=True,
+              help="Seconds the requests in flight get to finish on Ctrl-C or SIGTERM; then they get an error.")
+@click.option("--allow-admin-api", is_flag=True,
+              help="Open Triton's model-repository, shared-memory, logging and trace APIs to every client "
+                   "(by default they need the key serve writes to a file).")
 @click.option("--tritonserver", "tritonserver", type=click.Path(path_type=Path), envvar="DFLASH_TRT_TRITONSERVER",
               help="tritonserver binary (default: PATH, then the one bundled in nvidia-pytriton).")
-def serve(output_dir, tritonserver_args, http_port, grpc_port, metrics_port, host, tritonserver):
-    """Serve a built output directory with a real tritonserver until Ctrl-C.
+def serve(output_dir, tritonserver_args, http_port, grpc_port, metrics_port, host, drain_timeout, allow_admin_api,
+          tritonserver):
+    """Serve a built output directory with a real tritonserver until Ctrl-C or SIGTERM.
 
+    Exits non-zero when tritonserver or one of its model processes dies (having stopped the
+    rest), so that a supervisor restarts it, and when a shutdown was not clean.
     Arguments after `--` go to tritonserver as they are, after ours (a later flag wins).
 
     \b
@@ -144,31 +153,51 @@ def serve(output_dir, tritonserver_args, http_port, grpc_port, metrics_port, hos
     dflash-trt serve out/demo -- --log-verbose=1 --pinned-memory-pool-byte-size=0
     dflash-trt generate "Write a haiku." --stream --stats
     """
-    from dflash_trt.serving.server import TritonServer
+    from dflash_trt.serving.server import ADMIN_APIS, ADMIN_HEADER, TritonServer, endpoints_at, write_admin_key
 
-    def shutdown(signum, frame):
-        raise KeyboardInterrupt
-
-    with _errors():
-        server = TritonServer(output_dir / "model_repository", http_port=http_port, grpc_port=grpc_port,
-                              metrics_port=metrics_port, host=host, tritonserver=tritonserver,
-                              extra_args=tritonserver_args)
-        endpoints = server.start()
-    click.echo(f"HTTP    {endpoints.http}\nGRPC    {endpoints.grpc}\nmetrics {endpoints.metrics}")
-    click.echo(f"server log: {server.log_path}", err=True)
-    signal.signal(signal.SIGTERM, shutdown)
-    try:
-        code = server.wait()
-    except KeyboardInterrupt:
-        # A second Ctrl-C / SIGTERM must not interrupt the stop and orphan the server:
-        # stop() is bounded (SIGTERM, then SIGKILL of the whole group after its timeout).
+    def ignore_signals():
+        # A Ctrl-C / SIGTERM must not interrupt a stop and orphan the server; stop() is
+        # bounded (the drain, then SIGKILL of the whole group).
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        click.echo("stopping tritonserver", err=True)
-        server.stop()
-        return
-    if code != 0:
-        raise click.ClickException(f"tritonserver exited with code {code}")
+
+    def shutdown(signum, frame):
+        ignore_signals()
+        raise KeyboardInterrupt
+
+    admin_key, key_file = (None, None) if allow_admin_api else write_admin_key()
+    server = TritonServer(output_dir / "model_repository", http_port=http_port, grpc_port=grpc_port,
+                          metrics_port=metrics_port, host=host, tritonserver=tritonserver,
+                          extra_args=tritonserver_args, admin_key=admin_key, drain_timeout=drain_timeout)
+    # Before start(): a stop while the models load (minutes, for a real model) must clean up too.
+    signal.signal(signal.SIGINT, shutdown)
+    signal.signal(signal.SIGTERM, shutdown)
+    try:
+        with _errors():
+            server.start()
+        bound = endpoints_at(host, server.ports)
+        click.echo(f"HTTP    {bound.http}\nGRPC    {bound.grpc}\nmetrics {bound.metrics}")
+        click.echo(f"server log: {server.log_path}", err=True)
+        if key_file is not None:
+            click.echo(f"admin APIs ({ADMIN_APIS}) need the header {ADMIN_HEADER} "
+                       f"(gRPC: triton-grpc-protocol-{ADMIN_HEADER}), key in {key_file}", err=True)
+        reason = server.watch()
+        ignore_signals()
+        # A dead stub leaves a server that reports ready but cannot answer: stop all of it.
+        code = server.stop(drain_timeout=0)
+        raise click.ClickException(f"{reason}; stopped the server (tritonserver exit code {code}); "
+                                   f"see {server.log_path}")
+    except KeyboardInterrupt:
+        if server.pid is None:
+            return
+        click.echo(f"stopping tritonserver (requests in flight get {drain_timeout:g} s)", err=True)
+        code = server.stop()  # start() may have stopped it already: then this only returns its code
+        if code != 0 and server.endpoints is not None:  # before ready, Triton can only be killed
+            raise click.ClickException(f"tritonserver did not shut down cleanly (exit code {code}); "
+                                       f"see {server.log_path}") from None
+    finally:
+        if key_file is not None:
+            key_file.unlink(missing_ok=True)
 
 
 @cli.command()

@@ -6,6 +6,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -18,7 +19,7 @@ from ports import free_ports
 
 import dflash_trt
 from dflash_trt.errors import ServeError
-from dflash_trt.serving.server import TritonServer, _check_stub_numpy, check_ports_free, find_tritonserver
+from dflash_trt.serving.server import SHM_DIR, TritonServer, _check_stub_numpy, check_ports_free, find_tritonserver
 
 CONFIG = """
 name: "{name}"
@@ -105,6 +106,11 @@ def live_in_group(pgid: int) -> dict[int, str]:
     return found
 
 
+def regions(server: TritonServer) -> list[Path]:
+    """The shared-memory regions of the server's stubs that are still there."""
+    return list(SHM_DIR.glob(f"{server.shm_prefix}*"))
+
+
 @pytest.fixture(scope="module")
 def echo_server(tmp_path_factory):
     repository = write_repository(tmp_path_factory.mktemp("repo"), ECHO)
@@ -148,8 +154,10 @@ def test_stop_ends_the_server_its_stubs_and_their_workers(tmp_path):
     pgid = server.pid
     commands = " | ".join(live_in_group(pgid).values())
     assert "triton_python_backend_stub" in commands and "sleep 600" in commands
+    assert len(regions(server)) == 1  # the stub's
     assert server.stop() == 0
     assert live_in_group(pgid) == {}
+    assert regions(server) == []
     check_ports_free("127.0.0.1", server.ports)
 
 
@@ -160,6 +168,25 @@ def test_wait_returns_when_the_server_is_killed_and_ends_what_it_started(tmp_pat
     os.kill(pgid, signal.SIGKILL)
     assert server.wait() == -signal.SIGKILL
     assert live_in_group(pgid) == {}
+    assert regions(server) == []  # a killed stub cannot remove its own region
+
+
+def test_watch_returns_naming_the_stub_that_died_and_stop_removes_what_it_left(tmp_path):
+    server = make_server(write_repository(tmp_path, ECHO))
+    server.start()
+    (stub,) = server.stubs()
+    assert server.stubs() == {stub: "echo"}
+    found = []
+    watcher = threading.Thread(target=lambda: found.append(server.watch()))
+    watcher.start()
+    time.sleep(0.5)
+    assert found == []  # nothing died yet
+    os.kill(stub, signal.SIGKILL)
+    watcher.join(10)
+    assert found == [f"the Python backend stub of model 'echo' (pid {stub}) exited"]
+    server.stop()
+    assert live_in_group(server.pid) == {}
+    assert regions(server) == []
 
 
 def test_server_stops_when_the_process_that_started_it_is_killed(tmp_path):
@@ -170,12 +197,13 @@ from dflash_trt.serving.server import TritonServer
 server = TritonServer({str(repository)!r}, http_port={{}}, grpc_port={{}}, metrics_port={{}}, host="127.0.0.1",
                       log_path={str(tmp_path / "tritonserver.log")!r})
 server.start()
-print(server.pid, flush=True)
+print(server.pid, server.shm_prefix, flush=True)
 time.sleep(600)
 """.format(*free_ports())
     parent = subprocess.Popen([sys.executable, "-c", launcher], stdout=subprocess.PIPE, text=True)
     try:
-        pgid = int(parent.stdout.readline())
+        pgid, prefix = parent.stdout.readline().split()
+        pgid = int(pgid)
     finally:
         parent.kill()  # SIGKILL: no Python cleanup runs, only the parent-death signal
         parent.wait()
@@ -183,6 +211,7 @@ time.sleep(600)
     while live_in_group(pgid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert live_in_group(pgid) == {}
+    assert list(SHM_DIR.glob(f"{prefix}*")) == []  # tritonserver's own clean shutdown removed them
 
 
 def fake_numpy(site: Path, version: str) -> Path:
@@ -240,6 +269,7 @@ def test_busy_port_met_by_tritonserver_fails_with_its_log(tmp_path):
     assert time.monotonic() - started < 30
     assert f"127.0.0.1:{ports[2]}' already in use" in str(error.value)
     assert live_in_group(server.pid) == {}
+    assert regions(server) == []  # tritonserver exited without unloading: its stub removed nothing
 
 
 def test_failing_model_fails_start_with_the_model_error(tmp_path):

@@ -14,6 +14,16 @@ stub (checked against the wheel) shape this module:
 - Triton 2.51's stub mis-reads tensors under numpy 2 (outputs come back empty, BYTES inputs
   kill the stub), so the bundled server is refused when the stub would import numpy >= 2,
   whatever PYTHONPATH puts first for us.
+
+How a server fails and stops, which shapes the rest:
+- Triton 2.51 never notices that a stub died: the server keeps reporting ready while that
+  model's requests hang. `watch()` returns when tritonserver or any of its stubs exits.
+- every stub maps a POSIX shared-memory region that nothing removes when the stub is killed;
+  each server gets its own region prefix, so that its regions, and only those, are removed
+  once it is gone.
+- Triton cannot drain an ensemble stream: once it has SIGTERM it refuses the stream's next
+  postprocessing step, and the request stalls until the exit timeout cuts it. So the dflash
+  model drains, and stops tritonserver itself when nothing is left in flight (`stop()`).
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ import ctypes
 import hashlib
 import importlib.util
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -40,6 +51,16 @@ from dflash_trt.errors import ServeError
 
 LOG_TAIL_LINES = 40
 STUB = "triton_python_backend_stub"
+SHM_DIR = Path("/dev/shm")
+DRAIN_TIMEOUT_S = 10.0  # how long stop() lets the requests in flight finish
+# Triton's exit timeout: once it has SIGTERM (the drain is over by then), the time it gets to
+# unload the models (model.finalize runs) and exit; then it gives up, and we kill what is left.
+EXIT_GRACE_S = 5
+DRAIN_MODELS = ("dflash",)  # models whose stub drains on SIGTERM; see triton_repo/dflash/1/model.py
+# The admin APIs: loading models from the repository is code execution; the others change or
+# expose the server's state. Health, metadata, statistics and inference stay open.
+ADMIN_APIS = "model-repository,shared-memory,logging,trace"
+ADMIN_HEADER = "dflash-trt-admin-key"  # gRPC clients send it as triton-grpc-protocol-dflash-trt-admin-key
 
 
 @dataclass(frozen=True)
@@ -91,15 +112,23 @@ class TritonServer:
     The server runs in its own process group (so stopping it also ends the Python backend
     stubs) and gets SIGTERM if the process that started it dies. That parent-death signal is
     tied to the starting *thread*: call start() from a thread that outlives the server.
+
+    `host` is the address all three endpoints bind (0.0.0.0: every interface). With an
+    `admin_key`, Triton's ADMIN_APIS answer only requests that carry it in ADMIN_HEADER.
     """
 
     def __init__(self, repository: Path, *, http_port: int = 8000, grpc_port: int = 8001,
-                 metrics_port: int = 8002, host: str = "0.0.0.0", tritonserver: Path | None = None,
+                 metrics_port: int = 8002, host: str = "127.0.0.1", tritonserver: Path | None = None,
                  log_path: Path | None = None, extra_args=(), env: dict | None = None,
-                 check_ports: bool = True):
+                 check_ports: bool = True, admin_key: str | None = None,
+                 drain_timeout: float = DRAIN_TIMEOUT_S, drain_models=DRAIN_MODELS):
         self.repository = Path(repository).expanduser().resolve()
         self.ports = (http_port, grpc_port, metrics_port)
         self.host = host
+        self.admin_key = admin_key
+        self.drain_timeout = drain_timeout
+        self.drain_models = tuple(drain_models)
+        self.shm_prefix = f"dflash_trt_{secrets.token_hex(6)}_"  # this server's regions, see _reap
         self.tritonserver = tritonserver
         self.log_path = Path(log_path) if log_path is not None else None
         self.extra_args = tuple(extra_args)
@@ -124,29 +153,74 @@ class TritonServer:
         if bundled is not None:
             _check_stub_numpy(Path(sys.executable).parent)
         self._launch(self._command(binary, bundled), self._environment(bundled))
-        host, (http, grpc, metrics) = _client_host(self.host), self.ports
-        endpoints = Endpoints(f"http://{host}:{http}", f"{host}:{grpc}", f"http://{host}:{metrics}/metrics")
+        endpoints = endpoints_at(_client_host(self.host), self.ports)
         try:
             self._wait_ready(endpoints, timeout)
         except ServeError as e:
-            self.stop()
+            self.stop(drain_timeout=0)
             raise ServeError(f"{e}\n--- last lines of {self.log_path} ---\n{_tail(self.log_path)}") from None
         except BaseException:
-            self.stop()  # Ctrl-C while the models load must not leave the server behind
+            self.stop(drain_timeout=0)  # Ctrl-C while the models load must not leave the server behind
             raise
         self.endpoints = endpoints
         return endpoints
 
-    def stop(self, timeout: float = 30.0) -> int:
-        """SIGTERM (Triton unloads its models, so model.finalize runs), SIGKILL after `timeout`."""
+    def stop(self, drain_timeout: float | None = None) -> int:
+        """Stop the server, its stubs and what they started, remove its shared memory, and
+        return tritonserver's exit code: 0 when it shut down cleanly.
+
+        The drain is the dflash model's (see the module's docstring): SIGTERM to the stubs of
+        `drain_models` makes them refuse new requests and, once the last one in flight has
+        ended, send SIGTERM to tritonserver. A second SIGTERM, after `drain_timeout` (default:
+        the server's), fails what is left. Without such a stub tritonserver gets SIGTERM at
+        once. Its exit timeout (EXIT_GRACE_S), then SIGKILL, bound the rest.
+        """
         if self._proc is None:
             raise ServeError("this TritonServer was never started")
-        if self._proc.returncode is None and _exit_status(self._proc.pid) is None:
-            os.kill(self._proc.pid, signal.SIGTERM)
-            deadline = time.monotonic() + timeout
-            while _exit_status(self._proc.pid) is None and time.monotonic() < deadline:
-                time.sleep(0.05)
+        drain = self.drain_timeout if drain_timeout is None else drain_timeout
+        if self._exit_code() is None:
+            if self._signal_drainers() and not self._wait_exit(drain):
+                self._signal_drainers()
+                self._wait_exit(1.0)  # they fail what is left, then stop tritonserver themselves
+            if self._exit_code() is None:
+                os.kill(self._proc.pid, signal.SIGTERM)  # tritonserver ignores it if it has one already
+                self._wait_exit(EXIT_GRACE_S + 2)  # Triton counts its exit timeout in whole seconds
         return self._reap()
+
+    def _signal_drainers(self) -> bool:
+        drainers = [pid for pid, model in self.stubs().items() if model in self.drain_models]
+        for pid in drainers:
+            _signal(pid, signal.SIGTERM)
+        return bool(drainers)
+
+    def stubs(self) -> dict[int, str]:
+        """pid -> model name of the Python backend stubs running now."""
+        found = {}
+        for pid in _group_members(self._proc.pid):
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue  # it just exited
+            if Path(os.fsdecode(argv[0])).name == STUB and len(argv) > 1:
+                found[pid] = Path(os.fsdecode(argv[1])).parent.parent.name  # <model>/<version>/model.py
+        return found
+
+    def watch(self, poll_s: float = 0.25) -> str:
+        """Block until tritonserver or one of the stubs running now exits; say which.
+
+        Polled from /proc: the stubs are tritonserver's children, not ours."""
+        if self._proc is None:
+            raise ServeError("this TritonServer was never started")
+        stubs = self.stubs()
+        while True:
+            status = _exit_status(self._proc.pid)
+            if status is not None:
+                return f"tritonserver exited with code {status}"
+            alive = _group_members(self._proc.pid)
+            for pid, model in stubs.items():
+                if pid not in alive:
+                    return f"the Python backend stub of model '{model}' (pid {pid}) exited"
+            time.sleep(poll_s)
 
     def wait(self) -> int:
         """Block until the server exits on its own or by a signal; return its exit code."""
@@ -176,7 +250,13 @@ class TritonServer:
             f"--http-port={http}", f"--grpc-port={grpc}", f"--metrics-port={metrics}",
             f"--http-address={self.host}", f"--grpc-address={self.host}", f"--metrics-address={self.host}",
             "--log-verbose=0", "--exit-on-error=true", "--strict-readiness=true",
+            f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
+            f"--exit-timeout-secs={EXIT_GRACE_S}",
         ]
+        if self.admin_key is not None:
+            # Visible to local users in the process list; it keeps the admin APIs from the network.
+            restriction = f"{ADMIN_APIS}:{ADMIN_HEADER}={self.admin_key}"
+            command += [f"--http-restricted-api={restriction}", f"--grpc-restricted-protocol={restriction}"]
         if bundled is not None:
             # Another tritonserver (an NGC container's) keeps its own default backends.
             command += [f"--backend-directory={_prepare_backend_dir(bundled)}",
@@ -216,6 +296,17 @@ class TritonServer:
         except OSError as e:
             raise ServeError(f"cannot run {command[0]}: {e}") from None
 
+    def _exit_code(self) -> int | None:
+        return self._proc.returncode if self._proc.returncode is not None else _exit_status(self._proc.pid)
+
+    def _wait_exit(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while self._exit_code() is None:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
     def _wait_ready(self, endpoints: Endpoints, timeout: float) -> None:
         # Triton starts the metrics service after HTTP and exits if that fails (a busy
         # port), so a ready HTTP endpoint alone does not mean the server will stay up.
@@ -237,14 +328,14 @@ class TritonServer:
         if self._proc.returncode is not None:
             return self._proc.returncode  # reaped: the pid may belong to someone else now
         # Stubs a crashed or killed server left behind are still in its process group.
-        try:
-            os.killpg(self._proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _signal_group(self._proc.pid, signal.SIGKILL)
         code = self._proc.wait()
         deadline = time.monotonic() + 5.0
         while _group_members(self._proc.pid) and time.monotonic() < deadline:
             time.sleep(0.02)
+        # A clean shutdown removes the regions; a killed stub or server leaves its own.
+        for region in SHM_DIR.glob(f"{self.shm_prefix}*"):
+            region.unlink(missing_ok=True)
         return code
 
 
@@ -254,6 +345,20 @@ def _exit_status(pid: int) -> int | None:
     if info is None or info.si_pid == 0:
         return None
     return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
+
+def _signal_group(pgid: int, signum: int) -> None:
+    try:
+        os.killpg(pgid, signum)
+    except ProcessLookupError:
+        pass
+
+
+def _signal(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        pass  # it exited meanwhile
 
 
 def _group_members(pgid: int) -> list[int]:
@@ -269,6 +374,15 @@ def _group_members(pgid: int) -> list[int]:
             if int(fields[2]) == pgid and fields[0] not in "ZX":
                 members.append(int(entry.name))
     return members
+
+
+def write_admin_key() -> tuple[str, Path]:
+    """A new random admin key, and a file that only this user can read holding it."""
+    key = secrets.token_urlsafe(24)
+    fd, name = tempfile.mkstemp(prefix="dflash-trt-admin-key-")  # mode 0600
+    with os.fdopen(fd, "w") as f:
+        f.write(key + "\n")
+    return key, Path(name)
 
 
 def _bundled_root() -> Path | None:
@@ -361,10 +475,15 @@ def _http_ok(url: str) -> bool:
         return False  # not listening yet, or 400 while the models load
 
 
+def endpoints_at(host: str, ports) -> Endpoints:
+    host = f"[{host}]" if ":" in host else host
+    http, grpc, metrics = ports
+    return Endpoints(f"http://{host}:{http}", f"{host}:{grpc}", f"http://{host}:{metrics}/metrics")
+
+
 def _client_host(host: str) -> str:
     """Where a local client connects for a bind address (0.0.0.0 is not connectable)."""
-    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
-    return f"[{host}]" if ":" in host else host
+    return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
 
 
 def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:

@@ -2,7 +2,25 @@
 
 Decoupled: execute() validates and enqueues, then returns None. The worker's thread sends
 each request's responses through its response sender, FINAL flag on the last one.
+
+How `dflash-trt serve` stops the server (it cannot see inside this process, so it signals it):
+- SIGTERM drains: new requests get UNAVAILABLE, those in flight run to their end, then this
+  model stops its worker and sends SIGTERM to tritonserver, which finds nothing in flight
+  and unloads the models. Triton's own drain cannot do this: once tritonserver has SIGTERM it
+  refuses every new request, the postprocessing step of an ensemble stream included, so its
+  streams stall until the exit timeout cuts them.
+- a second SIGTERM ends the drain: what is still in flight gets a final error ("the server is
+  shutting down"). The stub ignores SIGTERM by itself.
+- if the engine thread dies anyway (it catches its own errors), nothing would answer requests
+  while Triton still reports ready: the stub exits, and serve, which watches every stub,
+  stops the server and exits non-zero so that its supervisor restarts it.
 """
+
+import os
+import signal
+import sys
+import threading
+import time
 
 import triton_python_backend_utils as pb_utils
 
@@ -11,37 +29,97 @@ from dflash_trt.serving.repository import engine_dir_from_args
 from dflash_trt.serving.worker import EngineWorker
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+SHUTTING_DOWN = "the server is shutting down"
+POLL_S = 0.05  # how often the drain looks for the last request; the watchdog checks 10x slower
+# Triton 2.51's ensemble never releases a request whose step fails while another of its steps
+# runs (PrepareSteps skips the step count once the ensemble failed; fixed in triton core #466):
+# the request stays in flight for good, and Triton's shutdown waits for it until its exit
+# timeout. So an error waits until the postprocessing of the request's last chunk is surely
+# over, which takes milliseconds.
+SETTLE_S = 0.05
+
+
+def _log(message):
+    print(f"[dflash-trt] {message}", file=sys.stderr, flush=True)  # the stub's stderr is the server log
 
 
 class _Sink:
-    """One request's response sender, as the serving.Sink the worker talks to."""
+    """One request's response sender, as the serving.Sink the worker talks to. It is in
+    `active` from its request's arrival until its final response (or its failed send: the
+    worker then drops the request)."""
 
-    def __init__(self, request):
+    def __init__(self, request, active):
         self._sender = request.get_response_sender()
+        self._active = active
+        self._last_chunk = -SETTLE_S  # time.monotonic() of its last non-final response
+        active.add(self)
 
     def send(self, chunk):
         tensors = [pb_utils.Tensor(name, array) for name, array in chunk.to_arrays().items()]
-        self._sender.send(pb_utils.InferenceResponse(tensors), flags=FINAL if chunk.final else 0)
+        self._send(pb_utils.InferenceResponse(tensors), chunk.final)
 
     def fail(self, message, client_error=False):
-        error = protocol.triton_error(pb_utils, message, client_error)
-        self._sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
+        self._send(pb_utils.InferenceResponse(error=protocol.triton_error(pb_utils, message, client_error)), True)
+
+    def refuse(self):
+        error = pb_utils.TritonError(SHUTTING_DOWN, pb_utils.TritonError.UNAVAILABLE)  # not the client's fault
+        self._send(pb_utils.InferenceResponse(error=error), True)
 
     def cancel(self):
         error = pb_utils.TritonError("the request was cancelled", pb_utils.TritonError.CANCELLED)
-        self._sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
+        self._send(pb_utils.InferenceResponse(error=error), True)
 
     def is_cancelled(self):
         return self._sender.is_cancelled()
+
+    def _send(self, response, final):
+        if response.has_error():
+            time.sleep(max(0.0, self._last_chunk + SETTLE_S - time.monotonic()))  # see SETTLE_S
+        try:
+            self._sender.send(response, flags=FINAL if final else 0)
+        except Exception:
+            self._active.discard(self)
+            raise
+        if final:
+            self._active.discard(self)
+        else:
+            self._last_chunk = time.monotonic()
+
+
+def on_sigterm(callback):
+    """Call `callback` in a thread of its own whenever this process gets SIGTERM.
+
+    The stub's main thread waits in C++ for Triton's messages, so a Python signal handler would
+    run only at the next execute(); the wakeup fd is written by the C-level handler at once."""
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+
+    def wait():
+        while True:
+            if os.read(read_fd, 1) == bytes([signal.SIGTERM]):  # other bytes: other signals
+                callback()
+
+    threading.Thread(target=wait, name="dflash-sigterm", daemon=True).start()
 
 
 class TritonPythonModel:
     def initialize(self, args):
         self.worker = EngineWorker.load(engine_dir_from_args(args))
+        self._tritonserver = os.getppid()
+        self._active = set()  # the _Sink of every request in flight
+        self._draining = threading.Event()
+        self._stopping = threading.Event()  # set before every stop we ask for: the watchdog tells them apart
+        on_sigterm(self._on_sigterm)
+        threading.Thread(target=self._watch, name="dflash-watchdog", daemon=True).start()
 
     def execute(self, requests):
         for request in requests:
-            sink = _Sink(request)
+            sink = _Sink(request, self._active)
+            if self._draining.is_set():
+                sink.refuse()
+                continue
             try:
                 self.worker.submit(protocol.Request.from_arrays(protocol.read_request(pb_utils, request, protocol.DFLASH_INPUTS)), sink)
             except protocol.RequestValidationError as e:  # this request fails, the batch goes on
@@ -49,4 +127,33 @@ class TritonPythonModel:
         return None
 
     def finalize(self):
-        self.worker.stop()
+        self._stop_worker()
+
+    def _stop_worker(self):
+        self._stopping.set()
+        self.worker.stop()  # fails what is in flight, refuses what comes
+
+    def _on_sigterm(self):
+        if self._draining.is_set():
+            _log(f"SIGTERM again: ending the {len(self._active)} requests still in flight")
+            self._stop_worker()
+            return
+        self._draining.set()
+        _log(f"SIGTERM: draining {len(self._active)} requests in flight")
+        threading.Thread(target=self._drain, name="dflash-drain", daemon=True).start()
+
+    def _drain(self):
+        while self._active:
+            time.sleep(POLL_S)
+        self._stop_worker()
+        time.sleep(SETTLE_S)  # the ensembles' last postprocessing steps, which Triton refuses once it has SIGTERM
+        if os.getppid() == self._tritonserver:  # else it is gone, and the pid is not its own
+            _log("drained: stopping tritonserver")
+            os.kill(self._tritonserver, signal.SIGTERM)
+
+    def _watch(self):
+        while not self._stopping.wait(10 * POLL_S):
+            # alive first: a stop we asked for sets _stopping before the threads end
+            if not self.worker.alive and not self._stopping.is_set():
+                _log("the engine thread died: ending this process so that the server stops")
+                os._exit(1)
