@@ -135,13 +135,17 @@ def run(output_dir, prompt, mode, device, max_tokens, temperature, top_k, top_p,
               help="Address the HTTP, gRPC and metrics endpoints bind (0.0.0.0: every interface).")
 @click.option("--drain-timeout", type=click.FloatRange(min=0), default=10.0, show_default=True,
               help="Seconds the requests in flight get to finish on Ctrl-C or SIGTERM; then they get an error.")
+@click.option("--openai-port", type=click.IntRange(0, 65535), default=9000, show_default=True,
+              help="Port of the OpenAI-compatible API (/v1/chat/completions, ...); 0: none.")
+@click.option("--api-key", envvar="DFLASH_TRT_API_KEY", help="Key the OpenAI API asks for (Bearer); default: none.")
+@click.option("--served-model-name", help="Model name the OpenAI API lists (default: the target's directory name).")
 @click.option("--allow-admin-api", is_flag=True,
               help="Open Triton's model-repository, shared-memory, logging and trace APIs to every client "
                    "(by default they need the key serve writes to a file).")
 @click.option("--tritonserver", "tritonserver", type=click.Path(path_type=Path), envvar="DFLASH_TRT_TRITONSERVER",
               help="tritonserver binary (default: PATH, then the one bundled in nvidia-pytriton).")
-def serve(output_dir, tritonserver_args, http_port, grpc_port, metrics_port, host, drain_timeout, allow_admin_api,
-          tritonserver):
+def serve(output_dir, tritonserver_args, http_port, grpc_port, metrics_port, host, drain_timeout, openai_port,
+          api_key, served_model_name, allow_admin_api, tritonserver):
     """Serve a built output directory with a real tritonserver until Ctrl-C or SIGTERM.
 
     Exits non-zero when tritonserver or one of its model processes dies (having stopped the
@@ -153,7 +157,15 @@ def serve(output_dir, tritonserver_args, http_port, grpc_port, metrics_port, hos
     dflash-trt serve out/demo -- --log-verbose=1 --pinned-memory-pool-byte-size=0
     dflash-trt generate "Write a haiku." --stream --stats
     """
-    from dflash_trt.serving.server import ADMIN_APIS, ADMIN_HEADER, TritonServer, endpoints_at, write_admin_key
+    from dflash_trt.serving.openai_api import start_api
+    from dflash_trt.serving.server import (
+        ADMIN_APIS,
+        ADMIN_HEADER,
+        TritonServer,
+        check_ports_free,
+        endpoints_at,
+        write_admin_key,
+    )
 
     def ignore_signals():
         # A Ctrl-C / SIGTERM must not interrupt a stop and orphan the server; stop() is
@@ -172,11 +184,22 @@ def serve(output_dir, tritonserver_args, http_port, grpc_port, metrics_port, hos
     # Before start(): a stop while the models load (minutes, for a real model) must clean up too.
     signal.signal(signal.SIGINT, shutdown)
     signal.signal(signal.SIGTERM, shutdown)
+    api = None
     try:
         with _errors():
+            if openai_port:
+                check_ports_free(host, (*server.ports, openai_port))
             server.start()
+            try:
+                api = start_api(output_dir / "engine", server.endpoints.grpc, host, openai_port, api_key,
+                                served_model_name) if openai_port else None
+            except BaseException:
+                server.stop(drain_timeout=0)
+                raise
         bound = endpoints_at(host, server.ports)
         click.echo(f"HTTP    {bound.http}\nGRPC    {bound.grpc}\nmetrics {bound.metrics}")
+        if api is not None:
+            click.echo(f"OpenAI  {api.url}")
         click.echo(f"server log: {server.log_path}", err=True)
         if key_file is not None:
             click.echo(f"admin APIs ({ADMIN_APIS}) need the header {ADMIN_HEADER} "
@@ -196,6 +219,8 @@ def serve(output_dir, tritonserver_args, http_port, grpc_port, metrics_port, hos
             raise click.ClickException(f"tritonserver did not shut down cleanly (exit code {code}); "
                                        f"see {server.log_path}") from None
     finally:
+        if api is not None:
+            api.stop()  # after the server's drain: the API's own streams end with it
         if key_file is not None:
             key_file.unlink(missing_ok=True)
 

@@ -9,6 +9,7 @@ import time
 
 import pytest
 from click.testing import CliRunner
+from openai import OpenAI
 from ports import free_ports
 
 from dflash_trt.build import run
@@ -29,18 +30,20 @@ def demo(tmp_path_factory):
 
 
 def start_serve(demo, ports, tritonserver_args=()):
-    http, grpc, metrics = ports
+    http, grpc, metrics, openai = ports
     cmd = [sys.executable, "-m", "dflash_trt", "serve", str(demo), "--host", "127.0.0.1", "--http-port", str(http),
-           "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--", *tritonserver_args]
+           "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--openai-port", str(openai),
+           "--", *tritonserver_args]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 @pytest.fixture(scope="module")
 def serving(demo):
-    ports = free_ports(3)
+    ports = free_ports(4)
     proc = start_serve(demo, ports)
-    lines = [proc.stdout.readline() for _ in range(3)]  # printed once the server is ready
-    assert lines[1].startswith("GRPC"), (lines, proc.stderr.read() if proc.poll() is not None else "")
+    lines = [proc.stdout.readline() for _ in range(4)]  # printed once the server is ready
+    assert lines[1].startswith("GRPC") and lines[3].startswith("OpenAI"), \
+        (lines, proc.stderr.read() if proc.poll() is not None else "")
     yield proc, ports
     if proc.poll() is None:
         proc.send_signal(signal.SIGINT)
@@ -58,7 +61,7 @@ def expected_text(demo, max_tokens):
 
 @pytest.mark.parametrize("args", [["--stream"], ["--protocol", "http"]])
 def test_generate_prints_the_engines_text_and_stats(demo, serving, args):
-    _, (http, grpc, _) = serving
+    _, (http, grpc, _, _) = serving
     url = f"127.0.0.1:{grpc}" if "http" not in args else f"127.0.0.1:{http}"
     result = CliRunner().invoke(cli, ["generate", PROMPT, "--url", url, "--max-tokens", "12", "--stats", *args])
     assert result.exit_code == 0, result.output
@@ -78,21 +81,21 @@ def test_generate_over_http_defaults_to_the_http_port():
 
 
 def test_generate_over_http_at_a_grpc_port_fails_clearly(serving):
-    _, (_, grpc, _) = serving
+    _, (_, grpc, _, _) = serving
     result = CliRunner().invoke(cli, ["generate", "hi", "--protocol", "http", "--url", f"127.0.0.1:{grpc}"])
     assert result.exit_code == 1 and f"127.0.0.1:{grpc}" in result.stderr and "Traceback" not in result.output
 
 
 def test_serve_exits_1_with_the_reason_when_a_port_is_taken(demo, serving):
-    _, (http, _, _) = serving
-    grpc, metrics = free_ports(2)
-    proc = start_serve(demo, (http, grpc, metrics))
+    _, (http, _, _, _) = serving
+    grpc, metrics, openai = free_ports(3)
+    proc = start_serve(demo, (http, grpc, metrics, openai))
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 1 and str(http) in err
 
 
 def test_serve_passes_arguments_after_the_double_dash_to_tritonserver(demo):
-    proc = start_serve(demo, free_ports(3), ["--model-control-mode=sometimes"])
+    proc = start_serve(demo, free_ports(4), ["--model-control-mode=sometimes"])
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 1 and "exited with code" in err, err
 
@@ -103,7 +106,7 @@ def servers_of(demo) -> set[str]:
 
 def test_serve_stops_cleanly_on_sigterm_leaving_no_processes(demo):
     before = servers_of(demo)  # the module's other server may be running on the same repository
-    proc = start_serve(demo, free_ports(3))
+    proc = start_serve(demo, free_ports(4))
     assert proc.stdout.readline().startswith("HTTP")
     children = servers_of(demo) - before
     assert children, "tritonserver should be running"
@@ -115,3 +118,20 @@ def test_serve_stops_cleanly_on_sigterm_leaving_no_processes(demo):
     while time.time() < deadline and any(os.path.exists(f"/proc/{pid}") for pid in children):
         time.sleep(0.2)
     assert not any(os.path.exists(f"/proc/{pid}") for pid in children)
+
+
+def test_serve_starts_the_openai_api_beside_triton(demo, serving):
+    _, (_, _, _, openai_port) = serving
+    client = OpenAI(base_url=f"http://127.0.0.1:{openai_port}/v1", api_key="EMPTY")
+    answer = client.chat.completions.create(model="any", messages=[{"role": "user", "content": PROMPT}], max_tokens=12,
+                                            temperature=0.0,
+                                            extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert answer.choices[0].message.content == expected_text(demo, 12)
+    assert [m.id for m in client.models.list().data] == ["dflash-trt-demo"]
+
+
+def test_serve_refuses_an_openai_port_that_is_taken(demo, serving):
+    _, (_, _, _, openai_port) = serving
+    proc = start_serve(demo, (*free_ports(3), openai_port))
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and str(openai_port) in err

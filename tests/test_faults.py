@@ -50,7 +50,7 @@ class Serve:
         http, grpc, metrics = self.ports
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "dflash_trt", "serve", str(demo), "--http-port", str(http),
-             "--grpc-port", str(grpc), "--metrics-port", str(metrics), *args],
+             "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--openai-port", "0", *args],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.pgid = self.shm_prefix = None
         self.err_lines = []  # read as they come: a test waits for a line that may never come

@@ -482,23 +482,29 @@ class FakeMetricFamily:
         self.name, self.kind = name, kind
 
     def Metric(self, labels, buckets=None):  # noqa: N802 (pb_utils' name)
-        metric = FakeMetric(labels, buckets)
-        FakeMetricFamily.series[self.name] = metric
-        return metric
+        self.metric = FakeMetric(labels, buckets)
+        FakeMetricFamily.series[self.name] = self.metric
+        return self.metric
+
+    def __del__(self):  # as in Triton: a deleted family's metrics refuse every operation
+        self.metric.family_deleted = True
 
 
 class FakeMetric:
     def __init__(self, labels, buckets):
         self.labels, self.buckets, self.value, self.observed = labels, buckets, 0, []
+        self.family_deleted = False
 
     def increment(self, value):
-        assert value >= 0, "a counter only goes up"
+        assert value >= 0 and not self.family_deleted
         self.value += value
 
     def set(self, value):
+        assert not self.family_deleted
         self.value = value
 
     def observe(self, value):
+        assert not self.family_deleted
         self.observed.append(value)
 
 

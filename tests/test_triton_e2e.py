@@ -6,6 +6,7 @@ greedy output; bad requests must get clear errors while the server keeps serving
 import json
 import threading
 import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -273,3 +274,38 @@ def test_cancelling_a_direct_dflash_stream_aborts_its_sequence(server, local):
     while "was cancelled by its client; its sequence is aborted" not in server.log_path.read_text():
         assert time.monotonic() < deadline, "the dflash model never noticed the cancellation"
         time.sleep(0.1)
+
+
+def scrape(server) -> dict[str, float]:
+    """The dflash model's series on Triton's metrics port: name (labels dropped) -> value."""
+    values = {}
+    for line in urllib.request.urlopen(server.endpoints.metrics, timeout=10).read().decode().splitlines():
+        if line.startswith("dflash_") and 'model="dflash"' in line:
+            name, value = line.split("{")[0], float(line.rsplit(" ", 1)[1])
+            if name.endswith("_bucket"):
+                continue
+            values[name] = values.get(name, 0.0) + value
+    return values
+
+
+def test_metrics_count_what_the_responses_report(server):
+    before = scrape(server)
+    reported = []
+    for prompt in ("Hello", "The capital of France is", "def f(x):"):
+        result = http_infer(server, text=prompt, max_tokens=16, return_perf_metrics=True)
+        reported.append({name: result.as_numpy(name).item() for name in
+                         (p.NUM_OUTPUT_TOKENS, p.TOTAL_DRAFT_TOKENS, p.TOTAL_ACCEPTED_DRAFT_TOKENS)})
+    want = {"dflash_output_tokens_total": sum(r[p.NUM_OUTPUT_TOKENS] for r in reported),
+            "dflash_draft_tokens_total": sum(r[p.TOTAL_DRAFT_TOKENS] for r in reported),
+            "dflash_accepted_draft_tokens_total": sum(r[p.TOTAL_ACCEPTED_DRAFT_TOKENS] for r in reported)}
+    deadline = time.monotonic() + 10  # the worker sends its updates from its sender thread
+    while True:
+        after = scrape(server)
+        got = {name: after.get(name, 0) - before.get(name, 0) for name in want}
+        if got == want or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert got == want and want["dflash_draft_tokens_total"] > 0, (got, want)
+    steps = after["dflash_verify_steps_total"] - before.get("dflash_verify_steps_total", 0)
+    assert after["dflash_acceptance_length_count"] - before.get("dflash_acceptance_length_count", 0) == steps > 0
+    assert after["dflash_running_requests"] == 0 and after["dflash_kv_slots_used"] == 0

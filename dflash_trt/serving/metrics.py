@@ -22,9 +22,11 @@ class TritonMetrics:
 
     def __init__(self, pb_utils, labels: dict[str, str], block_size: int):
         kinds = pb_utils.MetricFamily
+        self._families = []  # a family must outlive its metrics: deleting it disables them
 
         def metric(name: str, description: str, kind, **kwargs):
-            return kinds(name=PREFIX + name, description=description, kind=kind).Metric(labels=labels, **kwargs)
+            self._families.append(kinds(name=PREFIX + name, description=description, kind=kind))
+            return self._families[-1].Metric(labels=labels, **kwargs)
 
         self.output_tokens = metric("output_tokens_total", "tokens returned to clients", kinds.COUNTER)
         self.draft_tokens = metric("draft_tokens_total", "tokens the drafter proposed", kinds.COUNTER)

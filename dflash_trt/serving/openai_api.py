@@ -28,6 +28,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterator
 
 import uvicorn
@@ -37,9 +38,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
+from dflash_trt.config import TOKENIZER_DIR, read_engine_record
 from dflash_trt.errors import DFlashError
 from dflash_trt.serving import protocol as p
 from dflash_trt.serving.client import ClientError, Completion, GrpcStream
+from dflash_trt.tokenizer import Tokenizer
 
 # field -> the values that mean "not used": anything else is refused, naming the field
 UNSUPPORTED = {
@@ -348,3 +351,15 @@ class ApiServer:
     def stop(self, timeout_s: float = 30.0) -> None:
         self._server.should_exit = True
         self._thread.join(timeout_s)
+
+
+def start_api(engine_dir: Path, triton_grpc: str, host: str, port: int, api_key: str | None = None,
+              model_name: str | None = None) -> ApiServer:
+    """The API of a built engine directory (its chat template and limits), in front of the
+    Triton server whose gRPC endpoint is `triton_grpc`; it serves under `model_name`, by
+    default the target checkpoint's name."""
+    _, config = read_engine_record(engine_dir)
+    name = model_name or (Path(config.target).name if config.target else "dflash-trt-demo")
+    frontend = Frontend(triton_grpc, Tokenizer.from_dir(Path(engine_dir) / TOKENIZER_DIR), config.max_output_len,
+                        name, api_key)
+    return ApiServer(frontend, host, port)

@@ -25,6 +25,7 @@ import time
 import triton_python_backend_utils as pb_utils
 
 from dflash_trt.serving import protocol
+from dflash_trt.serving.metrics import TritonMetrics
 from dflash_trt.serving.repository import engine_dir_from_args
 from dflash_trt.serving.worker import EngineWorker
 
@@ -106,7 +107,9 @@ def on_sigterm(callback):
 
 class TritonPythonModel:
     def initialize(self, args):
-        self.worker = EngineWorker.load(engine_dir_from_args(args))
+        labels = {"model": args["model_name"], "version": args["model_version"]}
+        self.worker = EngineWorker.load(engine_dir_from_args(args),
+                                        metrics=lambda block_size: TritonMetrics(pb_utils, labels, block_size))
         self._tritonserver = os.getppid()
         self._active = set()  # the _Sink of every request in flight
         self._draining = threading.Event()
