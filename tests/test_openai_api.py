@@ -111,6 +111,7 @@ BAD = {
     "top_p": dict(top_p=0),
     "max_tokens": dict(max_tokens=0),
     "presence_penalty": dict(presence_penalty=1.0),
+    "seed": dict(seed=-1),
 }
 
 

@@ -120,12 +120,15 @@ def parse_generation(body: Any, prompt: str, max_output_len: int) -> Generation:
     top_k = _field(body, "top_k", (int,), 0)
     if top_k < -1:
         raise OpenAIError(f"'top_k' must be >= 0 (or -1: off), got {top_k}", param="top_k")
+    seed = _field(body, "seed", (int,))
+    if seed is not None and not 0 <= seed < 2**64:
+        raise OpenAIError(f"'seed' must be in [0, 2^64), got {seed}", param="seed")
     options = _field(body, "stream_options", (dict,)) or {}
     return Generation(
         prompt=prompt, max_tokens=max_tokens,
         temperature=_number(body, "temperature", 1.0, lambda t: t >= 0, "a number >= 0"),
         top_p=_number(body, "top_p", 1.0, lambda v: 0 < v <= 1, "in (0, 1]"),
-        top_k=max(top_k, 0), seed=_field(body, "seed", (int,)), stop=stop,
+        top_k=max(top_k, 0), seed=seed, stop=stop,
         stream=bool(_field(body, "stream", (bool,), False)), include_usage=bool(options.get("include_usage")),
     )
 
