@@ -132,7 +132,7 @@ def run(output_dir, prompt, mode, device, max_tokens, temperature, top_k, top_p,
 @click.option("--grpc-port", type=click.IntRange(1, 65535), default=8001, show_default=True)
 @click.option("--metrics-port", type=click.IntRange(1, 65535), default=8002, show_default=True)
 @click.option("--host", default="127.0.0.1", show_default=True,
-              help="Address the HTTP, gRPC and metrics endpoints bind (0.0.0.0: every interface).")
+              help="Address every endpoint binds (HTTP, gRPC, metrics, OpenAI; 0.0.0.0: every interface).")
 @click.option("--drain-timeout", type=click.FloatRange(min=0), default=10.0, show_default=True,
               help="Seconds the requests in flight get to finish on Ctrl-C or SIGTERM; then they get an error.")
 @click.option("--openai-port", type=click.IntRange(0, 65535), default=9000, show_default=True,
