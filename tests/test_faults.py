@@ -256,12 +256,12 @@ class FakeWorker:
 def test_the_dflash_stub_ends_itself_when_its_engine_thread_dies_unasked(monkeypatch, stop):
     adapter = load_adapter(monkeypatch)
     worker, exits = FakeWorker(), []
-    monkeypatch.setattr(adapter.EngineWorker, "load", lambda path: worker)
+    monkeypatch.setattr(adapter.EngineWorker, "load", lambda path, metrics=None: worker)
     monkeypatch.setattr(adapter, "engine_dir_from_args", lambda args: None)
     monkeypatch.setattr(adapter, "on_sigterm", lambda callback: None)  # not in the test process
     monkeypatch.setattr(os, "_exit", exits.append)
     model = adapter.TritonPythonModel()
-    model.initialize({})
+    model.initialize({"model_name": "dflash", "model_version": "1"})
     if stop:
         model.finalize()
     else:

@@ -86,9 +86,22 @@ class Request:
         return self.sender
 
 
+class MetricFamily:
+    """pb_utils.MetricFamily's surface; the values are checked in test_serving and test_triton_e2e."""
+
+    COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
+
+    def __init__(self, name, description, kind):
+        pass
+
+    def Metric(self, labels, buckets=None):  # noqa: N802 (pb_utils' name)
+        return types.SimpleNamespace(increment=lambda v: None, set=lambda v: None, observe=lambda v: None)
+
+
 @pytest.fixture
 def pb_utils(monkeypatch):
     fake = types.ModuleType("triton_python_backend_utils")
+    fake.MetricFamily = MetricFamily
     fake.Tensor, fake.TritonError, fake.InferenceResponse = Tensor, TritonError, InferenceResponse
     fake.get_input_tensor_by_name = lambda request, name: request.inputs.get(name)
     fake.TRITONSERVER_RESPONSE_COMPLETE_FINAL = FINAL
@@ -113,7 +126,7 @@ def built(make_pair, tmp_path_factory):
 def args_for(built, model):
     text = (built / "model_repository" / model / "config.pbtxt").read_text()
     engine_dir = text.split('string_value: "')[1].split('"')[0]
-    return {"model_repository": str(built / "model_repository" / model),
+    return {"model_name": model, "model_version": "1", "model_repository": str(built / "model_repository" / model),
             "model_config": json.dumps({"parameters": {"engine_dir": {"string_value": engine_dir}}})}
 
 
