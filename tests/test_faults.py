@@ -4,7 +4,6 @@ loopback by default; a dead model process stops the whole server with a non-zero
 stop at any moment leaves no process and no shared-memory region behind, and requests in
 flight end with a final response or an error, never a cut stream."""
 
-import importlib.util
 import json
 import os
 import queue
@@ -13,7 +12,6 @@ import subprocess
 import sys
 import threading
 import time
-import types
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -27,6 +25,7 @@ from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from dflash_trt.build import run
 from dflash_trt.config import resolve_config
+from dflash_trt.serving import dflash_model
 
 REPO = Path(__file__).resolve().parent.parent
 ADMIN_HEADER = "dflash-trt-admin-key"  # the documented interface, spelled out
@@ -234,17 +233,6 @@ def test_serve_exits_non_zero_when_a_model_process_dies(make_serve, model):
     serve.assert_nothing_left()
 
 
-def load_adapter(monkeypatch):
-    """triton_repo/dflash/1/model.py with a stand-in for the module only the Triton stub has."""
-    pb_utils = types.ModuleType("triton_python_backend_utils")
-    pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
-    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", pb_utils)
-    spec = importlib.util.spec_from_file_location("dflash_adapter", REPO / "triton_repo" / "dflash" / "1" / "model.py")
-    adapter = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(adapter)
-    return adapter
-
-
 class FakeWorker:
     alive = True
 
@@ -254,19 +242,18 @@ class FakeWorker:
 
 @pytest.mark.parametrize("stop", [False, True], ids=["engine-thread-dies", "finalize"])
 def test_the_dflash_stub_ends_itself_when_its_engine_thread_dies_unasked(monkeypatch, stop):
-    adapter = load_adapter(monkeypatch)
     worker, exits = FakeWorker(), []
-    monkeypatch.setattr(adapter.EngineWorker, "load", lambda path, metrics=None: worker)
-    monkeypatch.setattr(adapter, "engine_dir_from_args", lambda args: None)
-    monkeypatch.setattr(adapter, "on_sigterm", lambda callback: None)  # not in the test process
+    monkeypatch.setattr(dflash_model.EngineWorker, "load", lambda path, metrics=None: worker)
+    monkeypatch.setattr(dflash_model, "engine_dir_from_args", lambda args: None)
+    monkeypatch.setattr(dflash_model, "on_sigterm", lambda callback: None)  # not in the test process
     monkeypatch.setattr(os, "_exit", exits.append)
-    model = adapter.TritonPythonModel()
+    model = dflash_model.DFlashModel(pb_utils=None)
     model.initialize({"model_name": "dflash", "model_version": "1"})
     if stop:
         model.finalize()
     else:
         worker.alive = False
-    time.sleep(10 * adapter.POLL_S + 0.5)
+    time.sleep(10 * dflash_model.POLL_S + 0.5)
     assert exits == ([] if stop else [1])
     model.finalize()  # ends the watchdog
 
