@@ -56,7 +56,7 @@ DRAIN_TIMEOUT_S = 10.0  # how long stop() lets the requests in flight finish
 # Triton's exit timeout: once it has SIGTERM (the drain is over by then), the time it gets to
 # unload the models (model.finalize runs) and exit; then it gives up, and we kill what is left.
 EXIT_GRACE_S = 5
-DRAIN_MODELS = ("dflash",)  # models whose stub drains on SIGTERM; see triton_repo/dflash/1/model.py
+DRAIN_MODELS = ("dflash",)  # models whose stub drains on SIGTERM; see serving/dflash_model.py
 # The admin APIs: loading models from the repository is code execution; the others change or
 # expose the server's state. Health, metadata, statistics and inference stay open.
 ADMIN_APIS = "model-repository,shared-memory,logging,trace"
