@@ -119,7 +119,7 @@ class DFlashModel:
         self.worker = EngineWorker.load(engine_dir_from_args(args),
                                         metrics=lambda block_size: TritonMetrics(self._pb, labels, block_size))
         self._tritonserver = os.getppid()
-        self._active = set()  # the _Sink of every request in flight
+        self._active = set()  # the TritonSink of every request in flight
         self._draining = threading.Event()
         self._stopping = threading.Event()  # set before every stop we ask for: the watchdog tells them apart
         on_sigterm(self._on_sigterm)
