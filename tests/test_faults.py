@@ -249,13 +249,15 @@ def test_the_dflash_stub_ends_itself_when_its_engine_thread_dies_unasked(monkeyp
     monkeypatch.setattr(os, "_exit", exits.append)
     model = dflash_model.DFlashModel(pb_utils=None)
     model.initialize({"model_name": "dflash", "model_version": "1"})
-    if stop:
-        model.finalize()
-    else:
-        worker.alive = False
-    time.sleep(10 * dflash_model.POLL_S + 0.5)
-    assert exits == ([] if stop else [1])
-    model.finalize()  # ends the watchdog
+    try:
+        if stop:
+            model.finalize()
+        else:
+            worker.alive = False
+        time.sleep(10 * dflash_model.POLL_S + 0.5)
+        assert exits == ([] if stop else [1])
+    finally:
+        model.finalize()  # ends the watchdog before os._exit is real again
 
 
 # -- C: stopping -------------------------------------------------------------------------------

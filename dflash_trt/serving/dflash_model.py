@@ -169,3 +169,4 @@ class DFlashModel:
             if not self.worker.alive and not self._stopping.is_set():
                 _log("the engine thread died: ending this process so that the server stops")
                 os._exit(1)
+                return  # only reached where os._exit is a stand-in (the tests)
