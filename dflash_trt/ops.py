@@ -340,6 +340,53 @@ def silu_mul(gate_up):
 
 
 # ----------------------------------------------------------------------------------------------
+# Mixture of experts. Routing is plain torch (softmax, top-k: graph-safe); the expert MLPs of
+# the tokens' picks are one op, whose reference loops over the experts picked.
+
+
+def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [N, E] (the model dtype) -> (weights [N, k] fp32, expert ids [N, k] int32),
+    as transformers' Qwen3 MoE routers compute them: softmax over all experts in fp32, the top
+    k, optionally renormalised to sum 1, then rounded to the logits' dtype (HF multiplies the
+    experts' outputs by weights of that dtype)."""
+    assert logits.dim() == 2 and 0 < top_k <= logits.shape[1], (logits.shape, top_k)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype).float(), ids.int()
+
+
+def moe_experts_reference(x, gate_up, down, weights, ids):
+    """The routed experts of x [N, H]: out[t] = sum_j weights[t, j] * expert_{ids[t, j]}(x[t]),
+    the sum in fp32 over j = 0..k-1 in order -> [N, H] fp32.
+
+    An expert is the SwiGLU MLP of gate_up [E, 2I, H] (gate rows, then up rows) and down
+    [E, H, I], rounding as layers.MLP does: each projection's output in x's dtype, silu * up
+    in x's dtype (silu_mul_reference). Loops over the experts picked (a host sync: the CPU path
+    and the oracle of the kernels)."""
+    N, H = x.shape
+    out = torch.zeros(N, ids.shape[1], H, dtype=torch.float32, device=x.device)
+    for e in ids.unique().tolist():
+        token, j = (ids == e).nonzero(as_tuple=True)
+        y = F.linear(silu_mul_reference(F.linear(x[token], gate_up[e])), down[e])
+        out[token, j] = y.float()
+    return (out * weights[..., None]).sum(dim=1)
+
+
+def moe_experts(x, gate_up, down, weights, ids):
+    """The routed experts of a pass (semantics of moe_experts_reference) -> [N, H] fp32."""
+    N, H = x.shape
+    E, I2, H2 = gate_up.shape
+    assert H2 == H and I2 % 2 == 0 and down.shape == (E, H, I2 // 2), (x.shape, gate_up.shape, down.shape)
+    assert x.dtype == gate_up.dtype == down.dtype, (x.dtype, gate_up.dtype, down.dtype)
+    assert weights.shape == ids.shape and weights.shape[0] == N, (weights.shape, ids.shape, x.shape)
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int32, (weights.dtype, ids.dtype)
+    _log_fallback("moe_experts", x)
+    return moe_experts_reference(x, gate_up, down, weights, ids)
+
+
+# ----------------------------------------------------------------------------------------------
 # The Gated DeltaNet recurrence of a decode/verify pass (plugins/gated_delta.cu), on the cache in
 # place: the committed state is read from state_cache[slots] and the snapshots are written to
 # snapshot_cache[slots], with no gathered copy of either.
