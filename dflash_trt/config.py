@@ -108,6 +108,59 @@ class LayerDims:
         return self.num_key_value_heads * self.head_dim
 
 
+@dataclass(frozen=True, slots=True)
+class MoEDims:
+    """The sparse MLP of a mixture-of-experts target (Qwen3 MoE, Qwen3.5/3.6 MoE).
+
+    Each token's router picks `top_k` of `num_experts` SwiGLU experts of width `expert_size`;
+    their outputs are summed with the router's softmax weights (renormalised over the picks
+    when `norm_topk_prob`). Qwen3.5 MoE adds a shared expert of width `shared_expert_size`
+    (0: none) scaled by a sigmoid gate. Layers not in `sparse_layers` keep a dense MLP of
+    `LayerDims.intermediate_size`.
+    """
+
+    num_experts: int
+    top_k: int
+    expert_size: int
+    shared_expert_size: int
+    norm_topk_prob: bool
+    sparse_layers: tuple[int, ...]
+
+
+def _moe_dims(f: _Fields, num_layers: int, *, shared: bool, always_renormalize: bool) -> MoEDims:
+    """MoE keys as transformers reads them: Qwen3 MoE's sparse layers are those not in
+    `mlp_only_layers` whose index + 1 is a multiple of `decoder_sparse_step`; Qwen3.5 MoE
+    (`always_renormalize`, `shared`) has no such keys: every layer is sparse."""
+    experts = f.positive("num_experts")
+    top_k = f.positive("num_experts_per_tok")
+    if top_k > experts:
+        raise f.error("num_experts_per_tok", f"= {top_k} exceeds num_experts = {experts}")
+    dense = f.get("mlp_only_layers", list, None) or []
+    if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < num_layers for i in dense):
+        raise f.error("mlp_only_layers", f"must list layer indices in [0, {num_layers}), got {dense!r}")
+    step = f.positive("decoder_sparse_step", 1)
+    return MoEDims(
+        num_experts=experts,
+        top_k=top_k,
+        expert_size=f.positive("moe_intermediate_size"),
+        shared_expert_size=f.positive("shared_expert_intermediate_size") if shared else 0,
+        norm_topk_prob=True if always_renormalize else f.get("norm_topk_prob", bool, False),
+        sparse_layers=tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0),
+    )
+
+
+def _check_unquantized(f: _Fields, *more: _Fields) -> None:
+    """Quantized releases (e.g. the -FP8 checkpoints: block-scaled fp8 weights plus
+    `weight_scale_inv` tensors) would load as garbage: refuse them by their config key."""
+    for fields in (f, *more):
+        q = fields.data.get("quantization_config")
+        if q is not None:
+            method = q.get("quant_method") if isinstance(q, dict) else q
+            raise fields.error("quantization_config", f"names a quantized checkpoint (quant_method {method!r}); "
+                                                      "dflash-trt loads bf16/fp16/fp32 weights only: use the "
+                                                      "unquantized release")
+
+
 def _rope_params(f: _Fields) -> tuple[str, dict]:
     # transformers 5 writes RoPE under `rope_parameters`; older checkpoints use `rope_scaling`.
     key = "rope_parameters" if f.data.get("rope_parameters") else "rope_scaling"
@@ -166,7 +219,8 @@ def _rope_theta(f: _Fields) -> float:
     return float(theta)
 
 
-def _layer_dims(f: _Fields) -> LayerDims:
+def _layer_dims(f: _Fields, dense_mlp: bool = True) -> LayerDims:
+    """`dense_mlp` False: no layer has a dense MLP (Qwen3.5 MoE), so intermediate_size may be absent (0)."""
     hidden = f.positive("hidden_size")
     heads = f.positive("num_attention_heads")
     kv_heads = f.positive("num_key_value_heads", heads)
@@ -174,7 +228,7 @@ def _layer_dims(f: _Fields) -> LayerDims:
         raise f.error("num_key_value_heads", f"= {kv_heads} must divide num_attention_heads = {heads}")
     return LayerDims(
         hidden_size=hidden,
-        intermediate_size=f.positive("intermediate_size"),
+        intermediate_size=f.positive("intermediate_size") if dense_mlp or "intermediate_size" in f.data else 0,
         num_hidden_layers=f.positive("num_hidden_layers"),
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
@@ -205,36 +259,46 @@ def _token_ids(f: _Fields, key: str) -> tuple[int, ...]:
 
 @dataclass(frozen=True, slots=True)
 class TargetConfig:
-    """A Qwen3 dense target (HF `model_type` "qwen3")."""
+    """A Qwen3 target: dense (HF `model_type` "qwen3") or mixture of experts ("qwen3_moe")."""
 
-    model_type = "qwen3"  # a class attribute, not a field: picks the model class
     dims: LayerDims
     vocab_size: int
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
+    model_type: str = "qwen3"  # picks the model class (models.TARGETS)
+    moe: MoEDims | None = None  # None: every layer has a dense MLP
 
     @classmethod
     def from_dir(cls, directory: Path) -> "TargetConfig":
         path = Path(directory) / "config.json"
         f = _Fields(read_json(path), path)
         model_type = f.data.get("model_type")
-        if model_type != cls.model_type:
-            raise f.error("model_type", f"is {model_type!r}; expected {cls.model_type!r}")
+        if model_type not in ("qwen3", "qwen3_moe"):
+            raise f.error("model_type", f"is {model_type!r}; expected 'qwen3' or 'qwen3_moe'")
         _check_activation(f)
+        _check_unquantized(f)
         eos = _token_ids(f, "eos_token_id")
         gen_path = Path(directory) / "generation_config.json"
         if gen_path.exists():
             # Qwen3 lists both <|im_end|> and <|endoftext|> here; config.json has only one.
             eos += tuple(i for i in _token_ids(_Fields(read_json(gen_path), gen_path), "eos_token_id") if i not in eos)
+        dims = _layer_dims(f)
         return cls(
-            dims=_layer_dims(f),
+            dims=dims,
             vocab_size=f.positive("vocab_size"),
             tie_word_embeddings=f.get("tie_word_embeddings", bool, False),
             eos_token_ids=eos,
+            model_type=model_type,
+            moe=(_moe_dims(f, dims.num_hidden_layers, shared=False, always_renormalize=False)
+                 if model_type == "qwen3_moe" else None),
         )
 
 
 HYBRID_LAYER_KINDS = ("linear_attention", "full_attention")
+# the Qwen3.5/3.6 model types: a released multimodal one -> its text model's type (a text-only
+# export carries the latter at the top level)
+HYBRID_TEXT_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_text": "qwen3_5_text",
+                     "qwen3_5_moe": "qwen3_5_moe_text", "qwen3_5_moe_text": "qwen3_5_moe_text"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,13 +327,13 @@ class LinearAttentionDims:
 
 @dataclass(frozen=True, slots=True)
 class HybridTargetConfig:
-    """A Qwen3.5 / Qwen3.6 dense hybrid target (HF `model_type` "qwen3_5", text part
-    "qwen3_5_text"): Gated DeltaNet layers and gated full-attention layers.
+    """A Qwen3.5 / Qwen3.6 hybrid target: Gated DeltaNet layers and gated full-attention
+    layers, with dense MLPs (HF `model_type` "qwen3_5", text part "qwen3_5_text") or a
+    mixture of experts with a shared expert ("qwen3_5_moe", "qwen3_5_moe_text").
 
     `dims` holds the full-attention and MLP sizes; `dims.num_hidden_layers` counts all layers.
     """
 
-    model_type = "qwen3_5"  # a class attribute, not a field: picks the model class
     dims: LayerDims
     linear: LinearAttentionDims
     layer_types: tuple[str, ...]  # per layer: "linear_attention" or "full_attention"
@@ -278,6 +342,8 @@ class HybridTargetConfig:
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
     has_vision: bool  # a multimodal checkpoint: its vision tower is not loaded, images are not served
+    model_type: str = "qwen3_5"  # picks the model class (models.TARGETS)
+    moe: MoEDims | None = None  # None: every layer has a dense MLP
 
     @property
     def rotary_dim(self) -> int:
@@ -296,22 +362,25 @@ class HybridTargetConfig:
         path = Path(directory) / "config.json"
         top = _Fields(read_json(path), path)
         model_type = top.data.get("model_type")
-        if model_type not in ("qwen3_5", "qwen3_5_text"):
-            raise top.error("model_type", f"is {model_type!r}; expected 'qwen3_5' or 'qwen3_5_text'")
-        # The released checkpoints are multimodal ("qwen3_5"): the text model's keys sit under
-        # text_config. A text-only export ("qwen3_5_text") has them at the top level.
-        nested = model_type == "qwen3_5"
+        if model_type not in HYBRID_TEXT_TYPES:
+            raise top.error("model_type", f"is {model_type!r}; expected one of {', '.join(HYBRID_TEXT_TYPES)}")
+        # The released checkpoints are multimodal ("qwen3_5", "qwen3_5_moe"): the text model's
+        # keys sit under text_config. A text-only export ("..._text") has them at the top level.
+        text_type = HYBRID_TEXT_TYPES[model_type]
+        nested = text_type != model_type
         if nested:
             text = top.get("text_config", dict)
             f = _Fields(text, path, "text_config.")
-            if text.get("model_type", "qwen3_5_text") != "qwen3_5_text":
-                raise f.error("model_type", f"is {text['model_type']!r}; expected 'qwen3_5_text'")
+            if text.get("model_type", text_type) != text_type:
+                raise f.error("model_type", f"is {text['model_type']!r}; expected {text_type!r}")
         else:
             f = top
         _check_activation(f)
+        _check_unquantized(top, *([f] if nested else []))
         if f.data.get("attn_output_gate", True) is not True:
             raise f.error("attn_output_gate", "must be true: Qwen3.5 full attention always has an output gate")
-        dims = _layer_dims(f)
+        moe = text_type == "qwen3_5_moe_text"
+        dims = _layer_dims(f, dense_mlp=not moe)
         return cls(
             dims=dims,
             linear=_linear_dims(f),
@@ -322,6 +391,8 @@ class HybridTargetConfig:
             # the multimodal config's top-level eos (<|im_end|>) differs from text_config's
             eos_token_ids=_eos_token_ids(f, Path(directory), top if nested else None),
             has_vision=nested and top.data.get("vision_config") is not None,
+            model_type=model_type,
+            moe=_moe_dims(f, dims.num_hidden_layers, shared=True, always_renormalize=True) if moe else None,
         )
 
 

@@ -1,7 +1,8 @@
 """Safetensors checkpoints in the Hugging Face layout, loaded into models that keep HF names.
 
 safetensors only: no pickle, no remote code. Fused parameters (`PackedLinear`) declare
-which checkpoint tensors they stack, so a checkpoint is read as it is, with no conversion.
+which checkpoint tensors they stack, so a checkpoint is read as it is, with no conversion;
+so do the packed MoE experts (`Experts`) for checkpoints that store one tensor per expert.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch import nn
 
 from dflash_trt.errors import CheckpointError
 from dflash_trt.models.layers import PackedLinear
+from dflash_trt.models.moe import Experts
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -84,10 +86,19 @@ def _sources(module: nn.Module, param_name: str, checkpoint: Checkpoint, prefixe
     checkpoint stores the separate projections that a PackedLinear stacks.
     """
     owner, _, leaf = param_name.rpartition(".")
-    if isinstance(module, PackedLinear) and not any(p + param_name in checkpoint for p in prefixes):
+    if _stored_whole(param_name, checkpoint, prefixes):
+        return [param_name]
+    if isinstance(module, PackedLinear):
         base = owner.rpartition(".")[0]
         return [f"{base}.{shard}.{leaf}".lstrip(".") for shard in module.shards]
+    if isinstance(module, Experts):  # per expert, in expert order: [gate; up] rows, or down
+        shards = ("gate_proj", "up_proj") if leaf == "gate_up_proj" else ("down_proj",)
+        return [f"{owner}.{e}.{shard}.weight" for e in range(module.num_experts) for shard in shards]
     return [param_name]
+
+
+def _stored_whole(name: str, checkpoint: Checkpoint, prefixes: tuple[str, ...]) -> bool:
+    return any(p + name in checkpoint or _in_language_model(p + name) in checkpoint for p in prefixes)
 
 
 def load_weights(model: nn.Module, checkpoint: Checkpoint, prefixes: tuple[str, ...] = ("",),
@@ -103,9 +114,15 @@ def load_weights(model: nn.Module, checkpoint: Checkpoint, prefixes: tuple[str, 
         for source in sources:
             stored = checkpoint.resolve(source, prefixes)
             parts.append(checkpoint.get(stored))
-        tensor = torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]
-        if tuple(tensor.shape) != tuple(param.shape):
-            shapes = ", ".join(f"{s}{tuple(p.shape)}" for s, p in zip(sources, parts))
+        stacked = all(p.shape[1:] == parts[0].shape[1:] for p in parts)  # else cat cannot stack them
+        tensor = torch.cat(parts, dim=0) if len(parts) > 1 and stacked else parts[0]
+        if isinstance(module, Experts) and len(parts) > 1:  # the experts' rows, one after the other
+            E, rows, cols = param.shape
+            if all(tuple(p.shape) == (rows * E // len(parts), cols) for p in parts):
+                tensor = tensor.view(param.shape)
+        if not stacked or tuple(tensor.shape) != tuple(param.shape):
+            shapes = ", ".join(f"{s}{tuple(p.shape)}" for s, p in zip(sources, parts) if p.shape != parts[0].shape
+                               or s == sources[0])
             raise CheckpointError(
                 f"{checkpoint.files[checkpoint.resolve(sources[0], prefixes)]}: "
                 f"tensor {shapes} does not fit parameter '{param_name}' of shape {tuple(param.shape)}"

@@ -63,7 +63,8 @@ def test_text_only_layout_loads_without_a_vision_warning(make_pair, caplog):
 
 
 CONFIG_ERRORS = [
-    ({"model_type": "qwen3_5_moe"}, r"key 'model_type' is 'qwen3_5_moe'; supported targets: qwen3, qwen3_5"),
+    ({"model_type": "qwen3_6"}, r"key 'model_type' is 'qwen3_6'; supported targets: qwen3, qwen3_moe, qwen3_5"),
+    ({"model_type": "qwen3_5_moe"}, r"key 'text_config.model_type' is 'qwen3_5_text'; expected 'qwen3_5_moe_text'"),
     ({"text_config": ...}, r"required key 'text_config' is missing"),
     ({"text_config": [1]}, r"key 'text_config' must be dict, got \[1\]"),
     ({"text_config.model_type": "qwen3"}, r"key 'text_config.model_type' is 'qwen3'; expected 'qwen3_5_text'"),

@@ -115,8 +115,13 @@ def exact_next_token_marginals(target, prompt, params, depth):
     SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True),
     SamplingParams(max_tokens=3, temperature=0.7, top_k=6, top_p=0.9, ignore_eos=True),
 ])
-def test_dflash_sampling_matches_the_target_distribution(make_pair, device, params):
-    pair = make_pair(tokenizer_tokens=None, vocab_size=12, block_size=3, init_scale=0.7)
+@pytest.mark.parametrize("target", ["dense", "moe"])
+def test_dflash_sampling_matches_the_target_distribution(make_pair, device, params, target):
+    fields = dict(tokenizer_tokens=None, vocab_size=12, block_size=3, init_scale=0.7)
+    if target == "moe":  # seed 3, scale 0.4: a pair whose random drafter overlaps the target enough
+        # to get drafts accepted, with no top-p cut leaving a single token
+        fields.update(num_experts=6, experts_per_tok=2, moe_intermediate_size=16, seed=3, init_scale=0.4)
+    pair = make_pair(**fields)
     engine = load_pair(pair.target, pair.drafter, device=device, max_batch_size=64, max_seq_len=16)
     prompt = [3, 1, 4]
     expected = exact_next_token_marginals(engine.target, prompt, params, depth=3)

@@ -20,9 +20,12 @@ from dflash_trt.errors import ConfigError
 from dflash_trt.models.qwen3 import Qwen3ForCausalLM
 from dflash_trt.models.qwen3_5 import Qwen3_5ForCausalLM
 
-# "qwen3_5" is the released multimodal layout (text model under text_config), "qwen3_5_text"
-# a text-only export of the same model.
-TARGETS = {"qwen3": Qwen3ForCausalLM, "qwen3_5": Qwen3_5ForCausalLM, "qwen3_5_text": Qwen3_5ForCausalLM}
+# "qwen3_5" / "qwen3_5_moe" are the released multimodal layouts (text model under
+# text_config), the "_text" types text-only exports of the same models. A dense and an MoE
+# target of one family share the model class: the config says which layers are sparse.
+TARGETS = {"qwen3": Qwen3ForCausalLM, "qwen3_moe": Qwen3ForCausalLM,
+           "qwen3_5": Qwen3_5ForCausalLM, "qwen3_5_text": Qwen3_5ForCausalLM,
+           "qwen3_5_moe": Qwen3_5ForCausalLM, "qwen3_5_moe_text": Qwen3_5ForCausalLM}
 
 
 def target_class(model_type: str):

@@ -135,12 +135,11 @@ class AttentionProjections(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, dims: LayerDims):
+    def __init__(self, dims: LayerDims, intermediate_size: int | None = None):
         super().__init__()
-        self.gate_up_proj = PackedLinear(
-            dims.hidden_size, {"gate_proj": dims.intermediate_size, "up_proj": dims.intermediate_size}
-        )
-        self.down_proj = Linear(dims.intermediate_size, dims.hidden_size, bias=False)
+        width = intermediate_size or dims.intermediate_size  # another width: an MoE's shared expert
+        self.gate_up_proj = PackedLinear(dims.hidden_size, {"gate_proj": width, "up_proj": width})
+        self.down_proj = Linear(width, dims.hidden_size, bias=False)
 
     def forward(self, x):
         return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
@@ -148,14 +147,16 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     """Pre-norm residual block (HF names); the target and the drafter differ only in the
-    attention module they pass in (Qwen3.5 layers also in their norm, and route `attend`)."""
+    attention module they pass in (Qwen3.5 layers also in their norm, and route `attend`), and
+    a mixture-of-experts target in its `mlp` (models/moe.py)."""
 
-    def __init__(self, dims: LayerDims, self_attn: nn.Module | None, norm: type[nn.Module] = RMSNorm):
+    def __init__(self, dims: LayerDims, self_attn: nn.Module | None, norm: type[nn.Module] = RMSNorm,
+                 mlp: nn.Module | None = None):
         super().__init__()
         self.input_layernorm = norm(dims.hidden_size, dims.rms_norm_eps)
         self.self_attn = self_attn
         self.post_attention_layernorm = norm(dims.hidden_size, dims.rms_norm_eps)
-        self.mlp = MLP(dims)
+        self.mlp = mlp or MLP(dims)
 
     def attend(self, h, *attention_args):
         """The attention block on the normed input (a layer with another kind overrides it)."""

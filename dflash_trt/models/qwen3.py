@@ -1,4 +1,5 @@
-"""Qwen3 dense target. HF parameter names are kept, so checkpoints load as they are.
+"""Qwen3 target, dense or mixture of experts (Qwen3 MoE: the MLP of the config's sparse
+layers is models/moe.py's). HF parameter names are kept, so checkpoints load as they are.
 
 The forward pass writes K/V for the batch's tokens into the cache, attends causally over
 the slot's cache rows, and also returns the residual stream after the requested layers
@@ -13,6 +14,7 @@ from torch import nn
 from dflash_trt.config import LayerDims, TargetConfig
 from dflash_trt.kv_cache import Batch, KVCache
 from dflash_trt.models.layers import AttentionProjections, DecoderLayer, Linear, RMSNorm, Rotary
+from dflash_trt.models.moe import feed_forward
 from dflash_trt.ops import paged_block_attention
 
 
@@ -35,7 +37,8 @@ class Qwen3Model(nn.Module):
         super().__init__()
         dims = config.dims
         self.embed_tokens = nn.Embedding(config.vocab_size, dims.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(dims, Qwen3Attention(dims, i)) for i in range(dims.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(dims, Qwen3Attention(dims, i), mlp=feed_forward(dims, config.moe, i))
+                                    for i in range(dims.num_hidden_layers))
         self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
         self.rotary = Rotary(dims.head_dim, dims.rope_theta, dims.rope_yarn)
 

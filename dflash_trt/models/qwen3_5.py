@@ -1,10 +1,12 @@
-"""Qwen3.5 / Qwen3.6 dense hybrid target: Gated DeltaNet layers and gated full attention.
+"""Qwen3.5 / Qwen3.6 hybrid target: Gated DeltaNet layers and gated full attention, with
+dense MLPs or, in the MoE models (Qwen3.5-35B-A3B, Qwen3.6-35B-A3B, Qwen3.5-397B-A17B),
+models/moe.py's experts with a shared expert.
 
 HF parameter names are kept. Released checkpoints are multimodal: the text model sits under
 `model.language_model.` (the loader maps it), and the vision tower (`model.visual.*`) and
 the multi-token-prediction head (`mtp.*`) are not loaded: this target serves text only.
 
-Two layer kinds, each followed by the usual SwiGLU MLP, all norms zero-centred (1 + w):
+Two layer kinds, each followed by the MLP (SwiGLU or the MoE), all norms zero-centred (1 + w):
 - full attention: like Qwen3 (q/k RMSNorm, GQA, causal over the KV cache) plus an output
   gate (q_proj also yields a sigmoid gate per head) and RoPE on part of each head only;
 - linear attention (Gated DeltaNet, see models/gated_delta.py): a causal conv window and a
@@ -40,6 +42,7 @@ from dflash_trt.config import HybridTargetConfig
 from dflash_trt.kv_cache import Batch, KVCache
 from dflash_trt.models.gated_delta import L2_EPS, gated_delta_rule
 from dflash_trt.models.layers import DecoderLayer, Linear, PackedLinear, Rotary, apply_rope
+from dflash_trt.models.moe import feed_forward
 from dflash_trt.ops import causal_conv1d, gated_delta_prepare, gated_delta_recurrent, paged_block_attention
 
 log = logging.getLogger(__name__)
@@ -255,9 +258,10 @@ class HybridDecoderLayer(DecoderLayer):
     whose attention is Gated DeltaNet (`linear_attn`) or gated full attention (`self_attn`),
     as the config's layer kind says."""
 
-    def __init__(self, config: HybridTargetConfig, kind: str, cache_layer: int):
-        linear = kind == "linear_attention"
-        super().__init__(config.dims, None if linear else GatedAttention(config, cache_layer), ZeroCenteredRMSNorm)
+    def __init__(self, config: HybridTargetConfig, layer: int, cache_layer: int):
+        linear = config.layer_types[layer] == "linear_attention"
+        super().__init__(config.dims, None if linear else GatedAttention(config, cache_layer), ZeroCenteredRMSNorm,
+                         feed_forward(config.dims, config.moe, layer))
         self.linear_attn = GatedDeltaNet(config, cache_layer) if linear else None
 
     def attend(self, h, cos, sin, lengths, batch: Batch, cache: HybridCache):
@@ -273,7 +277,7 @@ class Qwen3_5Model(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, d.hidden_size)
         # each layer's index within its kind picks its rows of the cache
         self.layers = nn.ModuleList(
-            HybridDecoderLayer(config, kind, config.layer_types[:i].count(kind))
+            HybridDecoderLayer(config, i, config.layer_types[:i].count(kind))
             for i, kind in enumerate(config.layer_types)
         )
         self.norm = ZeroCenteredRMSNorm(d.hidden_size, d.rms_norm_eps)
