@@ -21,7 +21,7 @@ from dflash_trt.config import (
     read_engine_record,
 )
 from dflash_trt.engine import Engine
-from dflash_trt.errors import PairError
+from dflash_trt.errors import ConfigError, PairError
 from dflash_trt.models import load_target_config, target_class
 from dflash_trt.models.dflash import DFlashDrafter
 from dflash_trt.models.qwen3 import Qwen3ForCausalLM
@@ -41,10 +41,25 @@ def empty_model(model_cls, config, device, dtype) -> torch.nn.Module:
     twice), its tied weights tied."""
     with torch.device("meta"):
         model = model_cls(config)
-    model = model.to(dtype).to_empty(device=device)
+    model = model.to(dtype)
+    if torch.device(device).type == "cuda":
+        check_weights_fit(model, torch.device(device))
+    model = model.to_empty(device=device)
     if hasattr(model, "tie_weights"):
         model.tie_weights()
     return model
+
+
+def check_weights_fit(model: torch.nn.Module, device: torch.device) -> None:
+    """Refuse a model whose weights exceed the GPU's free memory before allocating any (the
+    397B MoE in bf16 needs several GPUs), rather than failing with an out-of-memory error
+    halfway through loading."""
+    need = sum(p.numel() * p.element_size() for p in model.parameters())
+    free, _ = torch.cuda.mem_get_info(device)
+    if need > free:
+        raise ConfigError(
+            f"the {type(model).__name__} weights take {need / 2**30:.1f} GiB but {device} has {free / 2**30:.1f} GiB "
+            "free: this model needs more than one GPU, and tensor parallelism is not supported yet")
 
 
 def _build(model_cls, config, checkpoint: Checkpoint, device, dtype, prefixes=("",)):

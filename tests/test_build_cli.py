@@ -323,3 +323,13 @@ def test_hugging_face_id_resolves_through_the_local_cache(make_pair, tmp_path, m
 def test_help_is_instant_and_lists_the_commands():
     result = invoke("--help")
     assert result.exit_code == 0 and "build" in result.stdout and "run" in result.stdout
+
+
+def test_every_shipped_preset_is_a_valid_build_config():
+    from dflash_trt.config import preset_names, resolve_config
+
+    names = preset_names()
+    assert {"qwen3.6-35b-a3b-b16", "qwen3.5-35b-a3b-b16", "qwen3.5-397b-a17b-b16"} <= set(names)
+    for name in names:
+        config = resolve_config(preset=name)
+        assert config.preset == name and config.max_batch_size > 0

@@ -50,6 +50,40 @@ def test_qwen3_5_9b_preset_is_the_hybrid_text_model_with_a_z_lab_drafter(tmp_pat
     assert sum(p.numel() for p in target.parameters()) == pytest.approx(8.95e9, rel=0.01)
 
 
+# (total parameters of the text model, active per token with one embedding row): the names'
+# 35B / A3B and 397B / A17B (the released totals also count the vision tower and MTP head)
+MOE_PRESETS = {"qwen3.6-35b-a3b": (34.66e9, 2.95e9), "qwen3.5-397b-a17b": (396.3e9, 16.3e9)}
+
+
+@pytest.mark.parametrize("name", sorted(MOE_PRESETS))
+def test_moe_presets_have_the_released_sizes(tmp_path, name):
+    from dflash_trt.models.moe import Experts
+
+    sources = rw.write_configs(tmp_path, name)
+    config = load_target_config(sources.target)
+    draft_config = DraftConfig.from_dir(sources.drafter, config.dims.num_hidden_layers)
+    assert config.model_type == "qwen3_5_moe" and config.moe.sparse_layers == tuple(range(len(config.layer_types)))
+    assert draft_config.mask_token_id == 248070 and draft_config.block_size == 16
+    with torch.device("meta"):
+        target = target_class(config.model_type)(config)
+    total = sum(p.numel() for p in target.parameters())
+    experts = sum(p.numel() for m in target.modules() if isinstance(m, Experts) for p in m.parameters())
+    picked = experts * config.moe.top_k // config.moe.num_experts
+    active = total - experts + picked - config.vocab_size * config.dims.hidden_size + config.dims.hidden_size
+    assert (total, active) == pytest.approx(MOE_PRESETS[name], rel=0.005)
+
+
+def test_a_reduced_depth_preset_keeps_its_layer_shapes_and_taps_in_range(tmp_path):
+    sources = rw.write_configs(tmp_path, "qwen3.5-397b-a17b", num_layers=4)
+    config = load_target_config(sources.target)
+    draft_config = DraftConfig.from_dir(sources.drafter, config.dims.num_hidden_layers)
+    assert len(config.layer_types) == 4 and config.layer_types[3] == "full_attention"
+    assert (config.moe.num_experts, config.moe.top_k, config.linear.num_value_heads) == (512, 10, 64)
+    assert draft_config.target_layer_ids == (1, 3)
+    with pytest.raises(ConfigError, match="num_layers = 61: preset 'qwen3.5-397b-a17b' has 1 to 60 layers"):
+        rw.preset_spec("qwen3.5-397b-a17b", 61)
+
+
 def test_unknown_preset_is_named():
     with pytest.raises(ConfigError, match="'qwen3-9b'.*qwen3-8b"):
         rw.preset_spec("qwen3-9b")
@@ -69,3 +103,12 @@ def test_random_pair_runs_greedy_dflash_like_ar(tmp_path):
     assert ar == df and all(len(t) == 20 for t in ar)
     again = rw.random_pair(sources, "cpu", torch.float32, seed=3)[0]
     assert torch.equal(again.lm_head.weight, target.lm_head.weight), "a seed gives the same weights"
+
+
+@pytest.mark.cuda
+def test_a_model_larger_than_the_gpu_is_refused_before_allocating(tmp_path):
+    sources = rw.write_configs(tmp_path, "qwen3.5-397b-a17b")
+    before = torch.cuda.memory_allocated()
+    with pytest.raises(ConfigError, match="weights take 7[0-9][0-9].[0-9] GiB .* needs more than one GPU"):
+        rw.random_pair(sources, "cuda", torch.bfloat16)
+    assert torch.cuda.memory_allocated() == before

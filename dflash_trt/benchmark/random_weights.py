@@ -14,6 +14,17 @@ qwen3.5-9b is Qwen/Qwen3.5-9B's text model (32 layers, every 4th full attention 
 16/4 heads of 256, Gated DeltaNet 16/32 heads of 128, vocabulary 248,320) with a drafter of
 z-lab's Qwen3.5 layout: 5 layers, 32/8 heads of 128, taps [1, 8, 15, 22, 29], RoPE theta
 1e7 (its intermediate size is not published; the target's is used).
+
+The MoE presets (Qwen3.5/3.6 MoE text models, values of the released config.json files):
+qwen3.6-35b-a3b (= qwen3.5-35b-a3b's shapes): 40 layers, hidden 2048, 16/2 heads of 256,
+Gated DeltaNet 16/32 heads of 128, 256 experts, top 8, expert width 512, shared expert 512;
+its drafter as z-lab's Qwen3.5-35B-A3B-DFlash: 8 layers, hidden 2048, intermediate 6144,
+32/4 heads of 128, taps [1, 10, 19, 28, 37]. qwen3.5-397b-a17b: 60 layers, hidden 4096,
+32/2 heads of 256, Gated DeltaNet 16/64 heads of 128, 512 experts, top 10, width 1024,
+shared 1024; its drafter is not published, so it is assumed in the 35B-A3B drafter's layout
+scaled to hidden 4096 (8 layers, intermediate 12288, 32/4 heads of 128, 5 taps). The 397B
+does not fit one GPU in bf16: `num_layers` builds a reduced-depth copy (its taps clamped
+into range) for per-layer measurements.
 """
 
 from __future__ import annotations
@@ -52,32 +63,62 @@ PRESETS: dict[str, TinyPairSpec] = {
         extra_draft_config={"num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
                             "dflash_config": {"mask_token_id": 248070, "target_layer_ids": [1, 8, 15, 22, 29]}}),
 }
+_QWEN3_5_MOE = dict(target_type="qwen3_5", num_kv_heads=2, head_dim=256, linear_head_dims=(128, 128),
+                    conv_kernel_size=4, partial_rotary_factor=0.25, multimodal=True, block_size=16, rope_theta=1e7,
+                    draft_rope_theta=1e7, tokenizer_tokens=248044, vocab_size=248320, dtype="bfloat16")
+PRESETS["qwen3.6-35b-a3b"] = TinyPairSpec(
+    hidden_size=2048, intermediate_size=6144, num_layers=40, num_heads=16, linear_heads=(16, 32), num_experts=256,
+    experts_per_tok=8, moe_intermediate_size=512, shared_expert_size=512, draft_layers=8,
+    target_layer_ids=(1, 10, 19, 28, 37), **_QWEN3_5_MOE,
+    extra_draft_config={"num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+                        "dflash_config": {"mask_token_id": 248070, "target_layer_ids": [1, 10, 19, 28, 37]}})
+PRESETS["qwen3.5-35b-a3b"] = PRESETS["qwen3.6-35b-a3b"]
+PRESETS["qwen3.5-397b-a17b"] = TinyPairSpec(
+    hidden_size=4096, intermediate_size=12288, num_layers=60, num_heads=32, linear_heads=(16, 64), num_experts=512,
+    experts_per_tok=10, moe_intermediate_size=1024, shared_expert_size=1024, draft_layers=8,
+    target_layer_ids=(1, 15, 29, 43, 57), **_QWEN3_5_MOE,
+    extra_draft_config={"num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+                        "dflash_config": {"mask_token_id": 248070, "target_layer_ids": [1, 15, 29, 43, 57]}})
 
 
-def preset_spec(name: str) -> TinyPairSpec:
+def preset_spec(name: str, num_layers: int | None = None) -> TinyPairSpec:
+    """The preset's spec; `num_layers` a reduced-depth copy, its taps clamped into range."""
     if name not in PRESETS:
         raise ConfigError(f"unknown random-weights preset {name!r}; presets: {', '.join(PRESETS)}")
-    return PRESETS[name]
+    spec = PRESETS[name]
+    if num_layers is None or num_layers == spec.num_layers:
+        return spec
+    if not 1 <= num_layers <= spec.num_layers:
+        raise ConfigError(f"num_layers = {num_layers}: preset {name!r} has 1 to {spec.num_layers} layers")
+    taps = tuple(sorted({min(t, num_layers - 1) for t in spec.target_layer_ids}))
+    extra = dict(spec.extra_draft_config)
+    if "dflash_config" in extra:
+        extra["dflash_config"] = {**extra["dflash_config"], "target_layer_ids": list(taps)}
+    return dataclasses.replace(spec, num_layers=num_layers, target_layer_ids=taps, layer_types=None,
+                               extra_draft_config=extra)
 
 
-def write_configs(directory: Path, name: str, dtype: torch.dtype = torch.bfloat16) -> PairPaths:
+def write_configs(directory: Path, name: str, dtype: torch.dtype = torch.bfloat16,
+                  num_layers: int | None = None) -> PairPaths:
     """The pair's config.json files and tokenizer, without weights."""
-    spec = dataclasses.replace(preset_spec(name), dtype=str(dtype).removeprefix("torch."))
+    spec = dataclasses.replace(preset_spec(name, num_layers), dtype=str(dtype).removeprefix("torch."))
     return write_tiny_pair(Path(directory), spec, weights=False)
 
 
 @torch.no_grad()
 def randomize(model: torch.nn.Module, seed: int, scale: float = 1.0) -> None:
     """Fill every parameter in place, with the scales fixtures/pair.py uses for tiny pairs:
-    norms near 1, linear weights with std scale/sqrt(fan_in), so activations stay O(1)."""
+    norms near 1, linear weights with std scale/sqrt(fan_in), so activations stay O(1). A
+    random router spreads every token's picks uniformly over the experts: the most distinct
+    experts a pass can touch, the worst case for reading them."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for name, p in model.named_parameters():
         if p.dim() == 1:
             p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen, device=p.device))
         elif "embed_tokens" in name:
             p.copy_(scale * torch.randn(p.shape, generator=gen, device=p.device))
-        else:
-            std = (4 if name.startswith("lm_head") else 1) * scale / p.shape[1] ** 0.5
+        else:  # fan-in is the last dim (also of the packed [E, out, in] experts)
+            std = (4 if name.startswith("lm_head") else 1) * scale / p.shape[-1] ** 0.5
             p.copy_(std * torch.randn(p.shape, generator=gen, device=p.device))
 
 
@@ -98,10 +139,11 @@ def random_pair(sources: PairPaths, device, dtype, seed: int = 0):
 
 
 def random_engine(preset: str, device: str = "cuda", dtype: torch.dtype = torch.bfloat16, max_batch_size: int = 32,
-                  max_seq_len: int = 4096, seed: int = 0):
-    """A LoadedEngine (engine + tokenizer) for a random-weights preset, built on `device`."""
+                  max_seq_len: int = 4096, seed: int = 0, num_layers: int | None = None):
+    """A LoadedEngine (engine + tokenizer) for a random-weights preset, built on `device`
+    (`num_layers`: a reduced-depth copy of the preset)."""
     with tempfile.TemporaryDirectory(prefix="dflash-random-") as tmp:
-        sources = write_configs(Path(tmp), preset, dtype)
+        sources = write_configs(Path(tmp), preset, dtype, num_layers)
         target, drafter = random_pair(sources, device, dtype, seed)
         tokenizer = Tokenizer.from_dir(sources.target)
     engine = Engine(target, drafter, max_batch_size=max_batch_size, max_seq_len=max_seq_len)
