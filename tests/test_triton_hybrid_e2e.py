@@ -1,9 +1,10 @@
 """A real tritonserver serving a tiny Qwen3.5 hybrid pair (Gated DeltaNet + gated attention
 target in the released multimodal layout, Qwen3.5-style drafter), built with `dflash-trt build`
-from real safetensors and a real Qwen3.5-family tokenizer. Served outputs must equal the
-in-process engine's greedy output, also when concurrent requests of different lengths share
-DFlash batches."""
+from real safetensors and a real Qwen3.5-family tokenizer, with dense MLPs and as a mixture
+of experts (the Qwen3.5/3.6 MoE layout). Served outputs must equal the in-process engine's
+greedy output, also when concurrent requests of different lengths share DFlash batches."""
 
+import dataclasses
 import json
 import threading
 
@@ -40,6 +41,7 @@ pytestmark = pytest.mark.slow
 SPEC = TinyPairSpec(target_type="qwen3_5", multimodal=True, tokenizer_tokens=4000, head_dim=32, rope_theta=1e7,
                     draft_rope_theta=1e7, target_layer_ids=(1, 3), block_size=8,
                     draft_layer_types=("sliding_attention", "full_attention"), sliding_window=8)
+SPECS = {"dense": SPEC, "moe": dataclasses.replace(SPEC, num_experts=8, experts_per_tok=2, moe_intermediate_size=32)}
 # An untrained drafter never agrees with a random target, so every verify would keep only its
 # bonus token. Scaling up three lm_head rows (the drafter uses the target's lm_head) makes both
 # models lean to those tokens: drafts are sometimes accepted, and rows of one batch commit
@@ -62,10 +64,10 @@ def finish_pair(pair):
     save_file(weights, pair.target / "model.safetensors", metadata={"format": "pt"})
 
 
-@pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hybrid")
-    pair = write_tiny_pair(root / "pair", SPEC)
+@pytest.fixture(scope="module", params=list(SPECS))
+def built(tmp_path_factory, request):
+    root = tmp_path_factory.mktemp(f"hybrid-{request.param}")
+    pair = write_tiny_pair(root / "pair", SPECS[request.param])
     finish_pair(pair)
     out = root / "out"
     args = ["build", "--target", str(pair.target), "--drafter", str(pair.drafter), "-o", str(out),
@@ -96,6 +98,12 @@ def test_the_build_keeps_the_qwen3_5_tokenizer_files_and_the_hybrid_target(built
     assert (built / "engine" / "tokenizer" / "chat_template.jinja").is_file()
     assert local.engine.target.stateful and local.engine.target_cache.num_snapshots == local.engine.block_size == 8
     assert local.engine.drafter.config.layer_types == ("sliding_attention", "full_attention")
+    moe = local.engine.target.config.moe
+    assert (moe is not None) == ("moe" in built.parent.name)
+    if moe is not None:  # the engine stores the experts packed, as the kernels read them
+        packed = load_file(built / "engine" / "target" / "model.safetensors")
+        assert packed["model.layers.0.mlp.experts.gate_up_proj"].shape == (8, 64, SPEC.hidden_size)
+        assert moe.num_experts == 8 and moe.shared_expert_size > 0
 
 
 def test_http_infer_grpc_stream_and_generate_return_the_in_process_greedy_text(server, local, expected):
