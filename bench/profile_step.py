@@ -10,6 +10,12 @@ Random weights of a real shape (dflash_trt.benchmark.random_weights), greedy, on
    engine runs it (inputs to the device, replay, token readback); for a Qwen3.5 hybrid, the
    rollback (commit) after a verify pass;
 3. a torch.profiler trace of a few AR and DFlash steps at batch 1, summed per kernel family.
+
+The roofline counts the bytes a step really reads: every weight once, except the embedding
+table (one row per token) and, for a mixture of experts, the routed experts: only the
+distinct experts the pass's tokens picked (counted per layer from an eager run of the same
+pass; random routers pick uniformly, the most distinct experts). `--layers` runs a
+reduced-depth copy of a preset too large for one GPU (its per-layer times scale).
 """
 
 from __future__ import annotations
@@ -22,8 +28,10 @@ from collections import defaultdict
 
 import torch
 
+from dflash_trt import ops
 from dflash_trt.benchmark.random_weights import random_engine
 from dflash_trt.graphs import DecodePasses
+from dflash_trt.models.moe import SparseMoeBlock
 from dflash_trt.sampling import SamplingParams
 from dflash_trt.sequence import Sequence
 
@@ -49,6 +57,33 @@ def weight_bytes(module: torch.nn.Module) -> int:
             seen.add(p.data_ptr())
             total += p.numel() * p.element_size()
     return total
+
+
+def step_bytes(engine, run_pass, num_tokens: int) -> tuple[int, float]:
+    """(bytes one pass of `num_tokens` tokens really reads, mean distinct experts per MoE
+    layer) of `run_pass`, an eager pass of the engine's target: the roofline's numerator."""
+    target = engine.target
+    total = weight_bytes(target)
+    embed = target.model.embed_tokens.weight
+    if embed.data_ptr() != target.lm_head.weight.data_ptr():  # a tied table is read whole as the LM head
+        total -= (embed.shape[0] - num_tokens) * embed.shape[1] * embed.element_size()
+    blocks = [m for m in target.modules() if isinstance(m, SparseMoeBlock)]
+    touched: list[int] = []
+
+    def count(module, args):
+        _, ids = ops.moe_route(module.gate(args[0].flatten(0, 1)), module.moe.top_k, module.moe.norm_topk_prob)
+        touched.append(ids.unique().numel())
+
+    hooks = [m.register_forward_pre_hook(count) for m in blocks]
+    try:
+        run_pass()
+    finally:
+        for h in hooks:
+            h.remove()
+    for m, n in zip(blocks, touched):
+        expert = (m.experts.gate_up_proj[0].numel() + m.experts.down_proj[0].numel()) * m.experts.down_proj.element_size()
+        total -= (m.experts.num_experts - n) * expert
+    return total, (sum(touched) / len(touched) if touched else 0.0)
 
 
 def fake_running(engine, n: int, context: int) -> list[Sequence]:
@@ -136,22 +171,23 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--batch", default="1,32")
     ap.add_argument("--json")
+    ap.add_argument("--layers", type=int, help="a reduced-depth copy of the preset (one too large for the GPU)")
     ap.add_argument("--blas", choices=("cublas", "cublaslt"),
                     help="the BLAS library torch uses for the GEMMs (default: torch's choice)")
     args = ap.parse_args(argv)
     if args.blas:
         torch.backends.cuda.preferred_blas_library(args.blas)
     batches = [int(b) for b in args.batch.split(",")]
-    loaded = random_engine(args.preset, max_batch_size=max(batches), max_seq_len=args.context + 512)
+    loaded = random_engine(args.preset, max_batch_size=max(batches), max_seq_len=args.context + 512,
+                           num_layers=args.layers)
     engine, passes = loaded.engine, loaded.engine.passes
-    result = {"gpu": torch.cuda.get_device_name(), "preset": args.preset, "context": args.context,
+    result = {"gpu": torch.cuda.get_device_name(), "preset": args.preset, "layers": args.layers, "context": args.context,
               "passes": type(passes).__name__, "blas": str(torch.backends.cuda.preferred_blas_library())}
     bw = copy_bandwidth()
     wb = weight_bytes(engine.target)
-    result.update(copy_bandwidth_gb_s=bw / 1e9, target_weight_gb=wb / 1e9, roofline_tok_s=bw / wb,
+    result.update(copy_bandwidth_gb_s=bw / 1e9, target_weight_gb=wb / 1e9,
                   drafter_weight_gb=weight_bytes(engine.drafter) / 1e9)
-    print(f"copy bandwidth {bw / 1e9:.0f} GB/s; target weights {wb / 1e9:.2f} GB -> roofline {bw / wb:.1f} tok/s",
-          file=sys.stderr)
+    print(f"copy bandwidth {bw / 1e9:.0f} GB/s; target weights {wb / 1e9:.2f} GB", file=sys.stderr)
     with torch.inference_mode():
         for n in batches:
             x = passes.inputs(fake_running(engine, n, args.context))
@@ -163,12 +199,22 @@ def main(argv=None) -> int:
             ar_wall = wall_ms(lambda: ar_step(engine, passes, seqs))
             row = {"ar_step_ms": ar, "draft_ms": dr, "verify_ms": ve, "ar_tok_s": n * 1e3 / ar,
                    "dflash_step_over_ar": (dr + ve) / ar, "ar_step_wall_ms": ar_wall}
+            ar_bytes, ar_experts = step_bytes(engine, lambda: DecodePasses.ar(passes, x), n)
+            verify_bytes, verify_experts = step_bytes(engine, lambda: DecodePasses.verify(passes, x, block),
+                                                      n * engine.block_size)
+            row.update(ar_bytes_gb=ar_bytes / 1e9, ar_roofline_share=ar_bytes / bw / (ar / 1e3),
+                       verify_bytes_gb=verify_bytes / 1e9, verify_roofline_share=verify_bytes / bw / (ve / 1e3))
+            if engine.target.config.moe is not None:
+                row.update(ar_distinct_experts=ar_experts, verify_distinct_experts=verify_experts)
             if engine.target.stateful:  # the rollback after a verify that kept half the block
                 half = [engine.block_size // 2] * n
                 row["commit_ms"] = time_ms(lambda: passes.commit(x, engine.block_size, half))
             result[f"batch{n}"] = row
             print(f"batch {n}: AR step {ar:.3f} ms ({n * 1e3 / ar:.1f} tok/s; {ar_wall:.3f} ms with the host work), "
-                  f"draft {dr:.3f} ms, verify {ve:.3f} ms, (draft+verify)/AR {(dr + ve) / ar:.2f}"
+                  f"draft {dr:.3f} ms, verify {ve:.3f} ms, (draft+verify)/AR {(dr + ve) / ar:.2f}; "
+                  f"roofline share AR {row['ar_roofline_share']:.1%}, verify {row['verify_roofline_share']:.1%}"
+                  + (f"; distinct experts per layer AR {ar_experts:.1f}, verify {verify_experts:.1f}"
+                     if "ar_distinct_experts" in row else "")
                   + (f", commit {row['commit_ms']:.3f} ms" if "commit_ms" in row else ""), file=sys.stderr)
         # Kernel time per family from the eager passes (the same kernels the graphs replay;
         # the graphs remove the launch gaps between them).
@@ -177,7 +223,9 @@ def main(argv=None) -> int:
         block = DecodePasses.draft(passes, x)
         result["profile_draft_ms"] = profile(lambda: DecodePasses.draft(passes, x))
         result["profile_verify_ms"] = profile(lambda: DecodePasses.verify(passes, x, block))
-    result["batch1_roofline_share"] = result["batch1"]["ar_tok_s"] / result["roofline_tok_s"] if 1 in batches else None
+    if 1 in batches:  # AR at batch 1: the bytes one token's step really reads, at copy bandwidth
+        result["roofline_tok_s"] = bw / (result["batch1"]["ar_bytes_gb"] * 1e9)
+        result["batch1_roofline_share"] = result["batch1"]["ar_roofline_share"]
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:
