@@ -14,6 +14,7 @@
 #include "gated_delta.h"
 #include "gemv.h"
 #include "layer_ops.h"
+#include "moe.h"
 
 namespace {
 
@@ -573,6 +574,135 @@ at::Tensor gated_delta_recurrent_meta(const at::Tensor& q, const at::Tensor&, co
   return at::empty({q.size(0), q.size(1), v.size(2), v.size(3)}, v.options());
 }
 
+// ---------------------------------------------------------------------------------------------
+// Routed experts (moe.h). Scratch (the sort's outputs, the per-slot activations) comes from the
+// caching allocator, so a launch can be captured in a CUDA graph.
+
+// x [N, H] bf16, fp16 or fp32; gate_up [E, 2I, H], down [E, H, I] in x's dtype; weights [N, k]
+// fp32; ids [N, k] int32; all contiguous. Returns [N, H] fp32.
+at::Tensor moe_experts_cuda(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down,
+                            const at::Tensor& weights, const at::Tensor& ids) {
+  TORCH_CHECK(x.is_cuda(), "x must be a CUDA tensor");
+  const std::optional<dflash::DType> dtype = attention_dtype(x.scalar_type());
+  TORCH_CHECK(dtype.has_value(), "x must be bf16, fp16 or fp32, got ", x.scalar_type());
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [N, H] tensor, got ", x.sizes());
+  TORCH_CHECK(gate_up.dim() == 3 && down.dim() == 3, "gate_up must be [E, 2I, H] and down [E, H, I]");
+  const int64_t N = x.size(0), H = x.size(1), E = gate_up.size(0), I = gate_up.size(1) / 2;
+  TORCH_CHECK(gate_up.size(1) == 2 * I && gate_up.size(2) == H, "gate_up must be [E, 2I, ", H, "], got ",
+              gate_up.sizes());
+  TORCH_CHECK(down.size(0) == E && down.size(1) == H && down.size(2) == I, "down must be [", E, ", ", H, ", ", I,
+              "], got ", down.sizes());
+  for (const auto* t : {&gate_up, &down}) {
+    TORCH_CHECK(t->device() == x.device() && t->scalar_type() == x.scalar_type() && t->is_contiguous(),
+                "gate_up and down must be contiguous, on x's device, in x's dtype");
+  }
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == N && weights.sizes() == ids.sizes(),
+              "weights and ids must be [N, k] with x's N");
+  TORCH_CHECK(weights.device() == x.device() && weights.scalar_type() == at::kFloat && weights.is_contiguous(),
+              "weights must be contiguous fp32 on x's device");
+  TORCH_CHECK(ids.device() == x.device() && ids.scalar_type() == at::kInt && ids.is_contiguous(),
+              "ids must be contiguous int32 on x's device");
+
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto out = at::empty({N, H}, x.options().dtype(at::kFloat));
+  dflash::MoeParams p;
+  p.dtype = *dtype;
+  p.tokens = static_cast<int>(N);
+  p.top_k = static_cast<int>(ids.size(1));
+  p.experts = static_cast<int>(E);
+  p.hidden = static_cast<int>(H);
+  p.inter = static_cast<int>(I);
+  const int64_t slots = N * ids.size(1);
+  auto work = at::empty({dflash::moe_work_ints(p)}, x.options().dtype(at::kInt));
+  auto act = at::empty({slots, I}, x.options());
+  auto y = at::empty({slots, H}, x.options());
+  p.x = x.data_ptr();
+  p.gate_up = gate_up.data_ptr();
+  p.down = down.data_ptr();
+  p.weights = weights.data_ptr<float>();
+  p.ids = ids.data_ptr<int32_t>();
+  p.work = work.data_ptr<int32_t>();
+  p.act = act.data_ptr();
+  p.y = y.data_ptr();
+  p.out = out.data_ptr<float>();
+  if (const char* why = dflash::moe_check(p)) TORCH_CHECK(false, "moe_experts: ", why);
+  check_launch(dflash::moe_launch(p, c10::cuda::getCurrentCUDAStream().stream()), "moe_experts");
+  return out;
+}
+
+// ids [N, k] int32 contiguous -> (order [N k]: the slots grouped by expert, then those with an
+// id outside [0, E); rows [N k]: each slot's position in order; ends [E]: cumulative counts).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_sort_cuda(const at::Tensor& ids, int64_t num_experts) {
+  TORCH_CHECK(ids.is_cuda() && ids.scalar_type() == at::kInt && ids.is_contiguous(),
+              "ids must be a contiguous int32 CUDA tensor");
+  TORCH_CHECK(num_experts >= 1 && num_experts <= dflash::kMoeMaxExperts, "moe_sort: num_experts must be in [1, ",
+              dflash::kMoeMaxExperts, "]");
+  const c10::cuda::CUDAGuard guard(ids.device());
+  dflash::MoeSortParams p;
+  p.slots = static_cast<int>(ids.numel());
+  p.experts = static_cast<int>(num_experts);
+  TORCH_CHECK(ids.numel() < (int64_t{1} << 30), "moe_sort: too many slots");
+  auto work = at::empty({dflash::moe_sort_work_ints(p)}, ids.options());
+  p.ids = ids.data_ptr<int32_t>();
+  p.work = work.data_ptr<int32_t>();
+  if (const char* why = dflash::moe_sort_check(p)) TORCH_CHECK(false, "moe_sort: ", why);
+  check_launch(dflash::moe_sort_launch(p, c10::cuda::getCurrentCUDAStream().stream()), "moe_sort");
+  const int64_t S = p.slots, E = num_experts;  // the layout of moe.h
+  return {work.narrow(0, E + 1, S), work.narrow(0, E + 1 + S, S), work.narrow(0, 0, E)};
+}
+
+// y [N k, H] (bf16, fp16 or fp32, contiguous): row rows[s] (or s) is slot s's expert output;
+// weights [N, k] fp32, ids [N, k] int32. Returns [N, H] fp32.
+at::Tensor moe_combine_cuda(const at::Tensor& y, const at::Tensor& weights, const at::Tensor& ids,
+                            const std::optional<at::Tensor>& rows, int64_t num_experts) {
+  TORCH_CHECK(y.is_cuda(), "y must be a CUDA tensor");
+  const std::optional<dflash::DType> dtype = attention_dtype(y.scalar_type());
+  TORCH_CHECK(dtype.has_value(), "y must be bf16, fp16 or fp32, got ", y.scalar_type());
+  TORCH_CHECK(ids.dim() == 2 && weights.sizes() == ids.sizes(), "weights and ids must be [N, k]");
+  const int64_t N = ids.size(0), k = ids.size(1);
+  TORCH_CHECK(y.dim() == 2 && y.size(0) == N * k && y.is_contiguous(), "y must be a contiguous [N k, H] tensor");
+  TORCH_CHECK(weights.device() == y.device() && weights.scalar_type() == at::kFloat && weights.is_contiguous(),
+              "weights must be contiguous fp32 on y's device");
+  TORCH_CHECK(ids.device() == y.device() && ids.scalar_type() == at::kInt && ids.is_contiguous(),
+              "ids must be contiguous int32 on y's device");
+  if (rows) {
+    TORCH_CHECK(rows->device() == y.device() && rows->scalar_type() == at::kInt && rows->is_contiguous() &&
+                    rows->numel() == N * k,
+                "rows must be contiguous int32 [N k] on y's device");
+  }
+  const c10::cuda::CUDAGuard guard(y.device());
+  auto out = at::empty({N, y.size(1)}, y.options().dtype(at::kFloat));
+  dflash::MoeCombineParams p;
+  p.dtype = *dtype;
+  p.tokens = static_cast<int>(N);
+  p.top_k = static_cast<int>(k);
+  p.experts = static_cast<int>(num_experts);
+  p.hidden = static_cast<int>(y.size(1));
+  p.y = y.data_ptr();
+  p.rows = rows ? rows->data_ptr<int32_t>() : nullptr;
+  p.weights = weights.data_ptr<float>();
+  p.ids = ids.data_ptr<int32_t>();
+  p.out = out.data_ptr<float>();
+  if (const char* why = dflash::moe_combine_check(p)) TORCH_CHECK(false, "moe_combine: ", why);
+  check_launch(dflash::moe_combine_launch(p, c10::cuda::getCurrentCUDAStream().stream()), "moe_combine");
+  return out;
+}
+
+at::Tensor moe_experts_meta(const at::Tensor& x, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                            const at::Tensor&) {
+  return at::empty(x.sizes(), x.options().dtype(at::kFloat));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_sort_meta(const at::Tensor& ids, int64_t num_experts) {
+  return {at::empty({ids.numel()}, ids.options()), at::empty({ids.numel()}, ids.options()),
+          at::empty({num_experts}, ids.options())};
+}
+
+at::Tensor moe_combine_meta(const at::Tensor& y, const at::Tensor&, const at::Tensor& ids,
+                            const std::optional<at::Tensor>&, int64_t) {
+  return at::empty({ids.size(0), y.size(1)}, y.options().dtype(at::kFloat));
+}
+
 }  // namespace
 
 TORCH_LIBRARY(dflash, m) {
@@ -598,6 +728,9 @@ TORCH_LIBRARY(dflash, m) {
   m.def(
       "gated_delta_prepare(Tensor qkv, Tensor a, Tensor b, Tensor neg_a, Tensor dt_bias, int num_k_heads, "
       "int key_dim, int value_dim, float eps, float q_scale) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("moe_experts(Tensor x, Tensor gate_up, Tensor down, Tensor weights, Tensor ids) -> Tensor");
+  m.def("moe_sort(Tensor ids, int num_experts) -> (Tensor, Tensor, Tensor)");
+  m.def("moe_combine(Tensor y, Tensor weights, Tensor ids, Tensor? rows, int num_experts) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dflash, CUDA, m) {
@@ -611,6 +744,9 @@ TORCH_LIBRARY_IMPL(dflash, CUDA, m) {
   m.impl("causal_conv", &causal_conv_cuda);
   m.impl("gated_delta_recurrent", &gated_delta_recurrent_cuda);
   m.impl("gated_delta_prepare", &gated_delta_prepare_cuda);
+  m.impl("moe_experts", &moe_experts_cuda);
+  m.impl("moe_sort", &moe_sort_cuda);
+  m.impl("moe_combine", &moe_combine_cuda);
 }
 
 TORCH_LIBRARY_IMPL(dflash, Meta, m) {
@@ -624,4 +760,7 @@ TORCH_LIBRARY_IMPL(dflash, Meta, m) {
   m.impl("causal_conv", &causal_conv_meta);
   m.impl("gated_delta_recurrent", &gated_delta_recurrent_meta);
   m.impl("gated_delta_prepare", &gated_delta_prepare_meta);
+  m.impl("moe_experts", &moe_experts_meta);
+  m.impl("moe_sort", &moe_sort_meta);
+  m.impl("moe_combine", &moe_combine_meta);
 }

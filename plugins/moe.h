@@ -1,0 +1,91 @@
+// The routed experts of a mixture-of-experts layer: the plain C++ launcher API (no torch
+// types), so a torch op (ops.cpp) and a TensorRT IPluginV3 can both wrap it.
+//
+// Token t picks experts ids[t, j] (j < k) with weights[t, j]; its pick j is slot s = t k + j.
+// Per slot, with e = ids[t, j] and round() to the dtype (nearest even):
+//   h   = round(gate_up[e] @ x[t])                 [2I]  (gate rows 0..I-1, up rows I..2I-1)
+//   a   = round(round(silu(h[:I])) * h[I:])        [I]   (silu(z) = z / (1 + exp(-z)), fp32)
+//   y_s = round(down[e] @ a)                        [H]
+//   out[t] = sum over j = 0..k-1, in order, of weights[t, j] * y_s    (fp32, [N, H])
+// Dot products sum in fp32 in the kernel's own order (fp32 inputs: three TF32 products per
+// term, see moe.cu). A slot whose id is outside [0, E) adds nothing (no memory is read for it).
+// The Python reference with these semantics is dflash_trt.ops.moe_experts_reference.
+//
+// moe_launch runs four kernels: a sort of the slots by expert (one CTA), gate_up and down
+// kernels that read each active expert's weights once per chunk of up to 8 (or 16) of its
+// slots and apply them with tensor-core MMAs, and the fixed-order weighted sum. Grid sizes
+// depend only on the shapes (CTAs past the routed work exit at once) and nothing is read back
+// on the host, so a launch can be captured in a CUDA graph.
+//
+// The grouped-GEMM path of ops.py (many tokens per expert) uses the sort and the weighted sum
+// on their own: moe_sort_launch and moe_combine_launch.
+
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+#include "block_attention.h"  // dflash::DType
+
+namespace dflash {
+
+constexpr int kMoeMaxExperts = 2048;  // the sort keeps three ints per expert in shared memory
+
+struct MoeParams {
+  DType dtype = DType::kBFloat16;  // of x, gate_up, down, act and y
+  int tokens = 0;                  // N
+  int top_k = 0;                   // k
+  int experts = 0;                 // E
+  int hidden = 0;                  // H, a multiple of 8
+  int inter = 0;                   // I, a multiple of 8
+  const void* x = nullptr;         // [N, H] contiguous
+  const void* gate_up = nullptr;   // [E, 2I, H] contiguous
+  const void* down = nullptr;      // [E, H, I] contiguous
+  const float* weights = nullptr;  // [N, k] contiguous
+  const int32_t* ids = nullptr;    // [N, k] contiguous
+  int32_t* work = nullptr;         // moe_work_ints(p) ints of scratch
+  void* act = nullptr;             // [N k, I] scratch in the dtype
+  void* y = nullptr;               // [N k, H] scratch in the dtype
+  float* out = nullptr;            // [N, H]
+};
+
+// Scratch ints of a launch (the sort's outputs and the chunk list).
+int64_t moe_work_ints(const MoeParams& p);
+// nullptr when the launch would be valid, else why not. All pointers 16-byte aligned.
+const char* moe_check(const MoeParams& p);
+cudaError_t moe_launch(const MoeParams& p, cudaStream_t stream);
+
+// The sort alone: slots grouped by expert, in expert order, then the slots with an id
+// outside [0, E). Writes, from `work` (moe_sort_work_ints ints, 16-byte aligned):
+//   [0, E)                  ends: ends[e] = the number of slots of experts 0..e (torch._grouped_mm's offs)
+//   [E + 1, E + 1 + S)      order: the slots grouped by expert (order within an expert unspecified)
+//   [E + 1 + S, E + 1 + 2S) rows: rows[s] = the position of slot s in order
+struct MoeSortParams {
+  int slots = 0;                 // S = N k
+  int experts = 0;               // E
+  const int32_t* ids = nullptr;  // [S]
+  int32_t* work = nullptr;
+};
+int64_t moe_sort_work_ints(const MoeSortParams& p);
+const char* moe_sort_check(const MoeSortParams& p);
+cudaError_t moe_sort_launch(const MoeSortParams& p, cudaStream_t stream);
+
+// The weighted sum alone: out[t] = sum_j weights[t, j] * y[row(t k + j)] in fp32, j in order,
+// skipping slots whose id is outside [0, E); row(s) = rows[s], or s when rows is null.
+struct MoeCombineParams {
+  DType dtype = DType::kBFloat16;  // of y
+  int tokens = 0;                  // N
+  int top_k = 0;                   // k
+  int experts = 0;                 // E
+  int hidden = 0;                  // H, a multiple of 8
+  const void* y = nullptr;         // [N k, H] contiguous, 16-byte aligned
+  const int32_t* rows = nullptr;   // [N k] or null
+  const float* weights = nullptr;  // [N, k]
+  const int32_t* ids = nullptr;    // [N, k]
+  float* out = nullptr;            // [N, H], 16-byte aligned
+};
+const char* moe_combine_check(const MoeCombineParams& p);
+cudaError_t moe_combine_launch(const MoeCombineParams& p, cudaStream_t stream);
+
+}  // namespace dflash
