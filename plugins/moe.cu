@@ -8,18 +8,20 @@
 // token's output is also the same whatever other tokens share its pass).
 //
 // Projections. A CTA takes one chunk and a tile of output rows of that chunk's expert; its
-// four warps split the reduction (K) dimension and each applies the tile's weight rows to the
-// chunk's slots with mma.sync (m16n8k16 for bf16/fp16, m16n8k8 TF32 for fp32): rows are M,
-// slots N (8 per MMA), fp32 accumulators. The weights are read once per chunk, in whole
+// warps (8 for gate_up, 4 for down) split the reduction (K) dimension, and each applies the
+// tile's weight rows to the chunk's slots with mma.sync (m16n8k16 for bf16/fp16, m16n8k8 TF32
+// for fp32): rows are M, slots N (8 per MMA), fp32 accumulators. The weights are read once per chunk, in whole
 // 16-byte chunks per lane: an MMA sums over its 16 (8) k positions in no particular order, so
 // A and B may relabel them, as long as they do it alike. Lane (g, t) = (lane / 4, lane % 4)
 // reads 16-byte chunk 4 kb + t of rows g and g + 8 (A) and of slot g (B) in each 64-byte block
 // kb of the rows; the block's first MMA takes each chunk's 32-bit words 0 and 1 where the
 // fragment layout puts k pairs (2t, 2t + 1) and (2t + 8, 2t + 9) (TF32: k t and t + 4), the
-// second MMA words 2 and 3. The four warps' partial sums are added in warp order.
+// second MMA words 2 and 3. The warps' partial sums are added in warp order.
 // fp32 runs three TF32 MMAs per step (x = big + small, big = x rounded to TF32, small =
 // x - big rounded to TF32; big*big + big*small + small*big): each product is then within a few
-// units in the last place of fp32, at the cost of three MMAs, which a memory-bound kernel has.
+// units in the last place of fp32, at the cost of three MMAs, which a memory-bound kernel has;
+// each step's MMAs start from zero and their sum is added to the fp32 accumulator with a
+// rounded add (mma_3xtf32 says why).
 //
 // This file has no torch dependency: it compiles alone with
 //   nvcc -std=c++17 -arch=sm_90 -c moe.cu
@@ -40,8 +42,11 @@ namespace dflash {
 namespace {
 
 constexpr int kSortThreads = 1024;
-constexpr int kWarps = 4;  // per projection CTA, splitting K
-constexpr int kThreads = kWarps * 32;
+// Warps per projection CTA, splitting K. gate_up's K (H) is two to four times down's (I): with
+// twice the warps its CTAs keep as many loads in flight per row as down's, which counts when a
+// decode step picks few experts and the grid is small.
+constexpr int kGateUpWarps = 8;
+constexpr int kDownWarps = 4;
 constexpr int kUnroll = 4;      // 64-byte k blocks per warp per iteration: 4 (2 MT + NT) loads in flight
 constexpr int kTileTokens = 8;  // an MMA's N
 constexpr int kMaxGridY = 65535;
@@ -198,9 +203,15 @@ __device__ __forceinline__ void mma_3xtf32(float (&d)[4], uint32_t a0, uint32_t 
   split_tf32(a3, ab[3], as[3]);
   split_tf32(b0, bb[0], bs[0]);
   split_tf32(b1, bb[1], bs[1]);
-  mma_tf32(d, as, bb);  // the small terms first
-  mma_tf32(d, ab, bs);
-  mma_tf32(d, ab, bb);
+  // The tensor cores' fp32 sums drop the bits below the largest addend's unit instead of
+  // rounding, an error that would grow along K: each step sums in a fresh accumulator (small
+  // terms first) and is added to the running sum with a rounded fp32 add.
+  float t[4] = {};
+  mma_tf32(t, as, bb);
+  mma_tf32(t, ab, bs);
+  mma_tf32(t, ab, bb);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) d[i] += t[i];
 }
 
 template <typename T>
@@ -219,8 +230,8 @@ __device__ __forceinline__ void mma_chunk(float (&acc)[4], const uint4& lo, cons
 
 // One warp's share of a CTA tile: acc[m][n] += (16 rows of m-tile m: a[2m] is row g's pointer,
 // a[2m + 1] row g + 8's) x (8 slots of n-tile n: b[n] is slot g's row, null past the chunk),
-// over the 64-byte k blocks part, part + kWarps, ... of rows `chunks` 16-byte chunks long.
-template <typename T, int MT, int NT>
+// over the 64-byte k blocks part, part + W, ... of rows `chunks` 16-byte chunks long (W warps).
+template <typename T, int W, int MT, int NT>
 __device__ __forceinline__ void warp_tile(const uint4* const (&a)[2 * MT], const uint4* const (&b)[NT],
                                           int64_t chunks, int part, float (&acc)[MT][NT][4]) {
   const int t = threadIdx.x % 4;
@@ -230,11 +241,11 @@ __device__ __forceinline__ void warp_tile(const uint4* const (&a)[2 * MT], const
   const uint4* bp[NT];
 #pragma unroll
   for (int n = 0; n < NT; ++n) bp[n] = b[n] != nullptr ? b[n] : a[0];
-  for (int64_t kb = part; 4 * kb < chunks; kb += kWarps * kUnroll) {
+  for (int64_t kb = part; 4 * kb < chunks; kb += W * kUnroll) {
     uint4 av[kUnroll][2 * MT], bv[kUnroll][NT];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int64_t c = 4 * (kb + u * kWarps) + t, cc = c < chunks ? c : chunks - 1;
+      const int64_t c = 4 * (kb + u * W) + t, cc = c < chunks ? c : chunks - 1;
 #pragma unroll
       for (int r = 0; r < 2 * MT; ++r) av[u][r] = __ldg(a[r] + cc);
 #pragma unroll
@@ -242,7 +253,7 @@ __device__ __forceinline__ void warp_tile(const uint4* const (&a)[2 * MT], const
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      if (4 * (kb + u * kWarps) + t < chunks) continue;
+      if (4 * (kb + u * W) + t < chunks) continue;
 #pragma unroll
       for (int r = 0; r < 2 * MT; ++r) av[u][r] = zero;
 #pragma unroll
@@ -266,7 +277,7 @@ __device__ __forceinline__ void warp_tile(const uint4* const (&a)[2 * MT], const
 }
 
 // Adds the other warps' partial sums to warp 0's, in warp order; true in warp 0.
-template <int MT, int NT>
+template <int W, int MT, int NT>
 __device__ __forceinline__ bool sum_warps(float (&acc)[MT][NT][4], float (*part)[MT][NT][4][32]) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (warp > 0) {
@@ -280,7 +291,7 @@ __device__ __forceinline__ bool sum_warps(float (&acc)[MT][NT][4], float (*part)
   __syncthreads();
   if (warp > 0) return false;
 #pragma unroll
-  for (int w = 0; w < kWarps - 1; ++w)
+  for (int w = 0; w < W - 1; ++w)
 #pragma unroll
     for (int m = 0; m < MT; ++m)
 #pragma unroll
@@ -308,8 +319,8 @@ __device__ __forceinline__ bool read_chunk(const int32_t* work, const Layout& l,
 
 // act[slot, r] for the 16 intermediate rows r of tile blockIdx.x: gate rows r, up rows I + r.
 template <typename T, int NT>
-__global__ void __launch_bounds__(kThreads) moe_gate_up_kernel(MoeParams p, Layout l) {
-  __shared__ float part[kWarps - 1][2][NT][4][32];
+__global__ void __launch_bounds__(kGateUpWarps * 32) moe_gate_up_kernel(MoeParams p, Layout l) {
+  __shared__ float part[kGateUpWarps - 1][2][NT][4][32];
   int4 chunk;
   if (!read_chunk(p.work, l, chunk)) return;
   const int e = chunk.x, first = chunk.y, count = chunk.z;
@@ -333,8 +344,8 @@ __global__ void __launch_bounds__(kThreads) moe_gate_up_kernel(MoeParams p, Layo
                        : nullptr;
   }
   float acc[2][NT][4] = {};
-  warp_tile<T, 2, NT>(a, b, chunks, threadIdx.x / 32, acc);
-  if (!sum_warps<2, NT>(acc, part)) return;
+  warp_tile<T, kGateUpWarps, 2, NT>(a, b, chunks, threadIdx.x / 32, acc);
+  if (!sum_warps<kGateUpWarps, 2, NT>(acc, part)) return;
 
   T* act = static_cast<T*>(p.act);
 #pragma unroll
@@ -353,8 +364,8 @@ __global__ void __launch_bounds__(kThreads) moe_gate_up_kernel(MoeParams p, Layo
 
 // y[slot, h] for the 32 rows h of tile blockIdx.x.
 template <typename T, int NT>
-__global__ void __launch_bounds__(kThreads) moe_down_kernel(MoeParams p, Layout l) {
-  __shared__ float part[kWarps - 1][2][NT][4][32];
+__global__ void __launch_bounds__(kDownWarps * 32) moe_down_kernel(MoeParams p, Layout l) {
+  __shared__ float part[kDownWarps - 1][2][NT][4][32];
   int4 chunk;
   if (!read_chunk(p.work, l, chunk)) return;
   const int e = chunk.x, first = chunk.y, count = chunk.z;
@@ -374,8 +385,8 @@ __global__ void __launch_bounds__(kThreads) moe_down_kernel(MoeParams p, Layout 
                        : nullptr;
   }
   float acc[2][NT][4] = {};
-  warp_tile<T, 2, NT>(a, b, chunks, threadIdx.x / 32, acc);
-  if (!sum_warps<2, NT>(acc, part)) return;
+  warp_tile<T, kDownWarps, 2, NT>(a, b, chunks, threadIdx.x / 32, acc);
+  if (!sum_warps<kDownWarps, 2, NT>(acc, part)) return;
 
   T* y = static_cast<T*>(p.y);
 #pragma unroll
@@ -462,8 +473,8 @@ template <typename T, int NT>
 cudaError_t project(const MoeParams& p, const Layout& l, int64_t chunks, cudaStream_t stream) {
   const dim3 gate_up_grid(static_cast<unsigned>(ceil_div(p.inter, 16)), static_cast<unsigned>(chunks));
   const dim3 down_grid(static_cast<unsigned>(ceil_div(p.hidden, 32)), static_cast<unsigned>(chunks));
-  moe_gate_up_kernel<T, NT><<<gate_up_grid, kThreads, 0, stream>>>(p, l);
-  moe_down_kernel<T, NT><<<down_grid, kThreads, 0, stream>>>(p, l);
+  moe_gate_up_kernel<T, NT><<<gate_up_grid, kGateUpWarps * 32, 0, stream>>>(p, l);
+  moe_down_kernel<T, NT><<<down_grid, kDownWarps * 32, 0, stream>>>(p, l);
   return cudaGetLastError();
 }
 
