@@ -12,6 +12,7 @@
 #   bash bench/gpu_check.sh flashinfer # the block attention table with its FlashInfer column
 #   bash bench/gpu_check.sh splits     # the causal attention table per forced key-split count, uniform
 #                                      # and ragged batches
+#   bash bench/gpu_check.sh moe        # build the plugins, the MoE op's GPU tests, its microbenchmark
 #   bash bench/gpu_check.sh tests roofline   # several stages in one call
 #
 # The GPU machine has torch, transformers and numpy 2 but no internet. What it lacks travels
@@ -29,7 +30,7 @@
 # The machine has no `unzip`: zips are opened with `python3 -m zipfile`, which drops the
 # executable bits, so they are set again.
 set -u
-usage="usage: gpu_check.sh STAGE... (tests hybrid benches roofline bench8b identity triton flashinfer splits)"
+usage="usage: gpu_check.sh STAGE... (tests hybrid benches roofline bench8b identity triton flashinfer splits moe)"
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
@@ -148,6 +149,12 @@ flashinfer)
   # table do not fit one call (a second call right after keeps the machine and its JIT cache)
   PYTHONPATH=/tmp/fi:/tmp/site MAX_JOBS=16 step kernels 560 python3 bench/kernels.py \
     --mode "${FLASHINFER_MODE:-both}" --json "$OUT/kernels.json"
+  ;;
+moe)
+  step plugins 300 python3 -c 'from dflash_trt import plugins; print(plugins.load())'
+  DFLASH_TEST_DEVICE=cuda DFLASH_MOE_STATS=$OUT/moe_stats.txt step tests-moe 240 python3 -m pytest -q \
+    -p no:cacheprovider tests/test_moe_ops.py
+  step moe-bench 150 python3 bench/moe_kernels.py --out "$OUT/moe.json"
   ;;
 *)
   echo "unknown stage $stage" >&2

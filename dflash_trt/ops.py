@@ -374,16 +374,77 @@ def moe_experts_reference(x, gate_up, down, weights, ids):
     return (out * weights[..., None]).sum(dim=1)
 
 
+# N k / E (picks per expert, on average) from which bf16 passes run the experts as two grouped
+# GEMMs (torch._grouped_mm) rather than the fused kernels, which apply each expert's weights to
+# 8 or 16 of its picks at a time and run out of tensor-core throughput as the picks grow. Set
+# at the crossover bench/moe_kernels.py finds on Qwen3.6-35B-A3B's shape (gpu_check.sh moe).
+MOE_GROUPED_MIN_PICKS_PER_EXPERT = 16
+MOE_MAX_SLOTS = 1 << 19  # N k of one launch (its grid); larger passes go in token blocks
+MOE_MAX_EXPERTS = 2048  # plugins/moe.h kMoeMaxExperts
+
+
 def moe_experts(x, gate_up, down, weights, ids):
-    """The routed experts of a pass (semantics of moe_experts_reference) -> [N, H] fp32."""
+    """The routed experts of a pass (semantics of moe_experts_reference) -> [N, H] fp32.
+
+    On CUDA once the plugins are built (bf16, fp16 or fp32; H and I multiples of 8): the fused
+    kernels of plugins/moe.cu, which read each picked expert's weights once per 8 or 16 of its
+    picks, read nothing back on the host and size their launches from the shapes alone (CUDA
+    graph capture works); for bf16 passes with MOE_GROUPED_MIN_PICKS_PER_EXPERT picks per
+    expert or more, two torch._grouped_mm GEMMs between the same device-side sort and weighted
+    sum. Both round where the reference rounds; their fp32 sums run in their own order, and
+    fp32 inputs go through three TF32 products per term (within a few fp32 units in the last
+    place of each product). A pick whose id is outside [0, E) adds nothing there (the reference
+    raises). Elsewhere (CPU, other shapes) the reference.
+    """
+    assert x.dim() == 2, f"x must be [N, H], got {tuple(x.shape)}"
     N, H = x.shape
-    E, I2, H2 = gate_up.shape
-    assert H2 == H and I2 % 2 == 0 and down.shape == (E, H, I2 // 2), (x.shape, gate_up.shape, down.shape)
-    assert x.dtype == gate_up.dtype == down.dtype, (x.dtype, gate_up.dtype, down.dtype)
-    assert weights.shape == ids.shape and weights.shape[0] == N, (weights.shape, ids.shape, x.shape)
-    assert weights.dtype == torch.float32 and ids.dtype == torch.int32, (weights.dtype, ids.dtype)
-    _log_fallback("moe_experts", x)
-    return moe_experts_reference(x, gate_up, down, weights, ids)
+    assert gate_up.dim() == 3 and gate_up.shape[1] % 2 == 0 and gate_up.shape[2] == H, \
+        f"gate_up must be [E, 2I, {H}], got {tuple(gate_up.shape)}"
+    E, I = gate_up.shape[0], gate_up.shape[1] // 2
+    assert down.shape == (E, H, I), f"down must be [{E}, {H}, {I}], got {tuple(down.shape)}"
+    assert gate_up.dtype == x.dtype and down.dtype == x.dtype, \
+        f"gate_up and down must have x's dtype {x.dtype}, got {gate_up.dtype} and {down.dtype}"
+    assert ids.dim() == 2 and ids.shape[0] == N, f"ids must be [{N}, k], got {tuple(ids.shape)}"
+    assert weights.shape == ids.shape, f"weights must be ids' shape {tuple(ids.shape)}, got {tuple(weights.shape)}"
+    assert weights.dtype == torch.float32, f"weights must be fp32, got {weights.dtype}"
+    assert ids.dtype == torch.int32, f"ids must be int32, got {ids.dtype}"
+    for name, t in (("gate_up", gate_up), ("down", down), ("weights", weights), ("ids", ids)):
+        assert t.device == x.device, f"{name} is on {t.device}, x on {x.device}"
+    if not _moe_kernel_fits(x, gate_up, down):
+        _log_fallback("moe_experts", x)
+        return moe_experts_reference(x, gate_up, down, weights, ids)
+    step = MOE_MAX_SLOTS // max(ids.shape[1], 1)
+    if N > step:
+        return torch.cat([moe_experts(x[i:i + step], gate_up, down, weights[i:i + step], ids[i:i + step])
+                          for i in range(0, N, step)])
+    x, weights, ids = x.contiguous(), weights.contiguous(), ids.contiguous()
+    if _moe_grouped_fits(x, ids.numel(), E):
+        return _moe_experts_grouped(x, gate_up, down, weights, ids)
+    return torch.ops.dflash.moe_experts(x, gate_up, down, weights, ids)
+
+
+def _moe_kernel_fits(x, gate_up, down) -> bool:
+    E, I2, H = gate_up.shape
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and H >= 8 and H % 8 == 0
+            and I2 >= 16 and I2 % 16 == 0 and E <= MOE_MAX_EXPERTS and gate_up.is_contiguous()
+            and down.is_contiguous() and gate_up.data_ptr() % 16 == 0 and down.data_ptr() % 16 == 0
+            and torch.cuda.get_device_capability(x.device) >= (8, 0) and _plugins_loaded())
+
+
+def _moe_grouped_fits(x, slots: int, num_experts: int) -> bool:
+    return (x.dtype == torch.bfloat16 and slots >= MOE_GROUPED_MIN_PICKS_PER_EXPERT * num_experts
+            and hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(x.device) >= (9, 0))
+
+
+def _moe_experts_grouped(x, gate_up, down, weights, ids):
+    """moe_experts as GEMMs over the picks in expert order: the kernels' sort, x gathered, a
+    grouped GEMM, silu_mul, a grouped GEMM, then the kernels' weighted sum reading each pick's
+    row where the sort put it. Picks with an id outside [0, E) sort last, past every group."""
+    order, rows, ends = torch.ops.dflash.moe_sort(ids, gate_up.shape[0])
+    xs = x.index_select(0, torch.div(order, ids.shape[1], rounding_mode="floor"))  # [N k, H]
+    h = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=ends)  # [N k, 2I]
+    ys = torch._grouped_mm(torch.ops.dflash.silu_mul(h), down.transpose(1, 2), offs=ends)  # [N k, H]
+    return torch.ops.dflash.moe_combine(ys, weights, ids, rows, gate_up.shape[0])
 
 
 # ----------------------------------------------------------------------------------------------

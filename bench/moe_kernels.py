@@ -1,0 +1,178 @@
+"""Time the routed experts of one MoE layer (ops.moe_experts) against the paths it replaces, on
+Qwen3.6-35B-A3B's shape (E 256, k 8, H 2048, I 512, bf16) with random uniform routing.
+
+  op       ops.moe_experts as the engine calls it (fused kernels, or the grouped GEMMs from
+           MOE_GROUPED_MIN_PICKS_PER_EXPERT picks per expert)
+  fused    the fused kernels alone (torch.ops.dflash.moe_experts)
+  grouped  the torch._grouped_mm path alone (bf16, sm90+; absent otherwise)
+  cublas   a loop over the picked experts as the reference runs it (gather, F.linear, silu_mul,
+           F.linear, scatter, weighted sum). It needs the picked experts and their tokens on
+           the host, a device-to-host sync per layer in a real pass; here they are found before
+           timing, so only its GPU work is timed.
+
+Every timing is the median of CUDA-event times of replays of a CUDA graph of one call (GPU work
+only, launch overhead out), after warm-up; a call that cannot be captured is timed eagerly
+(marked). Bytes = distinct experts picked x one expert's weight bytes + x's bytes: what a pass
+must read at least; GB/s = bytes / time, next to a device-to-device copy measured here.
+
+    python bench/moe_kernels.py --out $OUT/moe.json
+    python bench/moe_kernels.py --shape 397b-a17b --tokens 1,16,512
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from dflash_trt import ops, plugins
+
+SHAPES = {  # (E, k, H, I)
+    "35b-a3b": (256, 8, 2048, 512),  # Qwen3.6-35B-A3B
+    "30b-a3b": (128, 8, 2048, 768),  # Qwen3-30B-A3B
+    "397b-a17b": (512, 10, 4096, 1024),  # Qwen3.5-397B-A17B
+}
+TOKENS = (1, 8, 16, 32, 128, 256, 512, 1024, 2048, 4096)
+
+
+def time_us(fn, reps: int = 50) -> tuple[float, str]:
+    """Median GPU time of fn() in microseconds over `reps` graph replays (eager if capture fails)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    mode, runner, graph = "graph", fn, None
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        runner = graph.replay
+    except Exception:  # noqa: BLE001 - time plain launches instead
+        torch.cuda.synchronize()
+        mode, runner, graph = "eager", fn, None
+    for _ in range(3):
+        runner()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        runner()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    del graph
+    return statistics.median(times), mode
+
+
+def copy_gbps() -> float:
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    us, _ = time_us(lambda: dst.copy_(src), reps=10)
+    return 2 * src.numel() / (us * 1e-6) / 1e9  # bytes read + written
+
+
+def cublas_loop(x, gate_up, down, weights, ids):
+    """The reference's loop with its host work (which experts, which rows) done up front."""
+    N, k = ids.shape
+    picks = []
+    for e in ids.unique().tolist():
+        token, j = (ids == e).nonzero(as_tuple=True)
+        picks.append((e, token, token * k + j))
+    y = torch.zeros(N * k, x.shape[1], dtype=x.dtype, device=x.device)
+
+    def run():
+        for e, token, slot in picks:
+            y.index_copy_(0, slot, F.linear(ops.silu_mul(F.linear(x[token], gate_up[e])), down[e]))
+        return (y.view(N, k, -1).float() * weights[..., None]).sum(1)
+
+    return run
+
+
+def measure(shape: str, n: int, dtype: torch.dtype, gate_up, down) -> dict:
+    E, k, H, I = SHAPES[shape]
+    g = torch.Generator(device="cuda").manual_seed(n)
+    x = torch.randn(n, H, generator=g, device="cuda").to(dtype)
+    ids = torch.rand(n, E, generator=g, device="cuda").topk(k, dim=-1).indices.int()
+    weights = torch.softmax(torch.randn(n, k, generator=g, device="cuda"), dim=-1)
+    args = (x, gate_up, down, weights, ids)
+    distinct = int(ids.unique().numel())
+    nbytes = distinct * 3 * I * H * gate_up.element_size() + x.numel() * x.element_size()
+    grouped = dtype == torch.bfloat16 and ops._moe_grouped_fits(x, n * k, E)
+    row = {"shape": shape, "dtype": str(dtype).removeprefix("torch."), "tokens": n, "distinct_experts": distinct,
+           "bytes": nbytes, "op_path": "grouped" if grouped else "fused"}
+    candidates = {
+        "op": lambda: ops.moe_experts(*args),
+        "fused": lambda: torch.ops.dflash.moe_experts(*args),
+        "cublas": cublas_loop(*args),
+    }
+    if dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability() >= (9, 0):
+        candidates["grouped"] = lambda: ops._moe_experts_grouped(*args)
+    for name, fn in candidates.items():
+        try:
+            us, mode = time_us(fn)
+        except Exception as err:  # noqa: BLE001 - report and go on
+            row[f"{name}_error"] = f"{type(err).__name__}: {err}"[:200]
+            continue
+        row[f"{name}_us"], row[f"{name}_mode"] = round(us, 2), mode
+        row[f"{name}_gbps"] = round(nbytes / (us * 1e-6) / 1e9, 1)
+    return row
+
+
+def print_table(rows: list[dict], copy: float) -> None:
+    print(f"device-to-device copy: {copy:.0f} GB/s (read + written)")
+    names = ("op", "fused", "grouped", "cublas")
+    head = f"{'shape':<10} {'N':>5} {'experts':>7} {'MB read':>8} {'op path':>8}"
+    head += "".join(f" {n + ' us':>11} {n + ' GB/s':>12}" for n in names)
+    print(head)
+    for r in rows:
+        line = f"{r['shape']:<10} {r['tokens']:>5} {r['distinct_experts']:>7} {r['bytes'] / 1e6:>8.1f} {r['op_path']:>8}"
+        for n in names:
+            if f"{n}_us" in r:
+                mark = "*" if r[f"{n}_mode"] == "eager" else ""
+                line += f" {r[f'{n}_us']:>10.1f}{mark:1} {r[f'{n}_gbps']:>12.0f}"
+            else:
+                line += f" {'-':>11} {'-':>12}"
+        print(line)
+    print("(* eager launches: the call could not be captured in a CUDA graph)")
+    for r in rows:
+        for key in r:
+            if key.endswith("_error"):
+                print(f"N={r['tokens']} {key}: {r[key]}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, help="write the rows as JSON here")
+    parser.add_argument("--shape", choices=SHAPES, default="35b-a3b")
+    parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    parser.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma-separated token counts N")
+    args = parser.parse_args()
+    if not torch.cuda.is_available() or plugins.load() is None:
+        sys.exit("needs a CUDA GPU and the plugins")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    E, k, H, I = SHAPES[args.shape]
+    gate_up = (torch.randn(E, 2 * I, H, device="cuda") * H ** -0.5).to(dtype)
+    down = (torch.randn(E, H, I, device="cuda") * I ** -0.5).to(dtype)
+    rows = [measure(args.shape, int(n), dtype, gate_up, down) for n in args.tokens.split(",")]
+    copy = copy_gbps()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"E {E} k {k} H {H} I {I} {args.dtype}, grouped from N k >= {ops.MOE_GROUPED_MIN_PICKS_PER_EXPERT} E")
+    print_table(rows, copy)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                        "copy_gbps": round(copy), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,319 @@
+"""Routed experts (ops.moe_experts, plugins/moe.cu): the reference equals a dense per-token,
+per-pick formulation (CPU, fp32 and bf16), the wrapper rejects bad arguments naming them, and
+on CUDA the fused kernels and the grouped-GEMM path agree with the reference from decode to
+prefill sizes, are deterministic and batch-invariant, and replay from a CUDA graph (cuda marker)."""
+
+import functools
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dflash_trt import ops, plugins
+from dflash_trt.ops import moe_experts, moe_experts_reference
+
+
+def make_experts(E, H, I, dtype, device="cpu", seed=0):
+    """gate_up [E, 2I, H], down [E, H, I] scaled so that gate, up and y come out of order 1."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    gate_up = (torch.randn(E, 2 * I, H, generator=g, device=device) * H ** -0.5).to(dtype)
+    down = (torch.randn(E, H, I, generator=g, device=device) * I ** -0.5).to(dtype)
+    return gate_up, down
+
+
+def make_routing(N, E, k, device="cpu", seed=0, skew=None):
+    """(weights [N, k] fp32 summing to 1, ids [N, k] int32: k distinct experts per token).
+    skew "hot": every token's first pick is expert 3; "cold": no token picks expert 0."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    scores = torch.rand(N, E, generator=g, device=device)
+    if skew == "hot":
+        scores[:, 3] = 2.0
+    elif skew == "cold":
+        scores[:, 0] = -1.0
+    ids = scores.topk(k, dim=-1).indices.int()
+    weights = torch.softmax(torch.randn(N, k, generator=g, device=device), dim=-1)
+    return weights, ids
+
+
+def make_x(N, H, dtype, device="cpu", seed=0):
+    g = torch.Generator(device=device).manual_seed(seed + 1000)
+    return torch.randn(N, H, generator=g, device=device).to(dtype)
+
+
+def dense_moe(x, gate_up, down, weights, ids):
+    """The experts token by token and pick by pick, in fp32 with the model's roundings written
+    out: each projection rounded to x's dtype, silu rounded, silu * up rounded."""
+    dtype = x.dtype
+    N, k = ids.shape
+    I = down.shape[2]
+    out = torch.zeros(N, x.shape[1])
+    for t in range(N):
+        for j in range(k):
+            e = int(ids[t, j])
+            h = (gate_up[e].float() @ x[t].float()).to(dtype).float()
+            gate, up = h[:I], h[I:]
+            a = (F.silu(gate).to(dtype).float() * up).to(dtype).float()
+            y = (down[e].float() @ a).to(dtype).float()
+            out[t] += weights[t, j] * y
+    return out
+
+
+def pick_outputs(x, gate_up, down, ids):
+    """|y| of every pick [N, k, H] fp32, expert by expert (the error scale of the tests below)."""
+    N, k = ids.shape
+    y = torch.zeros(N, k, x.shape[1], device=x.device)
+    for e in ids.unique().tolist():
+        token, j = (ids == e).nonzero(as_tuple=True)
+        a = ops.silu_mul_reference(F.linear(x[token], gate_up[e]))
+        y[token, j] = F.linear(a, down[e]).float().abs()
+    return y
+
+
+# Each pick's y is rounded to the dtype. Another fp32 summation order than the reference's
+# moves a projection's fp32 value by a few fp32 units, which flips its rounding to bf16/fp16
+# where it sits next to a rounding boundary. A flip in y moves out by w ulp(y) <= w |y| 2^-m
+# (m: explicit mantissa bits); REL allows two of them relative to sum_j w_j |y_j|. A flip in
+# h or a moves y by |down[h, i]| ulp(a_i) at every h, whatever y's own size: with these weights
+# (|down| within 4.5 / sqrt(I), |a| below 8) that is within 2^-5 (bf16; 2^-8 fp16) of a
+# typical |y|, so ABS allows two such flips relative to the scale's mean. fp32 rounds nothing:
+# REL and ABS cover the fp32 summation orders and the kernels' three-TF32 products.
+REL = {torch.bfloat16: 2.0 ** -6, torch.float16: 2.0 ** -9, torch.float32: 1e-5}
+ABS = {torch.bfloat16: 2.0 ** -4, torch.float16: 2.0 ** -7, torch.float32: 2e-5}
+STATS = {}  # (path, dtype) -> [elements, beyond REL, worst error / bound, worst mean error / mean scale]
+
+
+def check_close(path, out, ref, scale, dtype):
+    assert out.dtype == torch.float32 and out.shape == ref.shape, (out.dtype, out.shape, ref.shape)
+    bound = REL[dtype] * scale + ABS[dtype] * scale.mean()
+    err = (out - ref).abs()
+    stats = STATS.setdefault((path, str(dtype).removeprefix("torch.")), [0, 0, 0.0, 0.0])
+    stats[0] += ref.numel()
+    stats[1] += int((err > REL[dtype] * scale).sum())
+    stats[2] = max(stats[2], float((err / bound).max()))
+    stats[3] = max(stats[3], float(err.mean() / scale.mean()))
+    worst = int((err - bound).argmax())
+    assert bool((err <= bound).all()), \
+        f"{path}: error {err.flatten()[worst]} > bound {bound.flatten()[worst]} at {worst} (ref {ref.flatten()[worst]})"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report_stats(request):
+    yield
+    if not STATS:
+        return
+    lines = ["moe_experts vs reference: path dtype elements beyond-REL worst-error/bound worst-mean-error/mean-scale"]
+    for (path, dtype), (n, beyond, worst, mean) in sorted(STATS.items()):
+        lines.append(f"  {path:<8} {dtype:<9} {n:>11} {beyond:>9} {worst:.3f} {mean:.2e}")
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    for line in lines:
+        if reporter is not None:
+            reporter.write_line(line)
+    if os.environ.get("DFLASH_MOE_STATS"):
+        Path(os.environ["DFLASH_MOE_STATS"]).write_text("\n".join(lines) + "\n")
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU: the reference
+
+
+@pytest.mark.parametrize("skew", [None, "hot", "cold"])
+@pytest.mark.parametrize("N, E, k, H, I", [(1, 8, 2, 16, 8), (5, 8, 2, 32, 16), (9, 16, 4, 64, 32)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_reference_is_the_dense_per_pick_formula(dtype, N, E, k, H, I, skew):
+    gate_up, down = make_experts(E, H, I, dtype, seed=N)
+    weights, ids = make_routing(N, E, k, seed=N, skew=skew)
+    x = make_x(N, H, dtype, seed=N)
+    out = moe_experts_reference(x, gate_up, down, weights, ids)
+    scale = (weights[..., None] * pick_outputs(x, gate_up, down, ids)).sum(1)
+    check_close("cpu-ref", out, dense_moe(x, gate_up, down, weights, ids), scale, dtype)
+
+
+def test_reference_sums_the_picks_with_their_weights():
+    # one expert picked twice by a token counts twice; a zero weight removes a pick
+    gate_up, down = make_experts(4, 16, 8, torch.float32)
+    x = make_x(2, 16, torch.float32)
+    ids = torch.tensor([[1, 1], [2, 0]], dtype=torch.int32)
+    weights = torch.tensor([[0.25, 0.5], [1.0, 0.0]])
+    out = moe_experts_reference(x, gate_up, down, weights, ids)
+    single = moe_experts_reference(x, gate_up, down, torch.ones(2, 1), ids[:, :1])
+    assert torch.allclose(out[0], 0.75 * single[0], rtol=1e-6, atol=1e-7)
+    assert torch.equal(out[1], single[1])
+
+
+def test_cpu_wrapper_runs_the_reference():
+    gate_up, down = make_experts(8, 16, 8, torch.bfloat16)
+    weights, ids = make_routing(3, 8, 2)
+    x = make_x(3, 16, torch.bfloat16)
+    assert torch.equal(moe_experts(x, gate_up, down, weights, ids), moe_experts_reference(x, gate_up, down, weights, ids))
+
+
+def bad_calls():
+    gate_up, down = make_experts(4, 16, 8, torch.float32)
+    x = make_x(3, 16, torch.float32)
+    weights, ids = make_routing(3, 4, 2)
+    ok = {"x": x, "gate_up": gate_up, "down": down, "weights": weights, "ids": ids}
+    return {
+        "x not 2-D": ("x must be", {"x": x[None]}),
+        "gate_up hidden": ("gate_up must be", {"gate_up": gate_up[:, :, :8]}),
+        "gate_up odd rows": ("gate_up must be", {"gate_up": gate_up[:, :15]}),
+        "down shape": ("down must be", {"down": down[:, :, :4]}),
+        "gate_up dtype": ("gate_up and down must have x's dtype", {"gate_up": gate_up.bfloat16()}),
+        "down dtype": ("gate_up and down must have x's dtype", {"down": down.half()}),
+        "ids tokens": ("ids must be", {"ids": ids[:2], "weights": weights[:2]}),
+        "weights shape": ("weights must be", {"weights": weights[:, :1]}),
+        "weights fp16": ("weights must be fp32", {"weights": weights.half()}),
+        "ids int64": ("ids must be int32", {"ids": ids.long()}),
+    }, ok
+
+
+@pytest.mark.parametrize("name", bad_calls()[0])
+def test_wrapper_rejects_bad_arguments_naming_them(name):
+    cases, ok = bad_calls()
+    message, override = cases[name]
+    with pytest.raises(AssertionError, match=message):
+        moe_experts(**{**ok, **override})
+
+
+def test_moe_kernels_are_part_of_the_plugin_library():
+    # The nvcc compile check (tests/test_ops.py) covers every plugins/*.cu, this one included.
+    assert "moe.cu" in plugins.SOURCES
+    assert (plugins.plugin_dir() / "moe.cu").is_file()
+
+
+# ----------------------------------------------------------------------------------------------
+# CUDA: the kernels against the reference on the same CUDA tensors. The reference's GEMMs are
+# cuBLAS's with fp32 accumulation throughout (reduced-precision reductions off, no TF32).
+
+
+@pytest.fixture
+def exact_cublas():
+    m = torch.backends.cuda.matmul
+    saved = (m.allow_bf16_reduced_precision_reduction, m.allow_fp16_reduced_precision_reduction, m.allow_tf32)
+    m.allow_bf16_reduced_precision_reduction = m.allow_fp16_reduced_precision_reduction = m.allow_tf32 = False
+    yield
+    m.allow_bf16_reduced_precision_reduction, m.allow_fp16_reduced_precision_reduction, m.allow_tf32 = saved
+
+
+@functools.lru_cache(maxsize=1)
+def cuda_experts(E, H, I, dtype):
+    return make_experts(E, H, I, dtype, device="cuda", seed=E)
+
+
+SHAPES = {"small": (64, 32), "35b-a3b": (2048, 512)}  # (H, I)
+ROUTINGS = [(8, 2), (64, 8), (256, 8), (512, 10)]  # (E, k)
+TOKENS = [1, 3, 16, 128, 512, 2048]
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def kernel_cases(dtypes):
+    """(dtype, shape, (E, k), N), ordered so that one set of weights serves consecutive cases."""
+    return [pytest.param(DTYPES[d], shape, ek, n, id=f"{d}-{shape}-E{ek[0]}k{ek[1]}-N{n}")
+            for d in dtypes for shape in SHAPES for ek in ROUTINGS for n in TOKENS]
+
+
+def run_case(dtype, shape, E, k, N, skew=None):
+    assert plugins.load() is not None
+    H, I = SHAPES[shape]
+    gate_up, down = cuda_experts(E, H, I, dtype)
+    weights, ids = make_routing(N, E, k, device="cuda", seed=N, skew=skew)
+    x = make_x(N, H, dtype, device="cuda", seed=N)
+    ref = moe_experts_reference(x, gate_up, down, weights, ids)
+    scale = (weights[..., None] * pick_outputs(x, gate_up, down, ids)).sum(1)
+    return (x, gate_up, down, weights, ids), ref, scale
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype, shape, ek, N", kernel_cases(DTYPES))
+def test_cuda_fused_kernels_match_the_reference(exact_cublas, dtype, shape, ek, N):
+    args, ref, scale = run_case(dtype, shape, *ek, N)
+    check_close("fused", torch.ops.dflash.moe_experts(*args), ref, scale, dtype)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype, shape, ek, N", kernel_cases(["bf16"]))
+def test_cuda_grouped_gemm_path_matches_the_reference(exact_cublas, dtype, shape, ek, N):
+    args, ref, scale = run_case(dtype, shape, *ek, N)
+    check_close("grouped", ops._moe_experts_grouped(*args), ref, scale, dtype)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("skew", ["hot", "cold"])
+@pytest.mark.parametrize("N", [1, 16, 512, 2048])
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_cuda_skewed_routing_matches_the_reference(exact_cublas, dtype, N, skew):
+    args, ref, scale = run_case(dtype, "35b-a3b", 256, 8, N, skew=skew)
+    check_close("fused", torch.ops.dflash.moe_experts(*args), ref, scale, dtype)
+    check_close("wrapper", moe_experts(*args), ref, scale, dtype)
+    if dtype == torch.bfloat16:
+        check_close("grouped", ops._moe_experts_grouped(*args), ref, scale, dtype)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("N", [1, 16, 128, 2048])
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_cuda_wrapper_takes_the_path_its_threshold_names(dtype, N):
+    args, _, _ = run_case(dtype, "35b-a3b", 256, 8, N)
+    grouped = dtype == torch.bfloat16 and N * 8 >= ops.MOE_GROUPED_MIN_PICKS_PER_EXPERT * 256
+    expected = ops._moe_experts_grouped(*args) if grouped else torch.ops.dflash.moe_experts(*args)
+    assert torch.equal(moe_experts(*args), expected)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("N", [16, 2048])
+def test_cuda_paths_are_deterministic(N):
+    args, _, _ = run_case(torch.bfloat16, "35b-a3b", 256, 8, N)
+    for run in (torch.ops.dflash.moe_experts, ops._moe_experts_grouped):
+        assert torch.equal(run(*args), run(*args)), run
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("N", [64, 512])  # one and two 8-slot tiles per chunk
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_cuda_fused_token_output_does_not_depend_on_its_batch(dtype, N):
+    # DFlash's verify pass must reproduce the AR step's numbers: a token alone == in a batch
+    (x, gate_up, down, weights, ids), _, _ = run_case(dtype, "35b-a3b", 256, 8, N)
+    out = torch.ops.dflash.moe_experts(x, gate_up, down, weights, ids)
+    for t in (0, 5, N - 1):
+        alone = torch.ops.dflash.moe_experts(x[t:t + 1], gate_up, down, weights[t:t + 1], ids[t:t + 1])
+        assert torch.equal(alone[0], out[t]), t
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_cuda_picks_outside_the_experts_add_nothing(exact_cublas, dtype):
+    (x, gate_up, down, weights, ids), _, _ = run_case(dtype, "small", 64, 8, 16)
+    bad = ids.clone()
+    bad[::2, 1], bad[1::3, 4] = -1, 64
+    valid = (bad >= 0) & (bad < 64)
+    ref = moe_experts_reference(x, gate_up, down, weights * valid, torch.where(valid, bad, 0).int())
+    scale = (weights[..., None] * pick_outputs(x, gate_up, down, ids)).sum(1)
+    check_close("fused", torch.ops.dflash.moe_experts(x, gate_up, down, weights, bad), ref, scale, dtype)
+    if dtype == torch.bfloat16:
+        check_close("grouped", ops._moe_experts_grouped(x, gate_up, down, weights, bad), ref, scale, dtype)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("N", [16, 2048])  # decode/verify (fused kernels), prefill (grouped GEMMs in bf16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_cuda_graph_replays_with_new_inputs(exact_cublas, dtype, N):
+    assert plugins.load() is not None
+    E, k = 256, 8
+    H, I = SHAPES["35b-a3b"]
+    gate_up, down = cuda_experts(E, H, I, dtype)
+    static = [make_x(N, H, dtype, device="cuda"), *make_routing(N, E, k, device="cuda")]
+    moe_experts(static[0], gate_up, down, static[1], static[2])  # warm-up: build, allocate
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_experts(static[0], gate_up, down, static[1], static[2])
+    for seed in (1, 2):
+        x = make_x(N, H, dtype, device="cuda", seed=seed)
+        weights, ids = make_routing(N, E, k, device="cuda", seed=seed, skew="hot" if seed == 2 else None)
+        for dst, src in zip(static, (x, weights, ids)):
+            dst.copy_(src)
+        graph.replay()
+        ref = moe_experts_reference(x, gate_up, down, weights, ids)
+        scale = (weights[..., None] * pick_outputs(x, gate_up, down, ids)).sum(1)
+        check_close("graph", out, ref, scale, dtype)
