@@ -13,6 +13,8 @@
 #   bash bench/gpu_check.sh splits     # the causal attention table per forced key-split count, uniform
 #                                      # and ragged batches
 #   bash bench/gpu_check.sh moe        # build the plugins, the MoE op's GPU tests, its microbenchmark
+#   bash bench/gpu_check.sh moe-models # MoE: lossless on the GPU, the Qwen3.6-35B-A3B step profile (H200)
+#   bash bench/gpu_check.sh moe-bench  # MoE: Qwen3.6-35B-A3B AR vs DFlash, the 397B-A17B at 4 and 8 layers
 #   bash bench/gpu_check.sh tests roofline   # several stages in one call
 #
 # The GPU machine has torch, transformers and numpy 2 but no internet. What it lacks travels
@@ -30,7 +32,7 @@
 # The machine has no `unzip`: zips are opened with `python3 -m zipfile`, which drops the
 # executable bits, so they are set again.
 set -u
-usage="usage: gpu_check.sh STAGE... (tests hybrid benches roofline bench8b identity triton flashinfer splits moe)"
+usage="usage: gpu_check.sh STAGE... (tests hybrid benches roofline bench8b identity triton flashinfer splits moe moe-models moe-bench)"
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
@@ -155,6 +157,22 @@ moe)
   DFLASH_TEST_DEVICE=cuda DFLASH_MOE_STATS=$OUT/moe_stats.txt step tests-moe 240 python3 -m pytest -q \
     -p no:cacheprovider tests/test_moe_ops.py
   step moe-bench 150 python3 bench/moe_kernels.py --out "$OUT/moe.json"
+  ;;
+moe-models)
+  # MoE targets on the GPU (H200: the 35B-A3B is ~70 GB in bf16): lossless in fp32 through the
+  # kernels, the step profile against distinct experts, the 397B-A17B's layers at reduced depth
+  step plugins 300 python3 -c 'from dflash_trt import plugins; print(plugins.load())'
+  DFLASH_TEST_DEVICE=cuda step tests-moe-models 300 python3 -m pytest -q -p no:cacheprovider tests/test_moe.py \
+    tests/test_random_weights.py tests/test_moe_ops.py -k "not fused_kernels_match and not grouped_gemm_path"
+  step prof35b 240 python3 bench/profile_step.py --preset qwen3.6-35b-a3b --batch 1,8,32 --json "$OUT/prof35b.json"
+  ;;
+moe-bench)
+  step bench35b 420 dflash-trt bench --random-weights qwen3.6-35b-a3b --oracle-tau 6.7 --dataset gsm8k \
+    --num-prompts 32 --max-tokens 256 --concurrency 1,32 --json "$OUT/bench35b.json"
+  for n in 4 8; do
+    step "prof397b-$n" 150 python3 bench/profile_step.py --preset qwen3.5-397b-a17b --layers $n --batch 1,8,32 \
+      --json "$OUT/prof397b_$n.json"
+  done
   ;;
 *)
   echo "unknown stage $stage" >&2

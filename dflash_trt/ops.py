@@ -344,17 +344,31 @@ def silu_mul(gate_up):
 # the tokens' picks are one op, whose reference loops over the experts picked.
 
 
-def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+MOE_ROUTE_MAX_EXPERTS, MOE_ROUTE_MAX_TOP_K = 512, 16  # plugins/moe_route.h
+
+
+def moe_route_reference(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [N, E] (the model dtype) -> (weights [N, k] fp32, expert ids [N, k] int32),
     as transformers' Qwen3 MoE routers compute them: softmax over all experts in fp32, the top
     k, optionally renormalised to sum 1, then rounded to the logits' dtype (HF multiplies the
     experts' outputs by weights of that dtype)."""
-    assert logits.dim() == 2 and 0 < top_k <= logits.shape[1], (logits.shape, top_k)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.to(logits.dtype).float(), ids.int()
+
+
+def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """moe_route_reference's routing; one kernel on CUDA (plugins/moe_route.cu) for up to 512
+    experts and k <= 16, whose sums may differ from torch's in the last fp32 place."""
+    assert logits.dim() == 2 and 0 < top_k <= logits.shape[1], f"logits must be [N, E >= k], got {logits.shape}, k {top_k}"
+    if (logits.is_cuda and logits.is_contiguous() and logits.shape[1] <= MOE_ROUTE_MAX_EXPERTS
+            and top_k <= MOE_ROUTE_MAX_TOP_K and logits.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and _plugins_loaded()):
+        return torch.ops.dflash.moe_route(logits, int(top_k), bool(renormalize))
+    _log_fallback("moe_route", logits)
+    return moe_route_reference(logits, top_k, renormalize)
 
 
 def moe_experts_reference(x, gate_up, down, weights, ids):

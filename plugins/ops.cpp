@@ -15,6 +15,7 @@
 #include "gemv.h"
 #include "layer_ops.h"
 #include "moe.h"
+#include "moe_route.h"
 
 namespace {
 
@@ -688,6 +689,37 @@ at::Tensor moe_combine_cuda(const at::Tensor& y, const at::Tensor& weights, cons
   return out;
 }
 
+// Routing (moe_route.h): logits [N, E] bf16, fp16 or fp32, contiguous -> (weights [N, k] fp32,
+// ids [N, k] int32).
+std::tuple<at::Tensor, at::Tensor> moe_route_cuda(const at::Tensor& logits, int64_t top_k, bool renormalize) {
+  TORCH_CHECK(logits.is_cuda(), "logits must be a CUDA tensor");
+  const std::optional<dflash::DType> dtype = attention_dtype(logits.scalar_type());
+  TORCH_CHECK(dtype.has_value(), "logits must be bf16, fp16 or fp32, got ", logits.scalar_type());
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous(), "logits must be a contiguous [N, E] tensor, got ",
+              logits.sizes());
+  TORCH_CHECK(logits.size(0) < (int64_t{1} << 31), "moe_route: too many tokens");
+  const c10::cuda::CUDAGuard guard(logits.device());
+  auto weights = at::empty({logits.size(0), top_k}, logits.options().dtype(at::kFloat));
+  auto ids = at::empty({logits.size(0), top_k}, logits.options().dtype(at::kInt));
+  dflash::MoeRouteParams p;
+  p.dtype = *dtype;
+  p.tokens = static_cast<int>(logits.size(0));
+  p.experts = static_cast<int>(logits.size(1));
+  p.top_k = static_cast<int>(top_k);
+  p.renormalize = renormalize;
+  p.logits = logits.data_ptr();
+  p.weights = weights.data_ptr<float>();
+  p.ids = ids.data_ptr<int32_t>();
+  if (const char* why = dflash::moe_route_check(p)) TORCH_CHECK(false, "moe_route: ", why);
+  check_launch(dflash::moe_route_launch(p, c10::cuda::getCurrentCUDAStream().stream()), "moe_route");
+  return {weights, ids};
+}
+
+std::tuple<at::Tensor, at::Tensor> moe_route_meta(const at::Tensor& logits, int64_t top_k, bool) {
+  return {at::empty({logits.size(0), top_k}, logits.options().dtype(at::kFloat)),
+          at::empty({logits.size(0), top_k}, logits.options().dtype(at::kInt))};
+}
+
 at::Tensor moe_experts_meta(const at::Tensor& x, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                             const at::Tensor&) {
   return at::empty(x.sizes(), x.options().dtype(at::kFloat));
@@ -728,6 +760,7 @@ TORCH_LIBRARY(dflash, m) {
   m.def(
       "gated_delta_prepare(Tensor qkv, Tensor a, Tensor b, Tensor neg_a, Tensor dt_bias, int num_k_heads, "
       "int key_dim, int value_dim, float eps, float q_scale) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("moe_route(Tensor logits, int top_k, bool renormalize) -> (Tensor, Tensor)");
   m.def("moe_experts(Tensor x, Tensor gate_up, Tensor down, Tensor weights, Tensor ids) -> Tensor");
   m.def("moe_sort(Tensor ids, int num_experts) -> (Tensor, Tensor, Tensor)");
   m.def("moe_combine(Tensor y, Tensor weights, Tensor ids, Tensor? rows, int num_experts) -> Tensor");
@@ -744,6 +777,7 @@ TORCH_LIBRARY_IMPL(dflash, CUDA, m) {
   m.impl("causal_conv", &causal_conv_cuda);
   m.impl("gated_delta_recurrent", &gated_delta_recurrent_cuda);
   m.impl("gated_delta_prepare", &gated_delta_prepare_cuda);
+  m.impl("moe_route", &moe_route_cuda);
   m.impl("moe_experts", &moe_experts_cuda);
   m.impl("moe_sort", &moe_sort_cuda);
   m.impl("moe_combine", &moe_combine_cuda);
@@ -760,6 +794,7 @@ TORCH_LIBRARY_IMPL(dflash, Meta, m) {
   m.impl("causal_conv", &causal_conv_meta);
   m.impl("gated_delta_recurrent", &gated_delta_recurrent_meta);
   m.impl("gated_delta_prepare", &gated_delta_prepare_meta);
+  m.impl("moe_route", &moe_route_meta);
   m.impl("moe_experts", &moe_experts_meta);
   m.impl("moe_sort", &moe_sort_meta);
   m.impl("moe_combine", &moe_combine_meta);

@@ -317,3 +317,34 @@ def test_cuda_graph_replays_with_new_inputs(exact_cublas, dtype, N):
         ref = moe_experts_reference(x, gate_up, down, weights, ids)
         scale = (weights[..., None] * pick_outputs(x, gate_up, down, ids)).sum(1)
         check_close("graph", out, ref, scale, dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Routing (ops.moe_route, plugins/moe_route.cu): the reference is transformers' router math;
+# the kernel picks the same experts and weights within the last fp32 place (before rounding).
+
+
+def test_route_reference_is_softmax_top_k_renormalised_and_rounded():
+    logits = torch.tensor([[2.0, 0.0, 1.0, -1.0]]).to(torch.bfloat16)
+    weights, ids = ops.moe_route_reference(logits, 2, renormalize=True)
+    p = torch.softmax(torch.tensor([2.0, 0.0, 1.0, -1.0]), 0)
+    assert ids.tolist() == [[0, 2]] and ids.dtype == torch.int32 and weights.dtype == torch.float32
+    assert weights[0].tolist() == (p[[0, 2]] / p[[0, 2]].sum()).to(torch.bfloat16).float().tolist()
+    plain, _ = ops.moe_route_reference(logits.float(), 2, renormalize=False)
+    assert torch.allclose(plain[0], p[[0, 2]])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("E, k", [(8, 2), (60, 4), (128, 8), (256, 8), (512, 10), (512, 16)])
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_cuda_route_kernel_matches_the_reference(dtype, E, k, renormalize):
+    torch.manual_seed(E + k)
+    logits = (torch.randn(300, E, device="cuda") * 2).to(dtype)
+    weights, ids = ops.moe_route(logits, k, renormalize)
+    want_w, want_ids = ops.moe_route_reference(logits, k, renormalize)
+    assert torch.equal(ids, want_ids)
+    # the kernel's fp32 sums differ from torch's in the last place; bf16/fp16 rounding then
+    # agrees but for values that sit on a rounding boundary (one unit of the dtype)
+    ulp = {torch.float32: 1e-6, torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11}[dtype]
+    assert torch.allclose(weights, want_w, rtol=ulp, atol=0)

@@ -1,0 +1,42 @@
+// Mixture-of-experts routing of a pass in one kernel: softmax over the experts, the top k,
+// optional renormalisation, the plain C++ launcher API (no torch types).
+//
+// Per layer and pass the router's output is a few hundred floats per token; as torch ops it
+// is five or six tiny kernels (softmax, topk, sum, divide, two casts), and in a decode step
+// of a 40-layer MoE those launches cost more than their work. One warp per token does it all.
+//
+// The Python reference with these semantics is dflash_trt.ops.moe_route:
+//   p = softmax(float(logits[t])) over all E experts (fp32)
+//   (w, ids) = the k largest p, largest first (equal values: the lower expert id first)
+//   w = w / sum(w) if renormalize;  weights[t] = float(round(w to the logits' dtype))
+// Sums run in the kernel's own order, so w may differ from torch's in the last fp32 place.
+
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+#include "block_attention.h"  // dflash::DType
+
+namespace dflash {
+
+constexpr int kMoeRouteMaxExperts = 512;
+constexpr int kMoeRouteMaxTopK = 16;
+
+struct MoeRouteParams {
+  DType dtype = DType::kBFloat16;  // of the logits: bf16, fp16 or fp32
+  int tokens = 0;                  // N
+  int experts = 0;                 // E, 1 .. kMoeRouteMaxExperts
+  int top_k = 0;                   // k, 1 .. min(E, kMoeRouteMaxTopK)
+  bool renormalize = false;
+  const void* logits = nullptr;    // [N, E] contiguous
+  float* weights = nullptr;        // [N, k] out
+  int32_t* ids = nullptr;          // [N, k] out
+};
+
+// nullptr when the launch would be valid, else why not.
+const char* moe_route_check(const MoeRouteParams& p);
+cudaError_t moe_route_launch(const MoeRouteParams& p, cudaStream_t stream);
+
+}  // namespace dflash
