@@ -162,8 +162,11 @@ moe-models)
   # MoE targets on the GPU (H200: the 35B-A3B is ~70 GB in bf16): lossless in fp32 through the
   # kernels, the step profile against distinct experts, the 397B-A17B's layers at reduced depth
   step plugins 300 python3 -c 'from dflash_trt import plugins; print(plugins.load())'
+  # (not the transformers parity tests: CPU tests, and transformers calls fla, installed here,
+  # on CPU tensors)
   DFLASH_TEST_DEVICE=cuda step tests-moe-models 300 python3 -m pytest -q -p no:cacheprovider tests/test_moe.py \
-    tests/test_random_weights.py tests/test_moe_ops.py -k "not fused_kernels_match and not grouped_gemm_path"
+    tests/test_random_weights.py tests/test_moe_ops.py \
+    -k "not fused_kernels_match and not grouped_gemm_path and not transformers"
   step prof35b 240 python3 bench/profile_step.py --preset qwen3.6-35b-a3b --batch 1,8,32 --json "$OUT/prof35b.json"
   ;;
 moe-bench)

@@ -71,8 +71,10 @@ def step_bytes(engine, run_pass, num_tokens: int) -> tuple[int, float]:
     touched: list[int] = []
 
     def count(module, args):
-        _, ids = ops.moe_route(module.gate(args[0].flatten(0, 1)), module.moe.top_k, module.moe.norm_topk_prob)
-        touched.append(ids.unique().numel())
+        x = args[0].flatten(0, 1)
+        logits = module.router(x) if module.packed_shared else module.gate(x)
+        _, ids = ops.moe_route(logits, module.moe.top_k, module.moe.norm_topk_prob, shared=module.packed_shared)
+        touched.append(ids.unique().numel() - module.packed_shared)  # routed experts (the shared one always runs)
 
     hooks = [m.register_forward_pre_hook(count) for m in blocks]
     try:
@@ -181,6 +183,8 @@ def main(argv=None) -> int:
     loaded = random_engine(args.preset, max_batch_size=max(batches), max_seq_len=args.context + 512,
                            num_layers=args.layers)
     engine, passes = loaded.engine, loaded.engine.passes
+    eager = DecodePasses(engine.target, engine.drafter, engine.target_cache, engine.draft_cache, engine.taps,
+                         engine.block_size)
     result = {"gpu": torch.cuda.get_device_name(), "preset": args.preset, "layers": args.layers, "context": args.context,
               "passes": type(passes).__name__, "blas": str(torch.backends.cuda.preferred_blas_library())}
     bw = copy_bandwidth()
@@ -199,8 +203,10 @@ def main(argv=None) -> int:
             ar_wall = wall_ms(lambda: ar_step(engine, passes, seqs))
             row = {"ar_step_ms": ar, "draft_ms": dr, "verify_ms": ve, "ar_tok_s": n * 1e3 / ar,
                    "dflash_step_over_ar": (dr + ve) / ar, "ar_step_wall_ms": ar_wall}
-            ar_bytes, ar_experts = step_bytes(engine, lambda: DecodePasses.ar(passes, x), n)
-            verify_bytes, verify_experts = step_bytes(engine, lambda: DecodePasses.verify(passes, x, block),
+            # counted on eager passes of their own inputs (python hooks do not run in graph replays)
+            xe = eager.inputs(fake_running(engine, n, args.context))
+            ar_bytes, ar_experts = step_bytes(engine, lambda: eager.ar(xe), n)
+            verify_bytes, verify_experts = step_bytes(engine, lambda: eager.verify(xe, eager.draft(xe)),
                                                       n * engine.block_size)
             row.update(ar_bytes_gb=ar_bytes / 1e9, ar_roofline_share=ar_bytes / bw / (ar / 1e3),
                        verify_bytes_gb=verify_bytes / 1e9, verify_roofline_share=verify_bytes / bw / (ve / 1e3))

@@ -152,11 +152,11 @@ def _moe_dims(f: _Fields, num_layers: int, *, shared: bool, always_renormalize: 
 def _check_unquantized(f: _Fields, *more: _Fields) -> None:
     """Quantized releases (e.g. the -FP8 checkpoints: block-scaled fp8 weights plus
     `weight_scale_inv` tensors) would load as garbage: refuse them by their config key."""
-    for fields in (f, *more):
-        q = fields.data.get("quantization_config")
+    for part in (f, *more):
+        q = part.data.get("quantization_config")
         if q is not None:
             method = q.get("quant_method") if isinstance(q, dict) else q
-            raise fields.error("quantization_config", f"names a quantized checkpoint (quant_method {method!r}); "
+            raise part.error("quantization_config", f"names a quantized checkpoint (quant_method {method!r}); "
                                                       "dflash-trt loads bf16/fp16/fp32 weights only: use the "
                                                       "unquantized release")
 

@@ -347,28 +347,39 @@ def silu_mul(gate_up):
 MOE_ROUTE_MAX_EXPERTS, MOE_ROUTE_MAX_TOP_K = 512, 16  # plugins/moe_route.h
 
 
-def moe_route_reference(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_route_reference(logits: torch.Tensor, top_k: int, renormalize: bool,
+                        shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [N, E] (the model dtype) -> (weights [N, k] fp32, expert ids [N, k] int32),
     as transformers' Qwen3 MoE routers compute them: softmax over all experts in fp32, the top
     k, optionally renormalised to sum 1, then rounded to the logits' dtype (HF multiplies the
-    experts' outputs by weights of that dtype)."""
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    experts' outputs by weights of that dtype).
+
+    `shared`: the logits have one column more, a shared expert's gate (Qwen3.5 MoE), and every
+    token one pick more, expert E with weight sigmoid(gate) in the logits' dtype, as transformers
+    scales the shared expert's output."""
+    routed = logits[:, :-1] if shared else logits
+    probs = torch.softmax(routed, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(logits.dtype).float(), ids.int()
+    weights, ids = weights.to(logits.dtype).float(), ids.int()
+    if shared:
+        weights = torch.cat([weights, torch.sigmoid(logits[:, -1:]).float()], dim=1)
+        ids = torch.cat([ids, torch.full_like(ids[:, :1], routed.shape[1])], dim=1)
+    return weights, ids
 
 
-def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool,
+              shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """moe_route_reference's routing; one kernel on CUDA (plugins/moe_route.cu) for up to 512
     experts and k <= 16, whose sums may differ from torch's in the last fp32 place."""
-    assert logits.dim() == 2 and 0 < top_k <= logits.shape[1], f"logits must be [N, E >= k], got {logits.shape}, k {top_k}"
-    if (logits.is_cuda and logits.is_contiguous() and logits.shape[1] <= MOE_ROUTE_MAX_EXPERTS
-            and top_k <= MOE_ROUTE_MAX_TOP_K and logits.dtype in (torch.bfloat16, torch.float16, torch.float32)
-            and _plugins_loaded()):
-        return torch.ops.dflash.moe_route(logits, int(top_k), bool(renormalize))
+    E = logits.shape[1] - shared
+    assert logits.dim() == 2 and 0 < top_k <= E, f"logits must be [N, E >= k], got {tuple(logits.shape)}, k {top_k}"
+    if (logits.is_cuda and logits.is_contiguous() and E <= MOE_ROUTE_MAX_EXPERTS and top_k <= MOE_ROUTE_MAX_TOP_K
+            and logits.dtype in (torch.bfloat16, torch.float16, torch.float32) and _plugins_loaded()):
+        return torch.ops.dflash.moe_route(logits, int(top_k), bool(renormalize), bool(shared))
     _log_fallback("moe_route", logits)
-    return moe_route_reference(logits, top_k, renormalize)
+    return moe_route_reference(logits, top_k, renormalize, shared)
 
 
 def moe_experts_reference(x, gate_up, down, weights, ids):

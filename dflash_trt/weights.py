@@ -57,6 +57,10 @@ class Checkpoint:
     def __contains__(self, name: str) -> bool:
         return name in self.files
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A stored tensor's shape, without reading it."""
+        return tuple(self._open(self.files[name]).get_slice(name).get_shape())
+
     def get(self, name: str) -> torch.Tensor:
         path = self.files[name]
         try:
@@ -86,15 +90,31 @@ def _sources(module: nn.Module, param_name: str, checkpoint: Checkpoint, prefixe
     checkpoint stores the separate projections that a PackedLinear stacks.
     """
     owner, _, leaf = param_name.rpartition(".")
+    if isinstance(module, Experts):
+        return _expert_sources(module, owner, leaf, checkpoint, prefixes)
     if _stored_whole(param_name, checkpoint, prefixes):
         return [param_name]
     if isinstance(module, PackedLinear):
         base = owner.rpartition(".")[0]
         return [f"{base}.{shard}.{leaf}".lstrip(".") for shard in module.shards]
-    if isinstance(module, Experts):  # per expert, in expert order: [gate; up] rows, or down
-        shards = ("gate_proj", "up_proj") if leaf == "gate_up_proj" else ("down_proj",)
-        return [f"{owner}.{e}.{shard}.weight" for e in range(module.num_experts) for shard in shards]
     return [param_name]
+
+
+def _expert_sources(module: Experts, owner: str, leaf: str, checkpoint: Checkpoint,
+                    prefixes: tuple[str, ...]) -> list[str]:
+    """The routed experts packed (an engine directory, Qwen3.5 MoE) or one tensor per expert
+    (Qwen3 MoE), then, where the module packs the shared expert as one more, its tensors."""
+    whole = f"{owner}.{leaf}"
+    shards = ("gate_proj", "up_proj") if leaf == "gate_up_proj" else ("down_proj",)
+    if _stored_whole(whole, checkpoint, prefixes):
+        if checkpoint.shape(checkpoint.resolve(whole, prefixes))[0] == module.num_experts + module.shared:
+            return [whole]  # an engine directory: the shared expert is packed in already
+        sources = [whole]
+    else:
+        sources = [f"{owner}.{e}.{shard}.weight" for e in range(module.num_experts) for shard in shards]
+    if module.shared:
+        sources += [f"{owner.rpartition('.')[0]}.shared_expert.{shard}.weight" for shard in shards]
+    return sources
 
 
 def _stored_whole(name: str, checkpoint: Checkpoint, prefixes: tuple[str, ...]) -> bool:
@@ -114,12 +134,15 @@ def load_weights(model: nn.Module, checkpoint: Checkpoint, prefixes: tuple[str, 
         for source in sources:
             stored = checkpoint.resolve(source, prefixes)
             parts.append(checkpoint.get(stored))
-        stacked = all(p.shape[1:] == parts[0].shape[1:] for p in parts)  # else cat cannot stack them
+        stacked = True
+        if isinstance(module, Experts) and len(parts) > 1:  # experts' rows one after the other
+            one = (param.shape[1] // (2 if param_name.endswith("gate_up_proj") else 1), param.shape[2])
+            stacked = all(p.dim() == 3 or tuple(p.shape) == one for p in parts)  # each expert's own shape
+            parts = [p.reshape(-1, p.shape[-1]) for p in parts]
+        stacked = stacked and all(p.shape[1:] == parts[0].shape[1:] for p in parts)  # else cat cannot stack
         tensor = torch.cat(parts, dim=0) if len(parts) > 1 and stacked else parts[0]
-        if isinstance(module, Experts) and len(parts) > 1:  # the experts' rows, one after the other
-            E, rows, cols = param.shape
-            if all(tuple(p.shape) == (rows * E // len(parts), cols) for p in parts):
-                tensor = tensor.view(param.shape)
+        if isinstance(module, Experts) and stacked and tensor.numel() == param.numel():
+            tensor = tensor.view(param.shape)
         if not stacked or tuple(tensor.shape) != tuple(param.shape):
             shapes = ", ".join(f"{s}{tuple(p.shape)}" for s, p in zip(sources, parts) if p.shape != parts[0].shape
                                or s == sources[0])

@@ -46,7 +46,8 @@ __global__ void __launch_bounds__(kThreads) moe_route_kernel(MoeRouteParams p) {
   const int lane = threadIdx.x % 32;
   const int token = blockIdx.x * kWarps + threadIdx.x / 32;
   if (token >= p.tokens) return;  // whole warps: the shuffles see all 32 lanes
-  const T* row = static_cast<const T*>(p.logits) + static_cast<int64_t>(token) * p.experts;
+  const int columns = p.experts + (p.shared ? 1 : 0), picks = p.top_k + (p.shared ? 1 : 0);
+  const T* row = static_cast<const T*>(p.logits) + static_cast<int64_t>(token) * columns;
 
   float x[V];
   float hi = -FLT_MAX;
@@ -92,11 +93,15 @@ __global__ void __launch_bounds__(kThreads) moe_route_kernel(MoeRouteParams p) {
   }
   if (lane == 0) {
     const float scale = p.renormalize ? 1.f / total : 1.f;
-    float* w = p.weights + static_cast<int64_t>(token) * p.top_k;
-    int32_t* ids = p.ids + static_cast<int64_t>(token) * p.top_k;
+    float* w = p.weights + static_cast<int64_t>(token) * picks;
+    int32_t* ids = p.ids + static_cast<int64_t>(token) * picks;
     for (int r = 0; r < p.top_k; ++r) {
       w[r] = round_to<T>(p.renormalize ? picked_w[r] * scale : picked_w[r]);
       ids[r] = picked_id[r];
+    }
+    if (p.shared) {  // the shared expert: sigmoid of its gate, rounded like the logits
+      w[p.top_k] = round_to<T>(1.f / (1.f + expf(-to_float(row[p.experts]))));
+      ids[p.top_k] = p.experts;
     }
   }
 }

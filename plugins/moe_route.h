@@ -10,6 +10,9 @@
 //   (w, ids) = the k largest p, largest first (equal values: the lower expert id first)
 //   w = w / sum(w) if renormalize;  weights[t] = float(round(w to the logits' dtype))
 // Sums run in the kernel's own order, so w may differ from torch's in the last fp32 place.
+// With `shared`, the logits have a last column more, the shared expert's gate: each token gets
+// a pick k + 1, expert E, of weight float(round(sigmoid(logits[t, E]))) (Qwen3.5 MoE's shared
+// expert, run by the experts' kernels as one more expert).
 
 #pragma once
 
@@ -30,9 +33,10 @@ struct MoeRouteParams {
   int experts = 0;                 // E, 1 .. kMoeRouteMaxExperts
   int top_k = 0;                   // k, 1 .. min(E, kMoeRouteMaxTopK)
   bool renormalize = false;
-  const void* logits = nullptr;    // [N, E] contiguous
-  float* weights = nullptr;        // [N, k] out
-  int32_t* ids = nullptr;          // [N, k] out
+  bool shared = false;             // a shared expert's gate in logits column E (see above)
+  const void* logits = nullptr;    // [N, E (+ 1 with shared)] contiguous
+  float* weights = nullptr;        // [N, k (+ 1)] out
+  int32_t* ids = nullptr;          // [N, k (+ 1)] out
 };
 
 // nullptr when the launch would be valid, else why not.

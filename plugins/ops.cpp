@@ -691,7 +691,8 @@ at::Tensor moe_combine_cuda(const at::Tensor& y, const at::Tensor& weights, cons
 
 // Routing (moe_route.h): logits [N, E] bf16, fp16 or fp32, contiguous -> (weights [N, k] fp32,
 // ids [N, k] int32).
-std::tuple<at::Tensor, at::Tensor> moe_route_cuda(const at::Tensor& logits, int64_t top_k, bool renormalize) {
+std::tuple<at::Tensor, at::Tensor> moe_route_cuda(const at::Tensor& logits, int64_t top_k, bool renormalize,
+                                                   bool shared) {
   TORCH_CHECK(logits.is_cuda(), "logits must be a CUDA tensor");
   const std::optional<dflash::DType> dtype = attention_dtype(logits.scalar_type());
   TORCH_CHECK(dtype.has_value(), "logits must be bf16, fp16 or fp32, got ", logits.scalar_type());
@@ -699,14 +700,16 @@ std::tuple<at::Tensor, at::Tensor> moe_route_cuda(const at::Tensor& logits, int6
               logits.sizes());
   TORCH_CHECK(logits.size(0) < (int64_t{1} << 31), "moe_route: too many tokens");
   const c10::cuda::CUDAGuard guard(logits.device());
-  auto weights = at::empty({logits.size(0), top_k}, logits.options().dtype(at::kFloat));
-  auto ids = at::empty({logits.size(0), top_k}, logits.options().dtype(at::kInt));
+  const int64_t picks = top_k + (shared ? 1 : 0);
+  auto weights = at::empty({logits.size(0), picks}, logits.options().dtype(at::kFloat));
+  auto ids = at::empty({logits.size(0), picks}, logits.options().dtype(at::kInt));
   dflash::MoeRouteParams p;
   p.dtype = *dtype;
   p.tokens = static_cast<int>(logits.size(0));
-  p.experts = static_cast<int>(logits.size(1));
+  p.experts = static_cast<int>(logits.size(1) - (shared ? 1 : 0));
   p.top_k = static_cast<int>(top_k);
   p.renormalize = renormalize;
+  p.shared = shared;
   p.logits = logits.data_ptr();
   p.weights = weights.data_ptr<float>();
   p.ids = ids.data_ptr<int32_t>();
@@ -715,9 +718,10 @@ std::tuple<at::Tensor, at::Tensor> moe_route_cuda(const at::Tensor& logits, int6
   return {weights, ids};
 }
 
-std::tuple<at::Tensor, at::Tensor> moe_route_meta(const at::Tensor& logits, int64_t top_k, bool) {
-  return {at::empty({logits.size(0), top_k}, logits.options().dtype(at::kFloat)),
-          at::empty({logits.size(0), top_k}, logits.options().dtype(at::kInt))};
+std::tuple<at::Tensor, at::Tensor> moe_route_meta(const at::Tensor& logits, int64_t top_k, bool, bool shared) {
+  const int64_t picks = top_k + (shared ? 1 : 0);
+  return {at::empty({logits.size(0), picks}, logits.options().dtype(at::kFloat)),
+          at::empty({logits.size(0), picks}, logits.options().dtype(at::kInt))};
 }
 
 at::Tensor moe_experts_meta(const at::Tensor& x, const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -760,7 +764,7 @@ TORCH_LIBRARY(dflash, m) {
   m.def(
       "gated_delta_prepare(Tensor qkv, Tensor a, Tensor b, Tensor neg_a, Tensor dt_bias, int num_k_heads, "
       "int key_dim, int value_dim, float eps, float q_scale) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
-  m.def("moe_route(Tensor logits, int top_k, bool renormalize) -> (Tensor, Tensor)");
+  m.def("moe_route(Tensor logits, int top_k, bool renormalize, bool shared) -> (Tensor, Tensor)");
   m.def("moe_experts(Tensor x, Tensor gate_up, Tensor down, Tensor weights, Tensor ids) -> Tensor");
   m.def("moe_sort(Tensor ids, int num_experts) -> (Tensor, Tensor, Tensor)");
   m.def("moe_combine(Tensor y, Tensor weights, Tensor ids, Tensor? rows, int num_experts) -> Tensor");

@@ -21,8 +21,9 @@ transformers = pytest.importorskip("transformers")
 
 IDS_ONLY = dict(tokenizer_tokens=None, vocab_size=512)
 QWEN3_MOE = dict(num_experts=8, experts_per_tok=2, moe_intermediate_size=24, num_layers=3, **IDS_ONLY)
+# the shared expert as wide as the routed ones, as in the releases: packed as one expert more
 QWEN3_5_MOE = dict(target_type="qwen3_5", num_experts=8, experts_per_tok=3, moe_intermediate_size=16,
-                   shared_expert_size=40, head_dim=32, rope_theta=1e7, draft_rope_theta=1e7, **IDS_ONLY)
+                   shared_expert_size=16, head_dim=32, rope_theta=1e7, draft_rope_theta=1e7, **IDS_ONLY)
 CONFIGS = {
     # Qwen3-30B-A3B's layout: one tensor per expert; a dense layer in between; top-k renormalised
     "qwen3-moe-per-expert-dense-layer": (dict(**QWEN3_MOE, mlp_only_layers=(1,)), "Qwen3MoeForCausalLM"),
@@ -34,6 +35,8 @@ CONFIGS = {
     # a text-only export with one tensor per expert
     "qwen3.5-moe-text-per-expert": (dict(**QWEN3_5_MOE, multimodal=False, per_expert_tensors=True),
                                     "Qwen3_5MoeForCausalLM"),
+    # a shared expert wider than the routed ones: a dense MLP of its own
+    "qwen3.5-moe-wider-shared-expert": (dict(**{**QWEN3_5_MOE, "shared_expert_size": 40}), "Qwen3_5MoeForCausalLM"),
 }
 ATOL = 1e-4
 
@@ -92,15 +95,21 @@ def test_config_names_the_sparse_layers_and_routing(make_pair):
     assert qwen3.moe.sparse_layers == (0, 2) and qwen3.moe.norm_topk_prob and not qwen3.moe.shared_expert_size
     hybrid = load_target_config(make_pair(**QWEN3_5_MOE).target)
     assert hybrid.model_type == "qwen3_5_moe" and hybrid.moe.sparse_layers == (0, 1, 2, 3)
-    assert hybrid.moe.shared_expert_size == 40 and hybrid.moe.norm_topk_prob
+    assert hybrid.moe.shared_expert_size == 16 and hybrid.moe.norm_topk_prob
     assert hybrid.dims.intermediate_size == 0  # Qwen3.5 MoE configs name no dense width
     target = load_target(make_pair(**CONFIGS["qwen3-moe-per-expert-dense-layer"][0]).target)
     assert [isinstance(layer.mlp, SparseMoeBlock) for layer in target.model.layers] == [True, False, True]
+    packed = load_target(make_pair(**QWEN3_5_MOE).target).model.layers[0].mlp
+    assert packed.packed_shared and packed.experts.gate_up_proj.shape == (9, 32, 64)  # 8 routed + shared
+    assert packed.router.weight.shape == (9, 64) and not hasattr(packed, "shared_expert")
+    wider = load_target(make_pair(**CONFIGS["qwen3.5-moe-wider-shared-expert"][0]).target).model.layers[0].mlp
+    assert not wider.packed_shared and wider.experts.gate_up_proj.shape == (8, 32, 64)
 
 
 def test_packed_engine_weights_load_back(make_pair, tmp_path):
     """`build` stores the experts packed under the runtime's names; they load back bit for bit."""
-    for name in ("qwen3-moe-per-expert-dense-layer", "qwen3.5-moe-multimodal-packed"):
+    for name in ("qwen3-moe-per-expert-dense-layer", "qwen3.5-moe-multimodal-packed",
+                 "qwen3.5-moe-wider-shared-expert"):
         pair = make_pair(**CONFIGS[name][0])
         target = load_target(pair.target)
         _save_model(target, tmp_path / name, pair.target)
@@ -204,8 +213,8 @@ def test_greedy_dflash_equals_ar_on_an_moe_target(moe_engine, name, block_size, 
     lengths = [n for d in dflash for n in d.stats.acceptance_lengths[:-1]]
     if oracle == "full-acceptance":
         assert set(lengths) == {block_size}
-    if oracle == "bonus-only":
-        assert set(lengths) == {1}
+    if oracle == "bonus-only":  # the drafter's own drafts follow; a random one rarely agrees
+        assert lengths.count(1) >= 0.9 * len(lengths)
 
 
 def test_the_real_drafter_runs_on_an_moe_target_too(moe_engine):

@@ -334,16 +334,33 @@ def test_route_reference_is_softmax_top_k_renormalised_and_rounded():
     assert torch.allclose(plain[0], p[[0, 2]])
 
 
+def test_route_reference_adds_the_shared_expert_as_a_last_pick():
+    logits = torch.tensor([[2.0, 0.0, 1.0, -1.0, 0.5]])  # 4 experts, then the shared expert's gate
+    weights, ids = ops.moe_route_reference(logits, 2, renormalize=True, shared=True)
+    routed, _ = ops.moe_route_reference(logits[:, :4], 2, renormalize=True)
+    assert ids.tolist() == [[0, 2, 4]]
+    assert torch.equal(weights[:, :2], routed) and weights[0, 2].item() == pytest.approx(torch.tensor(0.5).sigmoid())
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("E, k", [(8, 2), (60, 4), (128, 8), (256, 8), (512, 10), (512, 16)])
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
-@pytest.mark.parametrize("renormalize", [True, False])
-def test_cuda_route_kernel_matches_the_reference(dtype, E, k, renormalize):
+@pytest.mark.parametrize("renormalize, shared", [(True, False), (False, False), (True, True)])
+def test_cuda_route_kernel_matches_the_reference(dtype, E, k, renormalize, shared):
     torch.manual_seed(E + k)
-    logits = (torch.randn(300, E, device="cuda") * 2).to(dtype)
-    weights, ids = ops.moe_route(logits, k, renormalize)
-    want_w, want_ids = ops.moe_route_reference(logits, k, renormalize)
-    assert torch.equal(ids, want_ids)
+    logits = (torch.randn(300, E + shared, device="cuda") * 2).to(dtype)
+    weights, ids = ops.moe_route(logits, k, renormalize, shared)
+    want_w, want_ids = ops.moe_route_reference(logits, k, renormalize, shared)
+    assert ids.shape == (300, k + shared)
+    if shared:  # the shared expert, last: its sigmoid weight rounded alike
+        assert (ids[:, -1] == E).all() and torch.equal(weights[:, -1], want_w[:, -1])
+        weights, ids, want_w, want_ids, logits = weights[:, :-1], ids[:, :-1], want_w[:, :-1], want_ids[:, :-1], \
+            logits[:, :-1]
+    # Equal logits (frequent in bf16) may be picked in either order, so the picks are checked
+    # by their probabilities: the kernel's k picks have the reference's k largest, in order.
+    probs = torch.softmax(logits.float(), dim=-1)
+    assert torch.equal(probs.gather(1, ids.long()), probs.gather(1, want_ids.long()))
+    assert (ids == want_ids).float().mean() > 0.9  # and mostly the very same experts
     # the kernel's fp32 sums differ from torch's in the last place; bf16/fp16 rounding then
     # agrees but for values that sit on a rounding boundary (one unit of the dtype)
     ulp = {torch.float32: 1e-6, torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11}[dtype]

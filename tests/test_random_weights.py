@@ -67,8 +67,10 @@ def test_moe_presets_have_the_released_sizes(tmp_path, name):
     with torch.device("meta"):
         target = target_class(config.model_type)(config)
     total = sum(p.numel() for p in target.parameters())
-    experts = sum(p.numel() for m in target.modules() if isinstance(m, Experts) for p in m.parameters())
-    picked = experts * config.moe.top_k // config.moe.num_experts
+    packs = [m for m in target.modules() if isinstance(m, Experts)]
+    assert all(m.shared for m in packs)  # the shared expert runs as one expert more, always picked
+    experts = sum(p.numel() for m in packs for p in m.parameters())
+    picked = experts * (config.moe.top_k + 1) // (config.moe.num_experts + 1)
     active = total - experts + picked - config.vocab_size * config.dims.hidden_size + config.dims.hidden_size
     assert (total, active) == pytest.approx(MOE_PRESETS[name], rel=0.005)
 

@@ -41,7 +41,8 @@ pytestmark = pytest.mark.slow
 SPEC = TinyPairSpec(target_type="qwen3_5", multimodal=True, tokenizer_tokens=4000, head_dim=32, rope_theta=1e7,
                     draft_rope_theta=1e7, target_layer_ids=(1, 3), block_size=8,
                     draft_layer_types=("sliding_attention", "full_attention"), sliding_window=8)
-SPECS = {"dense": SPEC, "moe": dataclasses.replace(SPEC, num_experts=8, experts_per_tok=2, moe_intermediate_size=32)}
+SPECS = {"dense": SPEC, "moe": dataclasses.replace(SPEC, num_experts=8, experts_per_tok=2, moe_intermediate_size=32,
+                                                   shared_expert_size=32)}
 # An untrained drafter never agrees with a random target, so every verify would keep only its
 # bonus token. Scaling up three lm_head rows (the drafter uses the target's lm_head) makes both
 # models lean to those tokens: drafts are sometimes accepted, and rows of one batch commit
@@ -102,7 +103,8 @@ def test_the_build_keeps_the_qwen3_5_tokenizer_files_and_the_hybrid_target(built
     assert (moe is not None) == ("moe" in built.parent.name)
     if moe is not None:  # the engine stores the experts packed, as the kernels read them
         packed = load_file(built / "engine" / "target" / "model.safetensors")
-        assert packed["model.layers.0.mlp.experts.gate_up_proj"].shape == (8, 64, SPEC.hidden_size)
+        # the shared expert packed as a ninth
+        assert packed["model.layers.0.mlp.experts.gate_up_proj"].shape == (9, 64, SPEC.hidden_size)
         assert moe.num_experts == 8 and moe.shared_expert_size > 0
 
 

@@ -8,6 +8,12 @@ The routed experts are packed per layer, as the fused kernel reads them: gate_up
 [E, 2I, H] (each expert's gate rows, then its up rows) and down_proj [E, H, I], the layout
 transformers uses for Qwen3.5 MoE checkpoints; checkpoints with one tensor per expert
 (`experts.{e}.gate_proj.weight`, Qwen3 MoE) are stacked into it at load (weights.py).
+
+A shared expert as wide as the routed ones (all Qwen3.5/3.6 MoE releases) is packed as one
+expert more, index E, and its gate as one router row more (`router`: HF's `gate` and
+`shared_expert_gate` stacked): every token then picks it with weight sigmoid(gate), and one
+launch of the experts' kernels runs it with the routed picks, instead of a dense MLP, its gate
+and the scaling and adding around them (a dozen small kernels per layer of a decode step).
 """
 
 from __future__ import annotations
@@ -17,35 +23,44 @@ from torch import nn
 
 from dflash_trt import ops
 from dflash_trt.config import LayerDims, MoEDims
-from dflash_trt.models.layers import MLP, Linear
+from dflash_trt.models.layers import MLP, Linear, PackedLinear
 
 
 class Experts(nn.Module):
-    """All routed experts of one layer (HF `mlp.experts`)."""
+    """All routed experts of one layer (HF `mlp.experts`), and with `shared` the shared expert
+    (HF `mlp.shared_expert`) as expert number `num_experts`."""
 
-    def __init__(self, num_experts: int, hidden_size: int, expert_size: int):
+    def __init__(self, num_experts: int, hidden_size: int, expert_size: int, shared: bool = False):
         super().__init__()
-        self.num_experts = num_experts
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * expert_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, expert_size))
+        self.num_experts, self.shared = num_experts, shared
+        n = num_experts + shared
+        self.gate_up_proj = nn.Parameter(torch.empty(n, 2 * expert_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(n, hidden_size, expert_size))
 
 
 class SparseMoeBlock(nn.Module):
     def __init__(self, dims: LayerDims, moe: MoEDims):
         super().__init__()
         self.moe = moe
-        self.gate = Linear(dims.hidden_size, moe.num_experts, bias=False)  # the router
-        self.experts = Experts(moe.num_experts, dims.hidden_size, moe.expert_size)
-        if moe.shared_expert_size:
+        H, E = dims.hidden_size, moe.num_experts
+        # a shared expert as wide as the routed ones runs as one of them (the module docstring)
+        self.packed_shared = moe.shared_expert_size == moe.expert_size
+        if self.packed_shared:
+            self.router = PackedLinear(H, {"gate": E, "shared_expert_gate": 1})
+        else:
+            self.gate = Linear(H, E, bias=False)
+        self.experts = Experts(E, H, moe.expert_size, shared=self.packed_shared)
+        if moe.shared_expert_size and not self.packed_shared:
             self.shared_expert = MLP(dims, moe.shared_expert_size)
-            self.shared_expert_gate = Linear(dims.hidden_size, 1, bias=False)
+            self.shared_expert_gate = Linear(H, 1, bias=False)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """h [bs, T, H] (normed, model dtype) -> [bs, T, H] in the model dtype."""
         x = h.flatten(0, 1)
-        weights, ids = ops.moe_route(self.gate(x), self.moe.top_k, self.moe.norm_topk_prob)
+        logits = self.router(x) if self.packed_shared else self.gate(x)
+        weights, ids = ops.moe_route(logits, self.moe.top_k, self.moe.norm_topk_prob, shared=self.packed_shared)
         out = ops.moe_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)  # fp32
-        if self.moe.shared_expert_size:
+        if self.moe.shared_expert_size and not self.packed_shared:
             out = out + torch.sigmoid(self.shared_expert_gate(x)).float() * self.shared_expert(x).float()
         return out.to(h.dtype).unflatten(0, h.shape[:2])
 
