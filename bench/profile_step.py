@@ -89,13 +89,23 @@ def step_bytes(engine, run_pass, num_tokens: int) -> tuple[int, float]:
 
 
 def fake_running(engine, n: int, context: int) -> list[Sequence]:
-    """n sequences with `context` committed rows of noise in the caches: timing only."""
+    """n sequences with `context` committed rows of noise in the caches: timing only. Each row's
+    last token differs (spread over the vocabulary), so an MoE's rows route differently, as
+    real rows do; with one token for all, every row would pick the same experts."""
     seqs = []
+    vocab = engine.target.config.vocab_size
     for i in range(n):
         seq = Sequence(i, [1] * context, SamplingParams(max_tokens=1 << 20, ignore_eos=True), frozenset())
-        seq.slot, seq.num_cached, seq.output_ids = i, context, [1]
+        seq.slot, seq.num_cached, seq.output_ids = i, context, [(1 + 7919 * i) % vocab]
         seqs.append(seq)
     return seqs
+
+
+def random_block(block: torch.Tensor, vocab: int, seed: int = 0) -> torch.Tensor:
+    """Random tokens of a draft block's shape: a random drafter on noise proposes repetitive
+    blocks, whose tokens would route to few experts; real blocks (text) do not."""
+    gen = torch.Generator(device=block.device).manual_seed(seed)
+    return torch.randint(0, vocab, block.shape, generator=gen, device=block.device, dtype=block.dtype)
 
 
 def time_ms(fn, reps=50) -> float:
@@ -197,7 +207,7 @@ def main(argv=None) -> int:
             x = passes.inputs(fake_running(engine, n, args.context))
             ar = time_ms(lambda: passes.ar(x))
             dr = time_ms(lambda: passes.draft(x))
-            block = passes.draft(x)
+            block = random_block(passes.draft(x), engine.target.config.vocab_size)
             ve = time_ms(lambda: passes.verify(x, block))
             seqs = fake_running(engine, n, args.context)
             ar_wall = wall_ms(lambda: ar_step(engine, passes, seqs))
@@ -206,8 +216,7 @@ def main(argv=None) -> int:
             # counted on eager passes of their own inputs (python hooks do not run in graph replays)
             xe = eager.inputs(fake_running(engine, n, args.context))
             ar_bytes, ar_experts = step_bytes(engine, lambda: eager.ar(xe), n)
-            verify_bytes, verify_experts = step_bytes(engine, lambda: eager.verify(xe, eager.draft(xe)),
-                                                      n * engine.block_size)
+            verify_bytes, verify_experts = step_bytes(engine, lambda: eager.verify(xe, block), n * engine.block_size)
             row.update(ar_bytes_gb=ar_bytes / 1e9, ar_roofline_share=ar_bytes / bw / (ar / 1e3),
                        verify_bytes_gb=verify_bytes / 1e9, verify_roofline_share=verify_bytes / bw / (ve / 1e3))
             if engine.target.config.moe is not None:
@@ -226,7 +235,7 @@ def main(argv=None) -> int:
         # the graphs remove the launch gaps between them).
         x = passes.inputs(fake_running(engine, 1, args.context))
         result["profile_ar_ms"] = profile(lambda: DecodePasses.ar(passes, x), top=12)
-        block = DecodePasses.draft(passes, x)
+        block = random_block(DecodePasses.draft(passes, x), engine.target.config.vocab_size)
         result["profile_draft_ms"] = profile(lambda: DecodePasses.draft(passes, x))
         result["profile_verify_ms"] = profile(lambda: DecodePasses.verify(passes, x, block))
     if 1 in batches:  # AR at batch 1: the bytes one token's step really reads, at copy bandwidth
