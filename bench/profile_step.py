@@ -102,10 +102,11 @@ def fake_running(engine, n: int, context: int) -> list[Sequence]:
 
 
 def random_block(block: torch.Tensor, vocab: int, seed: int = 0) -> torch.Tensor:
-    """Random tokens of a draft block's shape: a random drafter on noise proposes repetitive
-    blocks, whose tokens would route to few experts; real blocks (text) do not."""
+    """The draft block overwritten in place (the graphed verify reads the draft graph's
+    buffer) with random tokens: a random drafter on noise proposes repetitive blocks, whose
+    tokens would route to few experts; real blocks (text) do not."""
     gen = torch.Generator(device=block.device).manual_seed(seed)
-    return torch.randint(0, vocab, block.shape, generator=gen, device=block.device, dtype=block.dtype)
+    return block.copy_(torch.randint(0, vocab, block.shape, generator=gen, device=block.device, dtype=block.dtype))
 
 
 def time_ms(fn, reps=50) -> float:
