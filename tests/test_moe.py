@@ -2,20 +2,20 @@
 them, checkpoints in either expert layout, logits and taps equal to transformers' models
 (fp32, tiny random configs), and greedy DFlash equal to greedy AR on them."""
 
-import json
 import shutil
 
 import pytest
 import torch
+from test_checkpoint_errors import edit_json
+from test_hybrid_lossless import ORACLES, dflash_with_oracle
+from test_qwen3_5_parity import forward
 
 from dflash_trt.build import _save_model
 from dflash_trt.errors import CheckpointError, ConfigError
-from dflash_trt.kv_cache import Batch
 from dflash_trt.loading import load_pair, load_target
 from dflash_trt.models import load_target_config
 from dflash_trt.models.moe import SparseMoeBlock
 from dflash_trt.sampling import SamplingParams
-from tests.test_hybrid_lossless import ORACLES, dflash_with_oracle
 
 transformers = pytest.importorskip("transformers")
 
@@ -43,15 +43,6 @@ ATOL = 1e-4
 
 def hf_model(path, class_name):
     return getattr(transformers, class_name).from_pretrained(path, dtype=torch.float32).eval()
-
-
-def forward(target, cache, slot, ids, start, taps=()):
-    """One pass of `ids` at `start` in `slot`, committed in full."""
-    batch = Batch.make([slot], [start], [len(ids)], len(ids), "cpu")
-    with torch.no_grad():
-        hidden, tapped = target(torch.tensor([ids]), batch, cache, taps)
-        target.commit(cache, batch, batch.num_tokens)
-        return target.logits(hidden)[0], tapped
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -120,21 +111,6 @@ def test_packed_engine_weights_load_back(make_pair, tmp_path):
         assert torch.equal(a, b), name
 
 
-def _edit(path, **changes):
-    """Set dotted keys of a JSON file (value ... deletes the key)."""
-    data = json.loads(path.read_text())
-    for dotted, value in changes.items():
-        *parents, key = dotted.split(".")
-        node = data
-        for p in parents:
-            node = node[p]
-        if value is ...:
-            del node[key]
-        else:
-            node[key] = value
-    path.write_text(json.dumps(data))
-
-
 CONFIG_ERRORS = [
     ("qwen3", {"num_experts_per_tok": 9}, r"key 'num_experts_per_tok' = 9 exceeds num_experts = 8"),
     ("qwen3", {"moe_intermediate_size": ...}, r"required key 'moe_intermediate_size' is missing"),
@@ -156,7 +132,7 @@ CONFIG_ERRORS = [
 def test_bad_moe_config_values_are_named_in_the_error(make_pair, tmp_path, family, changes, message):
     source = make_pair(**(CONFIGS["qwen3-moe-per-expert-dense-layer"][0] if family == "qwen3" else QWEN3_5_MOE))
     shutil.copytree(source.target, tmp_path / "target")
-    _edit(tmp_path / "target" / "config.json", **changes)
+    edit_json(tmp_path / "target" / "config.json", **changes)
     with pytest.raises(ConfigError, match=r"target/config.json: .*" + message):
         load_target(tmp_path / "target")
 

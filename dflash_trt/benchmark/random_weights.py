@@ -66,19 +66,23 @@ PRESETS: dict[str, TinyPairSpec] = {
 _QWEN3_5_MOE = dict(target_type="qwen3_5", num_kv_heads=2, head_dim=256, linear_head_dims=(128, 128),
                     conv_kernel_size=4, partial_rotary_factor=0.25, multimodal=True, block_size=16, rope_theta=1e7,
                     draft_rope_theta=1e7, tokenizer_tokens=248044, vocab_size=248320, dtype="bfloat16")
-PRESETS["qwen3.6-35b-a3b"] = TinyPairSpec(
-    hidden_size=2048, intermediate_size=6144, num_layers=40, num_heads=16, linear_heads=(16, 32), num_experts=256,
-    experts_per_tok=8, moe_intermediate_size=512, shared_expert_size=512, draft_layers=8,
-    target_layer_ids=(1, 10, 19, 28, 37), **_QWEN3_5_MOE,
-    extra_draft_config={"num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
-                        "dflash_config": {"mask_token_id": 248070, "target_layer_ids": [1, 10, 19, 28, 37]}})
+
+
+def _qwen3_5_moe(taps: tuple[int, ...], **shape) -> TinyPairSpec:
+    """A Qwen3.5 MoE target with a drafter in the 35B-A3B drafter's layout (8 layers, 32/4 heads
+    of 128), tapping `taps`."""
+    drafter = {"num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+               "dflash_config": {"mask_token_id": 248070, "target_layer_ids": list(taps)}}
+    return TinyPairSpec(draft_layers=8, target_layer_ids=taps, extra_draft_config=drafter, **_QWEN3_5_MOE, **shape)
+
+
+PRESETS["qwen3.6-35b-a3b"] = _qwen3_5_moe(
+    (1, 10, 19, 28, 37), hidden_size=2048, intermediate_size=6144, num_layers=40, num_heads=16, linear_heads=(16, 32),
+    num_experts=256, experts_per_tok=8, moe_intermediate_size=512, shared_expert_size=512)
 PRESETS["qwen3.5-35b-a3b"] = PRESETS["qwen3.6-35b-a3b"]
-PRESETS["qwen3.5-397b-a17b"] = TinyPairSpec(
-    hidden_size=4096, intermediate_size=12288, num_layers=60, num_heads=32, linear_heads=(16, 64), num_experts=512,
-    experts_per_tok=10, moe_intermediate_size=1024, shared_expert_size=1024, draft_layers=8,
-    target_layer_ids=(1, 15, 29, 43, 57), **_QWEN3_5_MOE,
-    extra_draft_config={"num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
-                        "dflash_config": {"mask_token_id": 248070, "target_layer_ids": [1, 15, 29, 43, 57]}})
+PRESETS["qwen3.5-397b-a17b"] = _qwen3_5_moe(
+    (1, 15, 29, 43, 57), hidden_size=4096, intermediate_size=12288, num_layers=60, num_heads=32, linear_heads=(16, 64),
+    num_experts=512, experts_per_tok=10, moe_intermediate_size=1024, shared_expert_size=1024)
 
 
 def preset_spec(name: str, num_layers: int | None = None) -> TinyPairSpec:
