@@ -102,6 +102,8 @@ class DecodePasses:
         overwritten by the next step before anything reads them (see kv_cache.py).
         """
         batch = self._batch(x, self.block_size)
+        # a block of other rows (e.g. a draft graph's, padded to its bucket) would index past them
+        assert block.shape == (batch.size, self.block_size), f"block {tuple(block.shape)} for {batch.size} rows"
         hidden, tapped = self.target(block, batch, self.target_cache, self.taps)
         choice = self.target.lm_head(hidden).argmax(dim=-1)  # argmax needs no fp32 copy of the logits
         accepted = accepted_length(block[:, 1:], choice[:, :-1])
