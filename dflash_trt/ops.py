@@ -340,8 +340,9 @@ def silu_mul(gate_up):
 
 
 # ----------------------------------------------------------------------------------------------
-# Mixture of experts. Routing is plain torch (softmax, top-k: graph-safe); the expert MLPs of
-# the tokens' picks are one op, whose reference loops over the experts picked.
+# Mixture of experts: the routing (softmax, top-k, renormalisation) and the expert MLPs of the
+# tokens' picks, one op each (plugins/moe_route.cu, plugins/moe.cu); the experts' reference loops
+# over the experts picked.
 
 
 MOE_ROUTE_MAX_EXPERTS, MOE_ROUTE_MAX_TOP_K = 512, 16  # plugins/moe_route.h
