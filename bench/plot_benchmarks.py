@@ -1,4 +1,4 @@
-"""Draw the two plots BENCHMARKS.md embeds from the GPU run's JSON results.
+"""Draw the plots BENCHMARKS.md embeds from the GPU runs' JSON results.
 
     python bench/plot_benchmarks.py [--results benchmarks/] [--out benchmarks/] [--gpu "H100 80GB HBM3"]
 
@@ -6,12 +6,16 @@ Reads from --results (a missing file is skipped with a note; with neither there 
   bench8b.json    dflash-trt bench --random-weights qwen3-8b --oracle-tau 6.5 --concurrency 1,8,16,32 \\
                       --json benchmarks/bench8b.json
   attention.json  python bench/kernels.py --mode both --json benchmarks/attention.json
+  bench9b.json, moe35b_bench.json
+                  the same bench for qwen3.5-9b (--oracle-tau 7) and qwen3.6-35b-a3b (--oracle-tau 6.7)
 Writes to --out:
   speedup_vs_concurrency.png  DFlash over AR (end to end and decode-only) against concurrency, and
                               the tok/s of both
   attention_vs_context.png    block attention time against context for T = 1, 8, 16 at batch 1
                               (ours solid, SDPA and FlashInfer dashed where present), and the
                               share of the copy bandwidth it reads at
+  models.png                  AR and DFlash tok/s per model at each concurrency the bench files
+                              share, with DFlash's speedup over AR
 
 A developer tool: it needs matplotlib, which the package does not depend on.
 """
@@ -28,6 +32,7 @@ from matplotlib.figure import Figure
 
 BENCH_JSON, ATTENTION_JSON = "bench8b.json", "attention.json"
 SPEEDUP_PNG, ATTENTION_PNG = "speedup_vs_concurrency.png", "attention_vs_context.png"
+MODEL_JSONS, MODELS_PNG = ("bench8b.json", "bench9b.json", "moe35b_bench.json"), "models.png"
 QUERY_WIDTHS = (1, 8, 16)  # the block lengths (T) drawn in the attention plot
 
 
@@ -154,6 +159,40 @@ def plot_attention(data: dict, out: Path, mode: str) -> None:
     fig.savefig(out, dpi=120)
 
 
+def plot_models(results: Path, out: Path) -> None:
+    """One bar group per model (the bench files of MODEL_JSONS present in `results`) and shared
+    concurrency: AR and DFlash end-to-end tok/s, DFlash's speedup written over its bar."""
+    runs = []
+    for name in MODEL_JSONS:
+        if (results / name).is_file():
+            data = json.loads((results / name).read_text())
+            meta = data["meta"]
+            gpu = (meta.get("gpu") or "").removeprefix("NVIDIA ").split(" ")[0]
+            runs.append((title_of(model_label(meta.get("engine")).split(" shapes")[0], gpu),
+                         {r["concurrency"]: r for r in data["rows"]}))
+    levels = sorted(set.intersection(*(set(rows) for _, rows in runs))) if runs else []
+    if not levels:
+        raise ValueError("no concurrency level that every bench file has")
+    fig = Figure(figsize=(6 * len(levels), 4.8), layout="constrained")
+    axes = fig.subplots(1, len(levels), squeeze=False)[0]
+    for ax, c in zip(axes, levels):
+        x = range(len(runs))
+        ar = [rows[c]["ar_tok_s"] for _, rows in runs]
+        df = [rows[c]["dflash_tok_s"] for _, rows in runs]
+        ax.bar([i - 0.2 for i in x], ar, width=0.4, label="AR", color="C7")
+        ax.bar([i + 0.2 for i in x], df, width=0.4, label="DFlash (oracle τ)", color="C0")
+        for i, (_, rows) in enumerate(runs):
+            ax.annotate(f"{rows[c]['speedup']:.2f}x, τ {rows[c]['tau_steps']:.1f}", (i + 0.2, df[i]),
+                        textcoords="offset points", xytext=(0, 3), ha="center", fontsize=8)
+        ax.set_xticks(list(x), [label for label, _ in runs])
+        ax.set_ylabel("output tok/s (end to end, prefill included)")
+        ax.set_title(f"concurrency {c}")
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("AR vs DFlash per model, random weights of the real shapes, GSM8K")
+    fig.savefig(out, dpi=120)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--results", type=Path, default=Path("benchmarks"),
@@ -167,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = args.out or args.results
     jobs = ((BENCH_JSON, SPEEDUP_PNG, lambda d, o: plot_speedup(d, o, args.gpu)),
             (ATTENTION_JSON, ATTENTION_PNG, lambda d, o: plot_attention(d, o, args.attention_mode)))
+    jobs += ((MODEL_JSONS[0], MODELS_PNG, lambda d, o: plot_models(args.results, o)),)
     written, failed = 0, False
     for name, png, plot in jobs:
         src = args.results / name

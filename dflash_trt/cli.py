@@ -346,7 +346,8 @@ def bench(output_dir, random_weights, url, compare_transformers, datasets, concu
     click.echo(bench_lib.format_report(report))
     if json_file:
         engine = str(output_dir) if output_dir else f"random:{random_weights}" if random_weights else None
-        json_file.write_text(bench_lib.report_to_json(report, engine=engine, url=url, max_tokens=max_tokens) + "\n")
+        json_file.write_text(bench_lib.report_to_json(report, engine=engine, url=url, max_tokens=max_tokens,
+                                                      gpu=bench_lib.device_name(loaded)) + "\n")
 
 
 def main():  # pragma: no cover - `python -m dflash_trt`

@@ -391,6 +391,12 @@ def format_report(report: Report) -> str:
     return "\n\n".join(part for part in parts if part)
 
 
+def device_name(loaded) -> str | None:
+    """The GPU an in-process engine ran on, for the JSON record (None on the CPU or with --url only)."""
+    device = loaded.engine.device if loaded is not None else None
+    return torch.cuda.get_device_name(device) if device is not None and device.type == "cuda" else None
+
+
 def report_to_json(report: Report, **meta) -> str:
     """rows_to_json's shape plus transformers_rows, triton_rows and serving_overhead."""
     data = json.loads(rows_to_json(report.rows, **meta))
