@@ -12,7 +12,7 @@ from ports import free_ports
 from test_triton_e2e import demo, local, server  # noqa: F401  (module fixtures: build, serve, load)
 from triton_clients import greedy_reference
 
-from dflash_trt.serving.openai_api import ApiServer, Frontend, StopCut
+from dflash_trt.serving.openai_api import ApiServer, Frontend, StopCut, parse_generation
 
 pytestmark = pytest.mark.slow
 MAX_OUTPUT_LEN = 256  # the tiny preset's
@@ -53,7 +53,8 @@ def test_the_model_cards_snippet_runs_as_written(api_url, local, expected):  # n
     usage = response.usage
     assert usage.prompt_tokens == len(local.tokenizer.encode(chat_text(local, QUESTION)))
     assert usage.completion_tokens == len(expected(chat_text(local, QUESTION), MAX_OUTPUT_LEN))
-    assert response.choices[0].finish_reason == ("length" if usage.completion_tokens == MAX_OUTPUT_LEN else "stop")
+    greedy_length = len(expected(chat_text(local, QUESTION), MAX_OUTPUT_LEN))
+    assert response.choices[0].finish_reason == ("length" if greedy_length == MAX_OUTPUT_LEN else "stop")
     stats = response.model_extra["dflash"]
     assert stats["draft_tokens"] > 0 and 1.0 <= stats["mean_acceptance_length"]
 
@@ -142,6 +143,12 @@ def test_a_malformed_body_is_a_400_in_openai_format(api_url, body):
     assert status == 400 and error["error"]["type"] == "invalid_request_error" and error["error"]["message"]
 
 
+def test_null_fields_take_their_defaults_as_absent_ones_do():
+    nulls = {name: None for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
+                                     "stream_options")}
+    assert parse_generation(nulls, "p", 16) == parse_generation({}, "p", 16)
+
+
 def test_what_the_server_refuses_comes_back_as_a_400(api_url):
     status, error = post(f"{api_url}/completions", json.dumps({"prompt": "hello " * 600, "max_tokens": 4}).encode())
     assert status == 400 and "max_input_len = 512" in error["error"]["message"], error
@@ -157,12 +164,16 @@ def test_with_an_api_key_a_request_without_it_is_a_401(server, local):  # noqa: 
         api.stop()
 
 
-@pytest.mark.parametrize("chunks, stop, want", [
-    (["a b", " c", "XY"], ("XY",), ["a b", " c", ""]),
-    (["a", "bX", "Y"], ("XY",), ["a", "b", ""]),
-    (["abc"], (), ["abc"]),
-    (["ab", "XZ"], ("XY",), ["ab", "XZ"]),
+@pytest.mark.parametrize("chunks, stop, want", [  # want: what each push streams, then what end() adds
+    (["a b", " c", "XY"], ("XY",), ["a", " b", " c", ""]),
+    (["a", "bX", "Y"], ("XY",), ["", "a", "b", ""]),
+    (["abc"], (), ["abc", ""]),
+    (["ab", "XZ"], ("XY",), ["", "ab", "XZ"]),
 ])
-def test_stop_cut_streams_everything_but_a_final_stop_string(chunks, stop, want):
+def test_stop_cut_streams_all_but_the_last_stop_length_characters(chunks, stop, want):
     cut = StopCut(stop)
-    assert "".join(cut.push(c) for c in chunks) + cut.end() == "".join(want)
+    streamed = []
+    for chunk in chunks:
+        streamed.append(cut.push(chunk))
+        assert len(cut.held) <= max(map(len, stop), default=0)  # only a possible stop string waits
+    assert streamed + [cut.end()] == want

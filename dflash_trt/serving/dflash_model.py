@@ -29,9 +29,8 @@ import time
 from dflash_trt.serving import protocol
 from dflash_trt.serving.metrics import TritonMetrics
 from dflash_trt.serving.repository import engine_dir_from_args
-from dflash_trt.serving.worker import EngineWorker
+from dflash_trt.serving.worker import SHUTTING_DOWN, EngineWorker
 
-SHUTTING_DOWN = "the server is shutting down"
 POLL_S = 0.05  # how often the drain looks for the last request; the watchdog checks 10x slower
 # Triton 2.51's ensemble never releases a request whose step fails while another of its steps
 # runs (PrepareSteps skips the step count once the ensemble failed; fixed in triton core #466):

@@ -88,15 +88,18 @@ class Generation:
 
 
 def _field(body: dict, name: str, kinds: tuple[type, ...], default: Any = None) -> Any:
-    value = body.get(name, default)
-    if value is None or (isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)):
+    """body[name] checked against `kinds`; absent or null (as OpenAI's clients send unset fields)
+    gives the default."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds):
         return value
     raise OpenAIError(f"'{name}' must be {' or '.join(k.__name__ for k in kinds)}, got {value!r}", param=name)
 
 
 def _number(body: dict, name: str, default: float, ok, expected: str) -> float:
     value = _field(body, name, (int, float), default)
-    value = default if value is None else value
     if not (math.isfinite(value) and ok(value)):
         raise OpenAIError(f"'{name}' must be {expected}, got {value!r}", param=name)
     return value

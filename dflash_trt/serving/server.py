@@ -94,7 +94,7 @@ def check_ports_free(host: str, ports) -> None:
     """Raise ServeError naming the first port that a server could not listen on."""
     ports = list(ports)
     if len(set(ports)) != len(ports):
-        raise ServeError(f"the HTTP, gRPC and metrics ports must differ, got {ports}")
+        raise ServeError(f"the serving ports must differ, got {ports}")
     for port in ports:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         with socket.socket(family, socket.SOCK_STREAM) as probe:
@@ -121,13 +121,12 @@ class TritonServer:
                  metrics_port: int = 8002, host: str = "127.0.0.1", tritonserver: Path | None = None,
                  log_path: Path | None = None, extra_args=(), env: dict | None = None,
                  check_ports: bool = True, admin_key: str | None = None,
-                 drain_timeout: float = DRAIN_TIMEOUT_S, drain_models=DRAIN_MODELS):
+                 drain_timeout: float = DRAIN_TIMEOUT_S):
         self.repository = Path(repository).expanduser().resolve()
         self.ports = (http_port, grpc_port, metrics_port)
         self.host = host
         self.admin_key = admin_key
         self.drain_timeout = drain_timeout
-        self.drain_models = tuple(drain_models)
         self.shm_prefix = f"dflash_trt_{secrets.token_hex(6)}_"  # this server's regions, see _reap
         self.tritonserver = tritonserver
         self.log_path = Path(log_path) if log_path is not None else None
@@ -170,7 +169,7 @@ class TritonServer:
         return tritonserver's exit code: 0 when it shut down cleanly.
 
         The drain is the dflash model's (see the module's docstring): SIGTERM to the stubs of
-        `drain_models` makes them refuse new requests and, once the last one in flight has
+        DRAIN_MODELS makes them refuse new requests and, once the last one in flight has
         ended, send SIGTERM to tritonserver. A second SIGTERM, after `drain_timeout` (default:
         the server's), fails what is left. Without such a stub tritonserver gets SIGTERM at
         once. Its exit timeout (EXIT_GRACE_S), then SIGKILL, bound the rest.
@@ -188,7 +187,7 @@ class TritonServer:
         return self._reap()
 
     def _signal_drainers(self) -> bool:
-        drainers = [pid for pid, model in self.stubs().items() if model in self.drain_models]
+        drainers = [pid for pid, model in self.stubs().items() if model in DRAIN_MODELS]
         for pid in drainers:
             _signal(pid, signal.SIGTERM)
         return bool(drainers)

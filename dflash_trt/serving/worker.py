@@ -45,6 +45,8 @@ from dflash_trt.sampling import SamplingParams
 from dflash_trt.serving import protocol as p
 from dflash_trt.serving.text import IncrementalDetokenizer
 
+SHUTTING_DOWN = "the server is shutting down"  # what a request refused or cut by a shutdown gets
+
 
 def stop_cut(output: list[int], new: list[int], stop_words: tuple[tuple[int, ...], ...]) -> int | None:
     """How many of `new` to keep so that output + kept ends with the first completed stop word;
@@ -183,7 +185,7 @@ class EngineWorker:
         job = _Job(request, sink, self._sampling_params(request), IncrementalDetokenizer(self.tokenizer.decode))
         with self._lock:
             if self._closed or self._stopping.is_set():
-                raise p.RequestValidationError("the server is shutting down")
+                raise p.RequestValidationError(SHUTTING_DOWN)
             self._inbox.put(job)
 
     def _sampling_params(self, request: p.Request):
@@ -330,7 +332,7 @@ class EngineWorker:
             self._post(job, lambda job=job: job.sink.fail(message))
 
     def _shutdown(self) -> None:
-        self._fail_jobs(list(self._jobs.values()), "the server is shutting down")
+        self._fail_jobs(list(self._jobs.values()), SHUTTING_DOWN)
         with self._lock:
             self._closed = True  # nothing enters the inbox after this
         while True:
@@ -339,7 +341,7 @@ class EngineWorker:
             except queue.Empty:
                 break
             if job is not None:
-                self._post(job, lambda job=job: job.sink.fail("the server is shutting down"))
+                self._post(job, lambda job=job: job.sink.fail(SHUTTING_DOWN))
         self._outbox.put(None)  # the sender sends what is queued, then ends
 
     # -- the sender thread ------------------------------------------------------------------
