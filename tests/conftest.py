@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -40,3 +41,13 @@ def no_tokenizer():
 def device():
     """Where engine tests run: DFLASH_TEST_DEVICE=cuda runs them on the GPU (fp32)."""
     return os.environ.get("DFLASH_TEST_DEVICE", "cpu")
+
+
+def write_report(request, lines: list[str], env_var: str) -> None:
+    """A GPU test module's closing statistics: to pytest's terminal, and to the file $env_var names."""
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        for line in lines:
+            reporter.write_line(line)
+    if os.environ.get(env_var):
+        Path(os.environ[env_var]).write_text("\n".join(lines) + "\n")

@@ -2,11 +2,9 @@
 op fuses bit for bit (CPU, fp32 and bf16), the wrappers reject bad arguments, and the CUDA kernels agree with the
 references to within a unit in the last place (cuda marker)."""
 
-import os
-from pathlib import Path
-
 import pytest
 import torch
+from conftest import write_report
 
 from dflash_trt import plugins
 from dflash_trt.config import LayerDims
@@ -379,12 +377,7 @@ def report_stats(request):
     lines = ["layer ops, kernel vs reference: op dtype elements differing >1ulp worst-ulps worst-abs"]
     for (op, dtype), (n, differing, over, worst_ulp, worst_abs) in sorted(STATS.items()):
         lines.append(f"  {op:<14} {dtype:<9} {n:>10} {differing:>8} {over:>6} {worst_ulp:>8.2f} {worst_abs:.3g}")
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    for line in lines:
-        if reporter is not None:
-            reporter.write_line(line)
-    if os.environ.get("DFLASH_LAYER_OPS_STATS"):
-        Path(os.environ["DFLASH_LAYER_OPS_STATS"]).write_text("\n".join(lines) + "\n")
+    write_report(request, lines, "DFLASH_LAYER_OPS_STATS")
 
 
 def cuda_norm_weight(H, dtype, seed):

@@ -4,12 +4,11 @@ on CUDA the fused kernels and the grouped-GEMM path agree with the reference fro
 prefill sizes, are deterministic and batch-invariant, and replay from a CUDA graph (cuda marker)."""
 
 import functools
-import os
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import write_report
 
 from dflash_trt import ops, plugins
 from dflash_trt.ops import moe_experts, moe_experts_reference
@@ -106,12 +105,7 @@ def report_stats(request):
     lines = ["moe_experts vs reference: path dtype elements beyond-REL worst-error/bound worst-mean-error/mean-scale"]
     for (path, dtype), (n, beyond, worst, mean) in sorted(STATS.items()):
         lines.append(f"  {path:<8} {dtype:<9} {n:>11} {beyond:>9} {worst:.3f} {mean:.2e}")
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    for line in lines:
-        if reporter is not None:
-            reporter.write_line(line)
-    if os.environ.get("DFLASH_MOE_STATS"):
-        Path(os.environ["DFLASH_MOE_STATS"]).write_text("\n".join(lines) + "\n")
+    write_report(request, lines, "DFLASH_MOE_STATS")
 
 
 # ----------------------------------------------------------------------------------------------
