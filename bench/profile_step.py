@@ -30,6 +30,7 @@ import torch
 
 from dflash_trt import ops
 from dflash_trt.benchmark.random_weights import random_engine
+from dflash_trt.engine import cache_bytes
 from dflash_trt.graphs import DecodePasses
 from dflash_trt.models.moe import SparseMoeBlock
 from dflash_trt.sampling import SamplingParams
@@ -185,6 +186,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", default="1,32")
     ap.add_argument("--json")
     ap.add_argument("--layers", type=int, help="a reduced-depth copy of the preset (one too large for the GPU)")
+    ap.add_argument("--draft-window-size", type=int, default=0, help="the drafter sees the last N rows only")
     ap.add_argument("--blas", choices=("cublas", "cublaslt"),
                     help="the BLAS library torch uses for the GEMMs (default: torch's choice)")
     args = ap.parse_args(argv)
@@ -192,12 +194,14 @@ def main(argv=None) -> int:
         torch.backends.cuda.preferred_blas_library(args.blas)
     batches = [int(b) for b in args.batch.split(",")]
     loaded = random_engine(args.preset, max_batch_size=max(batches), max_seq_len=args.context + 512,
-                           num_layers=args.layers)
+                           num_layers=args.layers, draft_window=args.draft_window_size)
     engine, passes = loaded.engine, loaded.engine.passes
     eager = DecodePasses(engine.target, engine.drafter, engine.target_cache, engine.draft_cache, engine.taps,
                          engine.block_size)
     result = {"gpu": torch.cuda.get_device_name(), "preset": args.preset, "layers": args.layers, "context": args.context,
-              "passes": type(passes).__name__, "blas": str(torch.backends.cuda.preferred_blas_library())}
+              "passes": type(passes).__name__, "blas": str(torch.backends.cuda.preferred_blas_library()),
+              "draft_window": engine.draft_window, "draft_cache_gb": cache_bytes(engine.draft_cache) / 1e9,
+              "target_cache_gb": cache_bytes(engine.target_cache) / 1e9}
     bw = copy_bandwidth()
     wb = weight_bytes(engine.target)
     result.update(copy_bandwidth_gb_s=bw / 1e9, target_weight_gb=wb / 1e9,

@@ -24,6 +24,7 @@ import torch
 
 from dflash_trt import __version__, plugins
 from dflash_trt.config import ENGINE_FILE, TOKENIZER_DIR, BuildConfig
+from dflash_trt.engine import check_draft_window
 from dflash_trt.errors import BuildError
 from dflash_trt.fixtures.pair import DEMO_SPEC, write_tiny_pair
 from dflash_trt.loading import load_drafter, load_target, torch_dtype
@@ -214,6 +215,7 @@ def _build_into(config: BuildConfig, work: Path) -> None:
     _log(f"validating the pair: {target_src} + {drafter_src}")
     target = load_target(target_src, "cpu", torch_dtype(config))
     drafter = load_drafter(drafter_src, target, "cpu", torch_dtype(config))
+    check_draft_window(config.draft_window_size, config.block_size or drafter.config.block_size)
     Tokenizer.from_dir(target_src)  # fails early, naming the file, if the tokenizer is broken
     engine_dir = work / "out" / "engine"
     _log(f"packing weights (fused qkv and gate_up, cast to {config.resolved_dtype})")

@@ -57,6 +57,9 @@ def cli():
 @click.option("--max-input-len", type=click.IntRange(min=1))
 @click.option("--max-output-len", type=click.IntRange(min=1))
 @click.option("--block-size", type=click.IntRange(min=0))
+@click.option("--draft-window-size", type=click.IntRange(min=0),
+              help="The drafter attends to the last N committed tokens only (0, the default: all); "
+                   "bounds its cache and draft time on long contexts. At least the block size.")
 def build(target, drafter, preset, config_file, output, force, **overrides):
     """Build an engine directory and Triton model repository.
 
@@ -74,6 +77,10 @@ def build(target, drafter, preset, config_file, output, force, **overrides):
         config = resolve_config(preset, config_file, target=target, drafter=drafter, **overrides)
         path = build_lib.run(config, output, force=force)
     click.echo(path)
+
+
+_DRAFT_WINDOW = click.option("--draft-window-size", type=click.IntRange(min=0),
+                             help="Override the build's draft window (0: none; see build --help).")
 
 
 def _sampling_options(command):
@@ -98,8 +105,10 @@ def _sampling_options(command):
 @click.argument("prompt")
 @click.option("--mode", type=click.Choice(["dflash", "ar"]), default="dflash", show_default=True)
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), help="Default: the device the engine was built for.")
+@_DRAFT_WINDOW
 @_sampling_options
-def run(output_dir, prompt, mode, device, max_tokens, temperature, top_k, top_p, seed, chat, thinking, stats):
+def run(output_dir, prompt, mode, device, draft_window_size, max_tokens, temperature, top_k, top_p, seed, chat,
+        thinking, stats):
     """Generate in-process from a built engine (no server).
 
     \b
@@ -109,7 +118,7 @@ def run(output_dir, prompt, mode, device, max_tokens, temperature, top_k, top_p,
     from dflash_trt.sampling import SamplingParams
 
     with _errors():
-        loaded = load_engine(output_dir / "engine", device)
+        loaded = load_engine(output_dir / "engine", device, draft_window_size)
         tok = loaded.tokenizer
         text = tok.apply_chat_template([{"role": "user", "content": prompt}], enable_thinking=thinking) if chat else prompt
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
@@ -144,8 +153,9 @@ def run(output_dir, prompt, mode, device, max_tokens, temperature, top_k, top_p,
                    "(by default they need the key serve writes to a file).")
 @click.option("--tritonserver", "tritonserver", type=click.Path(path_type=Path), envvar="DFLASH_TRT_TRITONSERVER",
               help="tritonserver binary (default: PATH, then the one bundled in nvidia-pytriton).")
+@_DRAFT_WINDOW
 def serve(output_dir, tritonserver_args, http_port, grpc_port, metrics_port, host, drain_timeout, openai_port,
-          api_key, served_model_name, allow_admin_api, tritonserver):
+          api_key, served_model_name, allow_admin_api, tritonserver, draft_window_size):
     """Serve a built output directory with a real tritonserver until Ctrl-C or SIGTERM.
 
     Exits non-zero when tritonserver or one of its model processes dies (having stopped the
@@ -158,6 +168,7 @@ def serve(output_dir, tritonserver_args, http_port, grpc_port, metrics_port, hos
     dflash-trt generate "Write a haiku." --stream --stats
     """
     from dflash_trt.serving.openai_api import start_api
+    from dflash_trt.serving.repository import DRAFT_WINDOW_ENV
     from dflash_trt.serving.server import (
         ADMIN_APIS,
         ADMIN_HEADER,
@@ -180,7 +191,8 @@ def serve(output_dir, tritonserver_args, http_port, grpc_port, metrics_port, hos
     admin_key, key_file = (None, None) if allow_admin_api else write_admin_key()
     server = TritonServer(output_dir / "model_repository", http_port=http_port, grpc_port=grpc_port,
                           metrics_port=metrics_port, host=host, tritonserver=tritonserver,
-                          extra_args=tritonserver_args, admin_key=admin_key, drain_timeout=drain_timeout)
+                          extra_args=tritonserver_args, admin_key=admin_key, drain_timeout=drain_timeout,
+                          env={} if draft_window_size is None else {DRAFT_WINDOW_ENV: str(draft_window_size)})
     # Before start(): a stop while the models load (minutes, for a real model) must clean up too.
     signal.signal(signal.SIGINT, shutdown)
     signal.signal(signal.SIGTERM, shutdown)
@@ -279,17 +291,17 @@ def _random_weights_presets() -> list[str]:
     return list(PRESETS)
 
 
-def _bench_engine(output_dir, random_weights, device):
+def _bench_engine(output_dir, random_weights, device, draft_window):
     """The in-process engine of `bench`: a built OUTPUT_DIR, random weights, or None (--url only)."""
     if output_dir is not None:
         from dflash_trt.loading import load_engine
 
-        return load_engine(output_dir / "engine", device)
+        return load_engine(output_dir / "engine", device, draft_window)
     if random_weights is not None:
         from dflash_trt.benchmark.random_weights import random_engine
 
         # One slot is enough: run_bench makes an engine per concurrency from the shared models.
-        return random_engine(random_weights, device=device or "cuda", max_batch_size=1)
+        return random_engine(random_weights, device=device or "cuda", max_batch_size=1, draft_window=draft_window or 0)
     return None
 
 
@@ -298,8 +310,9 @@ def _bench_engine(output_dir, random_weights, device):
 @click.option("--random-weights", type=_LazyChoice(_random_weights_presets),
               help="Real-shape random weights made on --device (default cuda) instead of OUTPUT_DIR; "
                    "pair with --oracle-tau (random drafters accept almost nothing).")
-@click.option("--url", help="Also measure through the Triton server at this gRPC address (host:port); "
-                            "its token counts are the server's (end token left out).")
+@click.option("--url", "urls", multiple=True,
+              help="Also measure through a running server: Triton's gRPC address host:port, or the OpenAI API's "
+                   "http://host:port; repeatable. Token counts are the server's (end token left out).")
 @click.option("--compare-transformers", is_flag=True, help="Add a transformers generate row at concurrency 1.")
 @click.option("--dataset", "datasets", multiple=True, default=["gsm8k"], show_default=True, metavar="NAME|PATH",
               help="gsm8k, humaneval, mt_bench, or a JSONL file with a 'prompt' field; repeatable.")
@@ -311,20 +324,22 @@ def _bench_engine(output_dir, random_weights, device):
 @click.option("--thinking/--no-thinking", default=False, show_default=True)
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), help="Default: the device the engine was built for.")
 @click.option("--json", "json_file", type=click.Path(dir_okay=False, path_type=Path), help="Also write rows here.")
-def bench(output_dir, random_weights, url, compare_transformers, datasets, concurrency, num_prompts, max_tokens,
-          oracle_tau, chat, thinking, device, json_file):
+@_DRAFT_WINDOW
+def bench(output_dir, random_weights, urls, compare_transformers, datasets, concurrency, num_prompts, max_tokens,
+          oracle_tau, chat, thinking, device, json_file, draft_window_size):
     """Benchmark AR vs DFlash per dataset and concurrency; markdown tables on stdout.
 
     \b
     dflash-trt bench out/q8 --dataset gsm8k --dataset humaneval --oracle-tau 6.5 --json bench.json
     dflash-trt bench --random-weights qwen3-8b --oracle-tau 6.5 --compare-transformers
     dflash-trt bench out/q8 --url localhost:8001     # also through a running `dflash-trt serve out/q8`
+    dflash-trt bench --url localhost:8001 --url http://localhost:9000   # gRPC vs the OpenAI API
     """
     from dflash_trt.benchmark import bench as bench_lib
 
     if output_dir is not None and random_weights is not None:
         raise click.UsageError("give OUTPUT_DIR or --random-weights, not both")
-    if output_dir is None and random_weights is None and url is None:
+    if output_dir is None and random_weights is None and not urls:
         raise click.UsageError("give OUTPUT_DIR, --random-weights PRESET or --url HOST:PORT")
     if (compare_transformers or oracle_tau is not None) and output_dir is None and random_weights is None:
         raise click.UsageError("--compare-transformers and --oracle-tau need an in-process engine "
@@ -333,12 +348,12 @@ def bench(output_dir, random_weights, url, compare_transformers, datasets, concu
         levels = [int(c) for c in concurrency.split(",")]
     except ValueError:
         raise click.BadParameter(f"expected comma-separated ints, got {concurrency!r}", param_hint="--concurrency")
-    runs = (2 * len(levels) if output_dir or random_weights else 0) + len(levels) * bool(url) + compare_transformers
+    runs = (2 * len(levels) if output_dir or random_weights else 0) + len(levels) * len(urls) + compare_transformers
     bar = click.progressbar(length=runs * num_prompts * len(datasets), file=sys.stderr) if sys.stderr.isatty() else None
     progress = lambda n, msg: bar.update(n) if bar else (msg and click.echo(msg, err=True))  # noqa: E731
     with _errors():
-        loaded = _bench_engine(output_dir, random_weights, device)
-        report = bench_lib.run_report(loaded, datasets, url=url, concurrencies=levels, num_prompts=num_prompts,
+        loaded = _bench_engine(output_dir, random_weights, device, draft_window_size)
+        report = bench_lib.run_report(loaded, datasets, urls=urls, concurrencies=levels, num_prompts=num_prompts,
                                       max_tokens=max_tokens, chat=chat, thinking=thinking, oracle_tau=oracle_tau,
                                       compare_transformers=compare_transformers, progress=progress)
     if bar:
@@ -346,7 +361,7 @@ def bench(output_dir, random_weights, url, compare_transformers, datasets, concu
     click.echo(bench_lib.format_report(report))
     if json_file:
         engine = str(output_dir) if output_dir else f"random:{random_weights}" if random_weights else None
-        json_file.write_text(bench_lib.report_to_json(report, engine=engine, url=url, max_tokens=max_tokens,
+        json_file.write_text(bench_lib.report_to_json(report, engine=engine, urls=list(urls), max_tokens=max_tokens,
                                                       gpu=bench_lib.device_name(loaded)) + "\n")
 
 

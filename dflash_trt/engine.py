@@ -50,7 +50,7 @@ class StepEvent:
 class Engine:
     def __init__(self, target: Qwen3ForCausalLM, drafter: DFlashDrafter | None = None, *,
                  max_batch_size: int = 8, max_seq_len: int = 4096, block_size: int = 0, mode: str | None = None,
-                 oracle: OracleDrafts | None = None, cuda_graphs: bool = True):
+                 oracle: OracleDrafts | None = None, cuda_graphs: bool = True, draft_window: int = 0):
         self.target, self.drafter, self.oracle = target, drafter, oracle
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         # block_size 0: the drafter's trained block size (a build may choose another)
@@ -58,20 +58,24 @@ class Engine:
         self.taps = drafter.config.target_layer_ids if drafter else ()
         self.mode = mode or ("dflash" if drafter else "ar")
         self._check_mode(self.mode)
+        check_draft_window(draft_window, self.block_size)
+        # A window as long as the longest sequence never binds: the drafter keeps every row.
+        self.draft_window = draft_window if drafter and draft_window < max_seq_len else 0
         capacity = max_seq_len + self.block_size  # a verify block may run past the last kept token
         # One slot more than requests: CUDA graphs point their padding rows at it. A target
         # with recurrent state is sized for cutting back the widest pass (the block).
         snapshots = {"num_snapshots": self.block_size} if target.stateful else {}
+        window = {"window": self.draft_window, "block_size": self.block_size}
         self.device = target.lm_head.weight.device
         if self.device.type == "cuda":
             per_slot = sum(cache_bytes(m.new_cache(1, capacity, device="meta", **kw))
-                           for m, kw in ((target, snapshots), (drafter, {})) if m is not None)
+                           for m, kw in ((target, snapshots), (drafter, window)) if m is not None)
             free, total = torch.cuda.mem_get_info(self.device)
             # blocks PyTorch's allocator holds but no tensor uses are free for the caches too
             free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
             check_caches_fit(per_slot, max_batch_size, max_seq_len, free, total)
         self.target_cache = target.new_cache(max_batch_size + 1, capacity, **snapshots)
-        self.draft_cache = drafter.new_cache(max_batch_size + 1, capacity) if drafter else None
+        self.draft_cache = drafter.new_cache(max_batch_size + 1, capacity, **window) if drafter else None
         passes = (self.target, self.drafter, self.target_cache, self.draft_cache, self.taps, self.block_size)
         use_graphs = cuda_graphs and graphs_supported(target, self.device)
         self.passes = GraphedPasses(*passes, max_batch_size=max_batch_size) if use_graphs else DecodePasses(*passes)
@@ -221,6 +225,12 @@ class Engine:
         while self.has_work():
             self.step()
         return [GenerationResult(s.request_id, s.prompt_ids, s.output_ids, s.finish_reason, s.stats) for s in seqs]
+
+
+def check_draft_window(window: int, block_size: int) -> None:
+    if window and window < block_size:
+        raise ConfigError(f"draft_window_size = {window} must be 0 (no window) or at least the block size "
+                          f"({block_size})")
 
 
 # -- memory -------------------------------------------------------------------------------

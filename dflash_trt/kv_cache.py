@@ -78,3 +78,80 @@ class KVCache:
         """Store k/v [bs, width, Hkv, d] at their positions, every row (see the module doc)."""
         self.k[layer, batch.slots[:, None], batch.positions] = k
         self.v[layer, batch.slots[:, None], batch.positions] = v
+
+    # The drafter reads and writes its cache through the three methods below, so that a
+    # DraftWindowCache can stand in for this one.
+
+    def write_rows(self, batch: Batch) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Where a pass's tokens go: (slot, row) per token, once (see Batch.token_rows)."""
+        return [batch.token_rows()]
+
+    def context(self, batch: Batch) -> "Context":
+        """Where each row's context sits, in block_attention's terms: slot rows [0, start)."""
+        slots, start = batch.slots.int(), batch.start.int()
+        return Context(slots, start, start, batch.max_end)
+
+    def keys(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[layer], self.v[layer]
+
+
+@dataclass(frozen=True)
+class Context:
+    """block_attention's view of a pass's context: row i reads rows [0, ctx_len[i]) of cache
+    entry `slots[i]` and its block sits at q_start[i]; `max_keys` bounds ctx_len + block."""
+
+    slots: torch.Tensor  # [bs] int32
+    ctx_len: torch.Tensor  # [bs] int32
+    q_start: torch.Tensor  # [bs] int32
+    max_keys: int
+
+
+class DraftWindowCache(KVCache):
+    """The drafter's cache under a draft window W (`--draft-window-size`): the drafter attends
+    to the last W committed rows only, so its memory and its attention time per pass are
+    bounded by W, not by the context.
+
+    Position p is stored twice, at rows p mod R and R + p mod R of its slot (R = W + B - 1),
+    so the last n <= W positions are always one run of rows [o, o + n) in position order
+    (o = (start - n) mod R). The attention kernel reads that run as a whole context: it is
+    given the cache with one entry per row (`keys`), entry slot * 2R + o, ctx_len n, and the
+    block right after at q_start n. Masks see only position differences and RoPE is already
+    in the keys, so full, causal and sliding-window layers see what they would at the
+    absolute positions.
+
+    The B - 1 rows of slack in R: a pass writes all B rows of its block (rejected ones too,
+    see the module doc) at positions start .. start + B - 1; with R >= W + B - 1 these land
+    on rows of positions before start + 1 - W, which the next pass no longer reads. A prefill
+    writes only the last R positions of each prompt (longer ones would wrap onto their own
+    rows) and no padding; the rest goes to the scratch slot, the last one, which no request
+    owns.
+    """
+
+    def __init__(self, num_layers: int, num_slots: int, window: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device):
+        self.window, self.ring = window, window + block_size - 1
+        super().__init__(num_layers, num_slots, 2 * self.ring, num_kv_heads, head_dim, dtype, device)
+
+    def write_rows(self, batch: Batch) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        end = (batch.start + batch.num_tokens)[:, None]
+        keep = (batch.positions < end) & (batch.positions >= end - self.ring)
+        slots = torch.where(keep, batch.slots[:, None], self.k.shape[1] - 1).flatten().int()
+        rows = torch.where(keep, batch.positions % self.ring, 0).flatten().int()
+        return [(slots, rows), (slots, rows + self.ring)]
+
+    def context(self, batch: Batch) -> Context:
+        n = batch.start.clamp(max=self.window)
+        first = batch.slots * (2 * self.ring) + (batch.start - n) % self.ring
+        n = n.int()
+        return Context(first.int(), n, n, min(batch.max_end, self.window + batch.width))
+
+    def keys(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's cache as [entries, W, Hkv, d]: entry e starts at the e-th row of the
+        flat cache (a strided view: no copy)."""
+        return self._rows(self.k[layer]), self._rows(self.v[layer])
+
+    def _rows(self, cache: torch.Tensor) -> torch.Tensor:
+        num_slots, _, heads, dim = cache.shape
+        row = cache.stride(1)
+        entries = num_slots * 2 * self.ring - self.window + 1  # every entry's W rows stay inside
+        return cache.as_strided((entries, self.window, heads, dim), (row, row, cache.stride(2), cache.stride(3)))

@@ -8,6 +8,7 @@ and the build config recorded in engine.json (`config.read_engine_record`).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,11 +95,13 @@ def load_drafter(directory: Path, target: Qwen3ForCausalLM, device="cpu", dtype=
 
 
 def load_pair(target_dir, drafter_dir=None, *, device="cpu", dtype=torch.float32,
-              max_batch_size: int = 8, max_seq_len: int = 4096, mode: str | None = None) -> Engine:
+              max_batch_size: int = 8, max_seq_len: int = 4096, mode: str | None = None,
+              draft_window: int = 0) -> Engine:
     """Load a Qwen3 target (and optionally its DFlash drafter) into an Engine."""
     target = load_target(Path(target_dir), device, dtype)
     drafter = load_drafter(Path(drafter_dir), target, device, dtype) if drafter_dir else None
-    return Engine(target, drafter, max_batch_size=max_batch_size, max_seq_len=max_seq_len, mode=mode)
+    return Engine(target, drafter, max_batch_size=max_batch_size, max_seq_len=max_seq_len, mode=mode,
+                  draft_window=draft_window)
 
 
 # -- engine directories -----------------------------------------------------------------------
@@ -111,13 +114,16 @@ class LoadedEngine:
     config: BuildConfig
 
 
-def load_engine(engine_dir: Path, device: str | None = None) -> LoadedEngine:
-    """Load a built engine directory (`out/engine`) onto `device` (default: the build's)."""
+def load_engine(engine_dir: Path, device: str | None = None, draft_window: int | None = None) -> LoadedEngine:
+    """Load a built engine directory (`out/engine`) onto `device` (default: the build's), with
+    the build's draft window unless `draft_window` is given (0: none)."""
     engine_dir = Path(engine_dir)
     record, config = read_engine_record(engine_dir)
     device = device or config.device
+    if draft_window is not None:
+        config = dataclasses.replace(config, draft_window_size=draft_window)
     target = load_target(engine_dir / "target", device, torch_dtype(config))
     drafter = load_drafter(engine_dir / "drafter", target, device, torch_dtype(config))
     engine = Engine(target, drafter, max_batch_size=config.max_batch_size, max_seq_len=config.max_seq_len,
-                    block_size=record["block_size"])
+                    block_size=record["block_size"], draft_window=config.draft_window_size)
     return LoadedEngine(engine, Tokenizer.from_dir(engine_dir / TOKENIZER_DIR), config)

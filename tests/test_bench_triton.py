@@ -17,10 +17,12 @@ from dflash_trt.benchmark.datasets import load_prompts  # noqa: E402
 from dflash_trt.cli import cli  # noqa: E402
 from dflash_trt.sampling import SamplingParams  # noqa: E402
 from dflash_trt.serving.client import ClientError  # noqa: E402
+from dflash_trt.serving.openai_api import start_api  # noqa: E402
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 12
 DFLASH_THROUGH_TRITON = "DFlash through Triton (real acceptance)"
+DFLASH_THROUGH_OPENAI = "DFlash through the OpenAI API (real acceptance)"
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +46,43 @@ def test_closed_loop_requests_get_the_in_process_greedy_outputs(server, local, p
     assert [r.num_output_tokens for r in run.results] == [len(ids) for ids in in_process]
     assert [r.text for r in run.results] == [local.tokenizer.decode(ids) for ids in in_process]
     assert all(0 < r.ttft_s <= r.latency_s <= run.wall_s for r in run.results)
+
+
+@pytest.fixture(scope="module")
+def openai_url(demo, server):
+    (port,) = free_ports(1)
+    api = start_api(demo / "engine", server.endpoints.grpc, "127.0.0.1", port)
+    yield api.url
+    api.stop()
+
+
+def test_closed_loop_through_the_openai_api_gets_the_same_outputs_and_counts(openai_url, local, prompts, in_process):
+    run = loadgen.closed_loop(openai_url, prompts, 2, max_tokens=MAX_TOKENS)
+    assert [r.num_output_tokens for r in run.results] == [len(ids) for ids in in_process]
+    assert [r.text for r in run.results] == [local.tokenizer.decode(ids) for ids in in_process]
+    assert all(0 < r.ttft_s <= r.latency_s <= run.wall_s and r.speculative for r in run.results)
+    accepted = [r.metrics["total_accepted_draft_tokens"] for r in run.results]
+    assert [r.metrics["mean_acceptance_length"] for r in run.results] == pytest.approx(
+        [1 + a / (r.metrics["total_draft_tokens"] / 7) for a, r in zip(accepted, run.results)])
+
+
+def test_one_bench_compares_grpc_and_the_openai_api(demo, server, openai_url, tmp_path):
+    report = tmp_path / "both.json"
+    result = CliRunner().invoke(cli, ["bench", "--url", server.endpoints.grpc, "--url", openai_url, "--dataset",
+                                      "mt_bench", "--concurrency", "1", "--num-prompts", "2", "--max-tokens", "4",
+                                      "--json", str(report)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(report.read_text())
+    assert data["meta"]["urls"] == [server.endpoints.grpc, openai_url]
+    assert [r["mode_label"] for r in data["triton_rows"]] == [DFLASH_THROUGH_TRITON, DFLASH_THROUGH_OPENAI]
+    assert len({r["output_tokens"] for r in data["triton_rows"]}) == 1  # the same greedy answers
+
+
+def test_an_openai_url_with_nothing_there_is_a_clear_error():
+    (port,) = free_ports(1)
+    url = f"http://127.0.0.1:{port}"
+    with pytest.raises(ClientError, match=f"{url}: cannot reach the OpenAI API"):
+        loadgen.check_server(url)
 
 
 def test_url_bench_rows_count_the_in_process_tokens_at_each_concurrency(server, prompts, in_process):
@@ -81,7 +120,7 @@ def test_cli_prints_both_tables_and_the_serving_overhead(demo, server, tmp_path)
     assert len(lines) == 2 and lines[1].startswith("serving overhead mt_bench c=2: ")
     assert "DFlash in-process (real acceptance)" in lines[1]
     data = json.loads(report.read_text())
-    assert [r["concurrency"] for r in data["triton_rows"]] == [1, 2] and data["meta"]["url"] == server.endpoints.grpc
+    assert [r["concurrency"] for r in data["triton_rows"]] == [1, 2] and data["meta"]["urls"] == [server.endpoints.grpc]
     assert all(e["ratio"] > 0 and e["like_for_like"] for e in data["serving_overhead"])
 
     alone = CliRunner().invoke(cli, ["bench", "--url", server.endpoints.grpc, *args])

@@ -73,6 +73,29 @@ def test_build_block_size_sets_the_engines_block_and_leaves_the_drafter_config_a
     assert result.token_ids == reference and max(result.stats.acceptance_lengths) == 4
 
 
+def test_build_records_the_draft_window_and_run_can_override_it(make_pair, tmp_path):
+    pair = make_pair()  # block size 8
+    out = tmp_path / "window"
+    assert invoke("build", "--target", pair.target, "--drafter", pair.drafter, "--dtype", "float32",
+                  "--draft-window-size", 16, "-o", out).exit_code == 0
+    record = json.loads((out / "engine" / "engine.json").read_text())
+    assert record["build_config"]["draft_window_size"] == 16
+    engine = load_engine(out / "engine").engine
+    assert engine.draft_window == 16 and engine.draft_cache.k.shape[2] == 2 * (16 + 8 - 1)
+    assert load_engine(out / "engine", draft_window=0).engine.draft_window == 0
+    result = invoke("run", out, "Hello", "--max-tokens", 3, "--no-chat", "--draft-window-size", 5)
+    assert result.exit_code == 1 and "draft_window_size = 5 must be 0 (no window) or at least the block size (8)" \
+        in result.stderr
+
+
+def test_a_draft_window_below_the_block_size_fails_the_build_and_leaves_nothing(make_pair, tmp_path):
+    pair = make_pair()
+    result = invoke("build", "--target", pair.target, "--drafter", pair.drafter, "--draft-window-size", 4,
+                    "-o", tmp_path / "out")
+    assert result.exit_code == 1 and "draft_window_size = 4" in result.stderr
+    assert leftovers(tmp_path, "out") == []
+
+
 def test_run_generates_text_and_reports_stats(demo):
     result = invoke("run", demo[0], "Hello", "--max-tokens", "5", "--stats")
     assert result.exit_code == 0, result.output

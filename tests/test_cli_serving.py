@@ -29,10 +29,10 @@ def demo(tmp_path_factory):
     return out
 
 
-def start_serve(demo, ports, tritonserver_args=()):
+def start_serve(demo, ports, tritonserver_args=(), before=()):
     http, grpc, metrics, openai = ports
     cmd = [sys.executable, "-m", "dflash_trt", "serve", str(demo), "--host", "127.0.0.1", "--http-port", str(http),
-           "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--openai-port", str(openai),
+           "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--openai-port", str(openai), *before,
            "--", *tritonserver_args]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -98,6 +98,14 @@ def test_serve_passes_arguments_after_the_double_dash_to_tritonserver(demo):
     proc = start_serve(demo, free_ports(4), ["--model-control-mode=sometimes"])
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 1 and "exited with code" in err, err
+
+
+def test_serve_passes_the_draft_window_to_the_engine(demo):
+    """The override reaches the dflash model (serve's environment): one below the block size
+    fails its load, and serve says why."""
+    proc = start_serve(demo, free_ports(4), before=["--draft-window-size", "3"])
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1 and "draft_window_size = 3 must be 0 (no window)" in err, err
 
 
 def servers_of(demo) -> set[str]:

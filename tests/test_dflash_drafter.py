@@ -27,8 +27,9 @@ def rope(x, pos, theta):
     return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
 
 
-def naive_block_logits(w, cfg, feats, block_ids, embed, lm_head):
-    """feats [s, K*H] for positions 0..s-1; block_ids [B] at positions s..s+B-1 -> logits [B-1, V]."""
+def naive_block_logits(w, cfg, feats, block_ids, embed, lm_head, window=None):
+    """feats [s, K*H] for positions 0..s-1; block_ids [B] at positions s..s+B-1 -> logits [B-1, V].
+    `window`: the draft window, context positions below s - window are invisible."""
     s, B = feats.shape[0], len(block_ids)
     nh, nkv, d, theta = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"], cfg["rope_theta"]
     ctx = rms(feats @ w["fc.weight"].T, w["hidden_norm.weight"])
@@ -51,7 +52,8 @@ def naive_block_logits(w, cfg, feats, block_ids, embed, lm_head):
             for j in range(B):
                 qpos = s + j
                 allowed = [
-                    kind == "full_attention" or (kp <= qpos and kp > qpos - cfg["sliding_window"])
+                    (kind == "full_attention" or (kp <= qpos and kp > qpos - cfg["sliding_window"]))
+                    and (window is None or kp >= s - window)
                     for kp in key_pos.tolist()
                 ]
                 idx = torch.tensor([n for n, ok in enumerate(allowed) if ok])
@@ -110,3 +112,40 @@ def test_drafter_borrows_target_embedding_and_lm_head(make_pair, no_tokenizer):
     assert engine.drafter.embed_tokens is engine.target.model.embed_tokens
     assert engine.drafter.lm_head is engine.target.lm_head
     assert not any("embed" in k or "lm_head" in k for k in engine.drafter.state_dict())
+
+
+@pytest.mark.parametrize("name", ["full", "sliding+full"])
+def test_drafter_with_a_draft_window_sees_only_the_last_w_committed_rows(make_pair, no_tokenizer, device, name):
+    """Prefill (a prompt longer than the ring, one shorter than the window, an empty one),
+    then verify rounds that write whole blocks and commit only some rows: after each, the
+    block logits match the reference that sees context positions [s - W, s) only."""
+    B, W = 6, 7
+    pair = make_pair(**DRAFTERS[name], block_size=B, **no_tokenizer)
+    engine = load_pair(pair.target, pair.drafter, device=device)
+    drafter, target = engine.drafter, engine.target
+    cfg = __import__("json").loads((pair.drafter / "config.json").read_text())
+    w = {k.removeprefix("model."): v for k, v in load_file(pair.drafter / "model.safetensors").items()}
+    K, H = drafter.config.num_taps, drafter.config.dims.hidden_size
+    gen = torch.Generator().manual_seed(1)
+    slots, lengths = [2, 0, 1], [W + B + 4, 3, 0]  # the ring holds W + B - 1 rows
+    cache = drafter.new_cache(4, 0, window=W, block_size=B)  # slot 3: the scratch slot
+    committed = [torch.randn(n, K * H, generator=gen) for n in lengths]
+    width = max(lengths)
+    padded = torch.stack([torch.cat([f, torch.randn(width - len(f), K * H, generator=gen)]) for f in committed])
+    embed, lm_head = target.model.embed_tokens.weight.cpu(), target.lm_head.weight.cpu()
+    with torch.no_grad():
+        drafter.append_context(padded.to(device), Batch.make(slots, [0] * 3, lengths, width, device), cache)
+        for round_ in range(5):
+            start = [len(f) for f in committed]
+            blocks = torch.randint(0, 500, (3, B), generator=gen)
+            hidden = drafter(blocks.to(device), Batch.make(slots, start, [B] * 3, B, device), cache)
+            logits = drafter.logits(hidden[:, 1:]).cpu()
+            for row in range(3):
+                expected = naive_block_logits(w, cfg, committed[row], blocks[row], embed, lm_head, window=W)
+                assert (logits[row] - expected).abs().max() <= ATOL, (round_, row)
+            # verify: all B rows' context is written, then 1..B of them are kept
+            written = torch.randn(3, B, K * H, generator=gen)
+            drafter.append_context(written.to(device), Batch.make(slots, start, [B] * 3, B, device), cache)
+            kept = torch.randint(1, B + 1, (3,), generator=gen).tolist()
+            committed = [torch.cat([f, written[i, :k]]) for i, (f, k) in enumerate(zip(committed, kept))]
+    assert cache.k.shape[2] == 2 * (W + B - 1)  # memory by the window, not by the context

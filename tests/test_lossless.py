@@ -4,6 +4,7 @@ import random
 
 import pytest
 
+from dflash_trt.errors import ConfigError
 from dflash_trt.loading import load_pair
 from dflash_trt.sampling import SamplingParams
 from dflash_trt.speculate import OracleDrafts
@@ -65,6 +66,24 @@ def test_greedy_dflash_equals_ar_across_pair_layouts(make_pair, no_tokenizer, de
     ar, dflash = run_both(engine, PROMPTS, SamplingParams(max_tokens=29, ignore_eos=True),
                           ORACLES["random-acceptance"])
     assert [d.token_ids for d in dflash] == [a.token_ids for a in ar]
+
+
+@pytest.mark.parametrize("oracle", ["real-drafter", "random-acceptance"])
+@pytest.mark.parametrize("pair_name", ["full-drafter", "sliding-drafter"])
+def test_greedy_dflash_equals_ar_with_a_draft_window(make_pair, no_tokenizer, device, pair_name, oracle):
+    """A window shorter than most prompts and outputs (and a prompt longer than its ring)."""
+    spec = PAIRS["sliding-drafter"] if pair_name == "sliding-drafter" else dict(block_size=4)
+    pair = make_pair(**spec, **no_tokenizer)
+    engine = load_pair(pair.target, pair.drafter, device=device, max_seq_len=128, draft_window=spec["block_size"] + 1)
+    assert engine.draft_cache.k.shape[2] < 128
+    ar, dflash = run_both(engine, PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True), ORACLES[oracle])
+    assert [d.token_ids for d in dflash] == [a.token_ids for a in ar]
+
+
+def test_a_draft_window_shorter_than_a_block_is_refused(make_pair, no_tokenizer):
+    pair = make_pair(block_size=8, **no_tokenizer)
+    with pytest.raises(ConfigError, match="draft_window_size = 7 must be 0 .* at least the block size \\(8\\)"):
+        load_pair(pair.target, pair.drafter, draft_window=7)
 
 
 def test_requests_join_and_leave_between_steps(make_pair, device, no_tokenizer):

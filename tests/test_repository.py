@@ -9,7 +9,14 @@ import pytest
 from dflash_trt.config import BuildConfig
 from dflash_trt.errors import BuildError, ConfigError
 from dflash_trt.serving import protocol as p
-from dflash_trt.serving.repository import CONFIG_FILE, engine_dir_from_args, render_repository, template_dir
+from dflash_trt.serving.repository import (
+    CONFIG_FILE,
+    DRAFT_WINDOW_ENV,
+    draft_window_from_env,
+    engine_dir_from_args,
+    render_repository,
+    template_dir,
+)
 
 CONFIG = BuildConfig(max_batch_size=5, triton_max_batch_size=12)
 
@@ -148,3 +155,18 @@ def test_rendering_into_a_non_empty_directory_fails(tmp_path):
     (tmp_path / "repo" / "stale").write_text("")
     with pytest.raises(BuildError, match="not empty"):
         render_repository(tmp_path / "engine", tmp_path / "repo", CONFIG)
+
+
+@pytest.mark.parametrize("value, expected", [(None, None), ("0", 0), ("4096", 4096)])
+def test_the_draft_window_override_comes_from_serves_environment(monkeypatch, value, expected):
+    if value is None:
+        monkeypatch.delenv(DRAFT_WINDOW_ENV, raising=False)
+    else:
+        monkeypatch.setenv(DRAFT_WINDOW_ENV, value)
+    assert draft_window_from_env() == expected
+
+
+def test_a_malformed_draft_window_override_names_the_variable(monkeypatch):
+    monkeypatch.setenv(DRAFT_WINDOW_ENV, "-5")
+    with pytest.raises(ConfigError, match="DFLASH_TRT_DRAFT_WINDOW_SIZE must be an int >= 0, got '-5'"):
+        draft_window_from_env()

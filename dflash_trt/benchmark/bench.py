@@ -174,7 +174,8 @@ def run_bench(loaded_engine, prompts: Sequence[str], *, dataset: str = "custom",
                           f"engine's max_seq_len = {base.max_seq_len}")
 
     def new_engine(c: int) -> Engine:
-        engine = Engine(base.target, base.drafter, max_batch_size=c, max_seq_len=need)
+        engine = Engine(base.target, base.drafter, max_batch_size=c, max_seq_len=need, block_size=base.block_size,
+                        draft_window=base.draft_window)
         engine.warm_up()  # CUDA graph captures stay out of the timings
         return engine
 
@@ -313,16 +314,17 @@ class Report:
     triton_rows: list[TritonRow] = field(default_factory=list)
 
 
-def run_report(loaded_engine, datasets: Sequence[str], *, url: str | None = None,
+def run_report(loaded_engine, datasets: Sequence[str], *, urls: Sequence[str] = (),
                concurrencies: Sequence[int] = DEFAULT_CONCURRENCIES, num_prompts: int = 32, max_tokens: int = 256,
                chat: bool = True, thinking: bool = False, oracle_tau: float | None = None,
                compare_transformers: bool = False, progress: Progress | None = None) -> Report:
     """Per dataset: in-process rows (with an engine), the transformers row (if asked), and rows
-    through the Triton server at `url` (if given), all over the same prompts."""
-    if loaded_engine is None and (url is None or compare_transformers or oracle_tau is not None):
+    through each server URL (Triton's gRPC host:port, or the OpenAI API's http:// address), all
+    over the same prompts."""
+    if loaded_engine is None and (not urls or compare_transformers or oracle_tau is not None):
         raise ConfigError("an in-process engine is needed for in-process rows, oracle τ and the transformers "
                           "baseline; only --url rows can run without one")
-    if url is not None:
+    for url in urls:
         loadgen.check_server(url)  # fail before the in-process runs, not after them
     hf_model = None
     if compare_transformers:
@@ -341,7 +343,7 @@ def run_report(loaded_engine, datasets: Sequence[str], *, url: str | None = None
             report.transformers_rows.append(run_transformers(
                 loaded_engine, hf_model, prompts, dataset=label, max_tokens=max_tokens, chat=chat,
                 thinking=thinking, in_process=at_1, ar_outputs=ar_outputs.get(1), progress=progress))
-        if url is not None:
+        for url in urls:
             report.triton_rows += loadgen.run_triton_bench(url, prompts, dataset=label, concurrencies=concurrencies,
                                                            max_tokens=max_tokens, chat=chat, thinking=thinking,
                                                            progress=progress)

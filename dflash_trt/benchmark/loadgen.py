@@ -1,6 +1,7 @@
 """A closed-loop load generator for a running Triton server: `dflash-trt bench --url`.
 
-At concurrency c, c worker threads each hold one gRPC stream to the `ensemble` model and
+At concurrency c, c worker threads each hold one gRPC stream to the `ensemble` model (or,
+for an http:// URL, one connection to the OpenAI-compatible API that `serve` starts) and
 send their next prompt as soon as the previous one has finished, so exactly c requests are
 in flight until the prompts run out. Requests are greedy (temperature 0), streamed (the
 first response that carries text gives the TTFT) and ask for the perf outputs, so the final
@@ -32,7 +33,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from dflash_trt.serving import protocol as p
-from dflash_trt.serving.client import ClientError, Completion, GrpcStream
+from dflash_trt.serving.client import ClientError, Completion, GrpcStream, OpenAIStream
 
 RESPONSE_TIMEOUT_S = 600.0  # longest wait for one response before the run is given up
 
@@ -59,6 +60,7 @@ class RequestResult:
 
 @dataclass(frozen=True)
 class LoadRun:
+    url: str
     concurrency: int
     results: list[RequestResult]  # in prompt order
     wall_s: float
@@ -89,13 +91,28 @@ def percentile(values: Sequence[float], q: float) -> float:
     return float(np.percentile(np.asarray(values, dtype=float), q))
 
 
-def triton_mode_label(speculative: bool) -> str:
+def is_openai(url: str) -> bool:
+    """An http(s):// URL is the OpenAI API; anything else a gRPC host:port."""
+    return url.startswith(("http://", "https://"))
+
+
+def triton_mode_label(speculative: bool, openai: bool = False) -> str:
     # The server cannot run oracle acceptance: its drafts are always the drafter's own.
-    return "DFlash through Triton (real acceptance)" if speculative else "AR through Triton"
+    path = "the OpenAI API" if openai else "Triton"
+    return f"DFlash through {path} (real acceptance)" if speculative else f"AR through {path}"
+
+
+def _connect(url: str):
+    return OpenAIStream(url) if is_openai(url) else GrpcStream(url)
 
 
 def check_server(url: str, timeout_s: float = 10.0) -> None:
-    """Raise ClientError naming `url` unless a Triton server there has the ensemble ready."""
+    """Raise ClientError naming `url` unless a Triton server there has the ensemble ready (or,
+    for an http:// URL, the OpenAI API answers)."""
+    if is_openai(url):
+        with OpenAIStream(url) as api:
+            api.models(timeout_s)
+        return
     import tritonclient.grpc as grpcclient  # optional (the serve extra): only --url runs need it
     from tritonclient.utils import InferenceServerException
 
@@ -109,7 +126,7 @@ def check_server(url: str, timeout_s: float = 10.0) -> None:
         raise ClientError(f"{url}: cannot reach a Triton server over gRPC ({e})") from None
 
 
-def _request(connection: GrpcStream, index: int, prompt: str, options: dict) -> RequestResult:
+def _request(connection: GrpcStream | OpenAIStream, index: int, prompt: str, options: dict) -> RequestResult:
     completion = Completion()
     start = time.perf_counter()
     first = None
@@ -141,7 +158,7 @@ def closed_loop(url: str, prompts: Sequence[str], concurrency: int, *, max_token
     failed = threading.Event()
     progress_lock = threading.Lock()  # progress (a click progress bar) is not thread-safe
 
-    def worker(connection: GrpcStream) -> None:
+    def worker(connection: GrpcStream | OpenAIStream) -> None:
         try:
             while not failed.is_set():
                 try:
@@ -159,11 +176,11 @@ def closed_loop(url: str, prompts: Sequence[str], concurrency: int, *, max_token
             errors.append(e)
             failed.set()
 
-    connections: list[GrpcStream] = []
+    connections: list[GrpcStream | OpenAIStream] = []
     try:
         try:  # streams open before the clock starts
             for _ in range(min(concurrency, len(prompts))):
-                connections.append(GrpcStream(url))
+                connections.append(_connect(url))
         except InferenceServerException as e:
             raise ClientError(f"{url}: {e}") from None
         threads = [threading.Thread(target=worker, args=(c,), name=f"loadgen-{i}", daemon=True)
@@ -179,7 +196,7 @@ def closed_loop(url: str, prompts: Sequence[str], concurrency: int, *, max_token
             connection.close()
     if errors:
         raise errors[0]
-    return LoadRun(concurrency, [results[i] for i in range(len(prompts))], wall)
+    return LoadRun(url, concurrency, [results[i] for i in range(len(prompts))], wall)
 
 
 def row(run: LoadRun, dataset: str) -> TritonRow:
@@ -188,7 +205,7 @@ def row(run: LoadRun, dataset: str) -> TritonRow:
     n = len(run.results)
     return TritonRow(
         dataset=dataset, concurrency=run.concurrency,
-        mode_label=triton_mode_label(any(r.speculative for r in run.results)),
+        mode_label=triton_mode_label(any(r.speculative for r in run.results), is_openai(run.url)),
         tok_s=run.output_tokens / run.wall_s if run.wall_s > 0 else 0.0,
         requests_s=n / run.wall_s if run.wall_s > 0 else 0.0,
         tau=sum(taus) / len(taus) if taus else 0.0,

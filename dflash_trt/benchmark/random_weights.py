@@ -143,15 +143,16 @@ def random_pair(sources: PairPaths, device, dtype, seed: int = 0):
 
 
 def random_engine(preset: str, device: str = "cuda", dtype: torch.dtype = torch.bfloat16, max_batch_size: int = 32,
-                  max_seq_len: int = 4096, seed: int = 0, num_layers: int | None = None):
+                  max_seq_len: int = 4096, seed: int = 0, num_layers: int | None = None, draft_window: int = 0):
     """A LoadedEngine (engine + tokenizer) for a random-weights preset, built on `device`
     (`num_layers`: a reduced-depth copy of the preset)."""
     with tempfile.TemporaryDirectory(prefix="dflash-random-") as tmp:
         sources = write_configs(Path(tmp), preset, dtype, num_layers)
         target, drafter = random_pair(sources, device, dtype, seed)
         tokenizer = Tokenizer.from_dir(sources.target)
-    engine = Engine(target, drafter, max_batch_size=max_batch_size, max_seq_len=max_seq_len)
+    engine = Engine(target, drafter, max_batch_size=max_batch_size, max_seq_len=max_seq_len, draft_window=draft_window)
     config = BuildConfig(device=str(torch.device(device).type), dtype=str(dtype).removeprefix("torch."),
                          max_batch_size=max_batch_size, max_input_len=max(1, max_seq_len // 2),
+                         draft_window_size=draft_window,
                          max_output_len=max(1, max_seq_len - max_seq_len // 2), preset=f"random:{preset}")
     return LoadedEngine(engine, tokenizer, config)

@@ -13,7 +13,7 @@ from torch import nn
 
 from dflash_trt import ops
 from dflash_trt.config import DraftConfig, LayerDims
-from dflash_trt.kv_cache import Batch, KVCache
+from dflash_trt.kv_cache import Batch, Context, DraftWindowCache, KVCache
 from dflash_trt.models.layers import AttentionProjections, DecoderLayer, Linear, RMSNorm, Rotary
 from dflash_trt.ops import paged_block_attention
 
@@ -26,21 +26,21 @@ class DFlashAttention(AttentionProjections):
 
     def write_context(self, c, cos, sin, cache: KVCache, rows) -> None:
         """Context features c [bs, T, H] -> K (k_norm, RoPE) and V, written into this layer's
-        draft cache at every token's slot/position (`rows`, see Batch.token_rows)."""
+        draft cache at every token's slot and row (`rows`: cache.write_rows)."""
         d = self.dims
         bias = None if self.qkv_proj.bias is None else self.qkv_proj.bias[d.q_size:]
-        kv = nn.functional.linear(c, self.qkv_proj.weight[d.q_size:], bias)  # one GEMM for K and V
-        ops.qk_norm_rope(kv.flatten(0, 1), 0, d.num_key_value_heads, None, self.k_norm.weight, d.rms_norm_eps,
-                         cos.flatten(0, 1), sin.flatten(0, 1), *cache.layer(self.layer_idx, rows))
+        kv = nn.functional.linear(c, self.qkv_proj.weight[d.q_size:], bias).flatten(0, 1)  # one GEMM for K and V
+        for where in rows:  # a draft window stores each row twice
+            ops.qk_norm_rope(kv, 0, d.num_key_value_heads, None, self.k_norm.weight, d.rms_norm_eps,
+                             cos.flatten(0, 1), sin.flatten(0, 1), *cache.layer(self.layer_idx, where))
 
-    def forward(self, h, cos, sin, lengths, batch: Batch, cache: KVCache):
+    def forward(self, h, cos, sin, context: Context, batch: Batch, cache: KVCache):
         q, k, v = self.qkv(h, cos, sin)
-        # keys: the slot's context rows [0, start) plus the block's own transient k/v at
-        # start + j; full layers are non-causal, sliding layers causal with a window
-        slots, start = lengths
-        out = paged_block_attention(q, cache.k[self.layer_idx], cache.v[self.layer_idx], slots, start, start, k, v,
-                                    causal=self.window is not None, window=self.window, scale=self.scale,
-                                    max_keys=batch.max_end)
+        # keys: the row's context (cache.context) plus the block's own transient k/v right
+        # after it; full layers are non-causal, sliding layers causal with a window
+        out = paged_block_attention(q, *cache.keys(self.layer_idx), context.slots, context.ctx_len, context.q_start,
+                                    k, v, causal=self.window is not None, window=self.window, scale=self.scale,
+                                    max_keys=context.max_keys)
         return self.o_proj(out.flatten(2))
 
 
@@ -71,7 +71,7 @@ class DFlashDrafter(nn.Module):
         """Project committed rows' taps [bs, width, K*H] into every layer's draft cache."""
         c = self.hidden_norm(self.fc(taps.to(self.fc.weight.dtype)))
         cos, sin = self.rotary(batch.positions, c.dtype)
-        rows = batch.token_rows()
+        rows = cache.write_rows(batch)
         for layer in self.layers:
             layer.self_attn.write_context(c, cos, sin, cache, rows)
 
@@ -79,16 +79,20 @@ class DFlashDrafter(nn.Module):
         """block_ids [bs, B] at positions start..start+B-1 -> final hidden [bs, B, H]."""
         x = self.embed_tokens(block_ids).float()  # fp32 residual stream, as in the target
         cos, sin = self.rotary(batch.positions, self.fc.weight.dtype)
-        lengths = (batch.slots.int(), batch.start.int())  # once per pass
+        context = cache.context(batch)  # once per pass
         mlp_out = None
         for layer in self.layers:
-            x, mlp_out = layer(x, mlp_out, cos, sin, lengths, batch, cache)
+            x, mlp_out = layer(x, mlp_out, cos, sin, context, batch, cache)
         return self.norm.add_and_norm(x, mlp_out)[1]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def new_cache(self, num_slots: int, capacity: int, device=None) -> KVCache:
+    def new_cache(self, num_slots: int, capacity: int, device=None, window: int = 0, block_size: int = 0) -> KVCache:
+        """A cache of `capacity` positions per slot, or, with a draft window W, of the last W
+        committed positions (DraftWindowCache; `block_size`: the engine's)."""
         d, w = self.config.dims, self.fc.weight
-        return KVCache(len(self.layers), num_slots, capacity, d.num_key_value_heads, d.head_dim, w.dtype,
-                       device or w.device)
+        shape = (d.num_key_value_heads, d.head_dim, w.dtype, device or w.device)
+        if window:
+            return DraftWindowCache(len(self.layers), num_slots, window, block_size or self.config.block_size, *shape)
+        return KVCache(len(self.layers), num_slots, capacity, *shape)

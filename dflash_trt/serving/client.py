@@ -7,7 +7,9 @@ works the same way; this module only saves the boilerplate.
 from __future__ import annotations
 
 import http.client
+import json
 import queue
+import urllib.parse
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -147,6 +149,93 @@ class GrpcStream:
             self._client.close()
 
     def __enter__(self) -> "GrpcStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class OpenAIStream:
+    """The same contract as GrpcStream over the OpenAI-compatible API (`serve --openai-port`):
+    one kept-alive HTTP connection, a streamed (server-sent events) chat or text completion
+    per request. The final events' `usage` and `dflash` fields fill completion.metrics under
+    the perf output names, so a bench over either path reads the same figures."""
+
+    def __init__(self, url: str, api_key: str | None = None):
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ClientError(f"{url}: not an http(s):// address of the OpenAI API")
+        self.url = url
+        self._prefix = parts.path.rstrip("/").removesuffix("/v1") + "/v1"
+        kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        self._connection = kind(parts.hostname, parts.port)
+        self._headers = {"Content-Type": "application/json"}
+        if api_key:
+            self._headers["Authorization"] = f"Bearer {api_key}"
+
+    def models(self, timeout_s: float = 10.0) -> list[str]:
+        """The model ids the API lists (a liveness check)."""
+        self._connection.timeout = timeout_s
+        body = self._call("GET", "/models", None)
+        return [m["id"] for m in json.loads(body.read())["data"]]
+
+    def generate(self, prompt: str, *, stream: bool, completion: Completion, timeout_s: float | None = None,
+                 max_tokens: int, temperature: float, top_k: int, top_p: float, seed: int | None, chat: bool,
+                 thinking: bool, stats: bool = True, stop_words: tuple[str, ...] = ()) -> Iterator[str]:
+        request = {"max_tokens": max_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p,
+                   "stream": True, "stream_options": {"include_usage": True}}
+        if seed is not None:
+            request["seed"] = seed
+        if stop_words:
+            request["stop"] = list(stop_words)
+        if chat:
+            request.update(messages=[{"role": "user", "content": prompt}],
+                           chat_template_kwargs={"enable_thinking": thinking})
+        else:
+            request["prompt"] = prompt
+        self._connection.timeout = timeout_s
+        response = self._call("POST", "/chat/completions" if chat else "/completions", request)
+        for line in response:
+            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise ClientError(f"{self.url}: {event['error'].get('message')}")
+            for choice in event["choices"]:
+                text = choice["delta"].get("content", "") if chat else choice["text"]
+                if text:
+                    completion.text += text
+                    yield text
+            self._record(event, completion)
+
+    @staticmethod
+    def _record(event: dict, completion: Completion) -> None:
+        if usage := event.get("usage"):
+            completion.metrics[p.NUM_INPUT_TOKENS] = usage["prompt_tokens"]
+            completion.metrics[p.NUM_OUTPUT_TOKENS] = usage["completion_tokens"]
+        if stats := event.get("dflash"):
+            completion.metrics.update({p.MEAN_ACCEPTANCE_LENGTH: stats["mean_acceptance_length"],
+                                       p.ACCEPTANCE_RATE: stats["acceptance_rate"],
+                                       p.TOTAL_ACCEPTED_DRAFT_TOKENS: stats["accepted_draft_tokens"],
+                                       p.TOTAL_DRAFT_TOKENS: stats["draft_tokens"]})
+
+    def _call(self, method: str, path: str, body: dict | None) -> http.client.HTTPResponse:
+        try:
+            self._connection.request(method, self._prefix + path, json.dumps(body) if body is not None else None,
+                                     self._headers)
+            response = self._connection.getresponse()
+        except (OSError, http.client.HTTPException) as e:
+            self._connection.close()
+            raise ClientError(f"{self.url}: cannot reach the OpenAI API ({e!r})") from None
+        if response.status != 200:
+            detail = response.read().decode(errors="replace")
+            raise ClientError(f"{self.url}: HTTP {response.status}: {detail}")
+        return response
+
+    def close(self) -> None:
+        self._connection.close()
+
+    def __enter__(self) -> "OpenAIStream":
         return self
 
     def __exit__(self, *exc) -> None:

@@ -97,6 +97,20 @@ def ensemble_steps(steps) -> str:
     return ",\n".join(rendered)
 
 
+# `serve --draft-window-size` reaches the dflash model through tritonserver's environment.
+DRAFT_WINDOW_ENV = "DFLASH_TRT_DRAFT_WINDOW_SIZE"
+
+
+def draft_window_from_env() -> int | None:
+    """The draft window `serve` asked for, or None: the build's."""
+    value = os.environ.get(DRAFT_WINDOW_ENV)
+    if value is None:
+        return None
+    if not value.isdigit():
+        raise ConfigError(f"{DRAFT_WINDOW_ENV} must be an int >= 0, got {value!r}")
+    return int(value)
+
+
 def engine_dir_from_args(args: dict) -> Path:
     """The engine directory a Triton Python model should load, from its `initialize` args."""
     model_dir = Path(args["model_repository"])
