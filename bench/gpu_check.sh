@@ -8,7 +8,8 @@
 #   bash bench/gpu_check.sh roofline   # Qwen3-8B AR at batch 1: its GEMMs per BLAS library, profiles
 #   bash bench/gpu_check.sh bench8b    # Qwen3-8B AR vs DFlash, oracle acceptance, concurrency 1 and 32
 #   bash bench/gpu_check.sh identity   # Qwen3-8B-shaped random pair in fp32: DFlash output identical to AR
-#   bash bench/gpu_check.sh triton     # Triton vs in-process on the Qwen3-8B-shaped pair
+#   bash bench/gpu_check.sh triton     # Triton (gRPC and the OpenAI API) vs in-process, Qwen3-8B-shaped pair
+#   bash bench/gpu_check.sh window     # the draft window: draft pass time and cache at 8k and 32k context
 #   bash bench/gpu_check.sh flashinfer # the block attention table with its FlashInfer column
 #   bash bench/gpu_check.sh splits     # the causal attention table per forced key-split count, uniform
 #                                      # and ragged batches
@@ -32,7 +33,7 @@
 # The machine has no `unzip`: zips are opened with `python3 -m zipfile`, which drops the
 # executable bits, so they are set again.
 set -u
-usage="usage: gpu_check.sh STAGE... (tests hybrid benches roofline bench8b identity triton flashinfer splits moe moe-models moe-bench)"
+usage="usage: gpu_check.sh STAGE... (tests hybrid benches roofline bench8b identity triton window flashinfer splits moe moe-models moe-bench)"
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
@@ -126,13 +127,23 @@ triton)
   echo "ready after $i s" | tee -a "$LOG"
   step one-request 30 $py -m dflash_trt generate "Natalia sold clips to 48 of her friends." --max-tokens 64 \
     --stream --stats
-  step compare 300 $py -m dflash_trt bench $dir/out --url localhost:8001 --dataset gsm8k --num-prompts 8 \
-    --max-tokens 128 --concurrency 1,8 --json "$OUT/triton8b.json"
+  step compare 300 $py -m dflash_trt bench $dir/out --url localhost:8001 --url http://localhost:9000 \
+    --dataset gsm8k --num-prompts 8 --max-tokens 128 --concurrency 1,8 --json "$OUT/triton8b.json"
   kill -TERM $pid
   wait $pid
   log=$(grep -o '/tmp/dflash-trt-tritonserver-[^ ]*\.log' "$OUT/serve.txt" | head -1)
   [ -n "$log" ] && cp "$log" "$OUT/tritonserver.log"
   export PYTHONPATH=/tmp/site
+  ;;
+window)
+  DFLASH_TEST_DEVICE=cuda step tests-window 200 python3 -m pytest -q -p no:cacheprovider tests/test_lossless.py \
+    tests/test_dflash_drafter.py -k "window"
+  for ctx in 8192 32768; do
+    for w in 0 2048; do
+      step "window-$ctx-$w" 200 python3 bench/profile_step.py --preset qwen3-8b --context $ctx --batch 1,8 \
+        --draft-window-size $w --json "$OUT/window_${ctx}_$w.json"
+    done
+  done
   ;;
 splits)
   # the split rule: about four waves of CTAs (one at batch 1), for ragged batches (launch_plan)

@@ -61,6 +61,7 @@ def test_closed_loop_through_the_openai_api_gets_the_same_outputs_and_counts(ope
     assert [r.num_output_tokens for r in run.results] == [len(ids) for ids in in_process]
     assert [r.text for r in run.results] == [local.tokenizer.decode(ids) for ids in in_process]
     assert all(0 < r.ttft_s <= r.latency_s <= run.wall_s and r.speculative for r in run.results)
+    assert all(r.itl_s == pytest.approx((r.latency_s - r.ttft_s) / (r.num_output_tokens - 1)) for r in run.results)
     accepted = [r.metrics["total_accepted_draft_tokens"] for r in run.results]
     assert [r.metrics["mean_acceptance_length"] for r in run.results] == pytest.approx(
         [1 + a / (r.metrics["total_draft_tokens"] / 7) for a, r in zip(accepted, run.results)])
@@ -94,6 +95,7 @@ def test_url_bench_rows_count_the_in_process_tokens_at_each_concurrency(server, 
         assert r.mode_label == DFLASH_THROUGH_TRITON and r.dataset == "mt_bench"
         assert min(r.tok_s, r.requests_s) > 0 and r.tau >= 1.0
         assert 0 < r.ttft_p50_s <= r.ttft_p99_s and r.latency_p50_s >= r.ttft_p50_s
+        assert 0 < r.itl_p50_s < r.latency_p50_s
 
 
 def test_a_server_that_is_not_there_is_a_clear_error_before_any_in_process_run(demo):

@@ -57,6 +57,13 @@ class RequestResult:
     def speculative(self) -> bool:
         return self.metrics.get(p.TOTAL_DRAFT_TOKENS, 0) > 0
 
+    @property
+    def itl_s(self) -> float | None:
+        """Inter-token latency as AIPerf defines it: the time after the first response over the
+        tokens after the first (DFlash sends several tokens per response)."""
+        n = self.num_output_tokens
+        return (self.latency_s - self.ttft_s) / (n - 1) if n > 1 else None
+
 
 @dataclass(frozen=True)
 class LoadRun:
@@ -80,6 +87,7 @@ class TritonRow:
     tau: float  # mean over requests of the server's mean_acceptance_length (0 for AR)
     ttft_p50_s: float
     ttft_p99_s: float
+    itl_p50_s: float
     latency_p50_s: float
     output_tokens: int  # as counted by the server
     num_prompts: int
@@ -210,6 +218,7 @@ def row(run: LoadRun, dataset: str) -> TritonRow:
         requests_s=n / run.wall_s if run.wall_s > 0 else 0.0,
         tau=sum(taus) / len(taus) if taus else 0.0,
         ttft_p50_s=percentile(ttft, 50), ttft_p99_s=percentile(ttft, 99),
+        itl_p50_s=percentile([r.itl_s for r in run.results if r.itl_s is not None], 50),
         latency_p50_s=percentile([r.latency_s for r in run.results], 50),
         output_tokens=run.output_tokens, num_prompts=n,
     )
@@ -236,12 +245,13 @@ def run_triton_bench(url: str, prompts: Sequence[str], *, dataset: str = "custom
 
 def format_triton_table(rows: Sequence[TritonRow]) -> str:
     """A markdown table of rows measured through Triton (client side, end to end)."""
-    header = ["Dataset", "Concurrency", "Output tok/s", "Requests/s", "τ", "TTFT p50 / p99 (ms)",
+    header = ["Dataset", "Concurrency", "Output tok/s", "Requests/s", "τ", "TTFT p50 / p99 (ms)", "ITL p50 (ms)",
               "Latency p50 (ms)", "Output tokens", "Prompts", "Mode"]
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     for r in rows:
         cells = [r.dataset, str(r.concurrency), f"{r.tok_s:.1f}", f"{r.requests_s:.2f}", f"{r.tau:.2f}",
-                 f"{r.ttft_p50_s * 1e3:.1f} / {r.ttft_p99_s * 1e3:.1f}", f"{r.latency_p50_s * 1e3:.1f}",
+                 f"{r.ttft_p50_s * 1e3:.1f} / {r.ttft_p99_s * 1e3:.1f}", f"{r.itl_p50_s * 1e3:.2f}",
+                 f"{r.latency_p50_s * 1e3:.1f}",
                  str(r.output_tokens), str(r.num_prompts), r.mode_label]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
