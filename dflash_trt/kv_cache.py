@@ -37,6 +37,7 @@ class Batch:
     width: int
     max_end: int
     full_rows: bool = False
+    host_num_tokens: tuple[int, ...] | None = None  # num_tokens as the host knows them (Batch.make)
 
     @classmethod
     def make(cls, slots: list[int], start: list[int], num_tokens: list[int], width: int, device) -> "Batch":
@@ -44,7 +45,8 @@ class Batch:
         s = as_tensor(start)
         return cls(slots=as_tensor(slots), start=s, num_tokens=as_tensor(num_tokens),
                    positions=s[:, None] + torch.arange(width, device=device), width=width,
-                   max_end=max(a + b for a, b in zip(start, num_tokens)), full_rows=set(num_tokens) == {width})
+                   max_end=max(a + b for a, b in zip(start, num_tokens)), full_rows=set(num_tokens) == {width},
+                   host_num_tokens=tuple(num_tokens))
 
     @classmethod
     def full(cls, slots: torch.Tensor, start: torch.Tensor, width: int, max_end: int) -> "Batch":

@@ -29,9 +29,10 @@ def test_snapshot_d_back_from_the_end_is_the_state_after_num_tokens_minus_d():
             torch.testing.assert_close(snapshots[row, S - 1 - d], alone[0, 0], rtol=0, atol=1e-6)
 
 
-def fake_fla_chunk(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
+def fake_fla_chunk(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu):
     """fla's varlen API (batch 1, packed sequences, one state per sequence), computed by the reference."""
     assert q.shape[0] == 1 and output_final_state and initial_state.shape[0] == len(cu_seqlens) - 1
+    assert cu_seqlens_cpu.device.type == "cpu" and torch.equal(cu_seqlens_cpu, cu_seqlens.cpu())
     outs, finals = [], []
     for i, (a, b) in enumerate(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())):
         o, last = gated_delta_rule_reference(q[:, a:b].float() * scale, k[:, a:b], v[:, a:b], g[:, a:b],
@@ -46,6 +47,8 @@ def test_long_pass_split_into_chunked_head_and_recurrent_tail_equals_the_referen
     q, k, v, g, beta, state = inputs(bs=4, T=20)
     num_tokens, S = torch.tensor([20, 7, 3, 13]), 4  # rows longer and shorter than S
     out, snapshots = gated_delta._chunked_head_then_recurrent_tail(q, k, v, g, beta, state, num_tokens, S)
+    again = gated_delta._chunked_head_then_recurrent_tail(q, k, v, g, beta, state, num_tokens, S, (20, 7, 3, 13))
+    torch.testing.assert_close(again, (out, snapshots), rtol=0, atol=0)  # host-known lengths: the same pass
     ref_out, ref_snapshots = gated_delta_rule_reference(q, k, v, g, beta, state, num_tokens, S)
     for row, n in enumerate(num_tokens.tolist()):
         torch.testing.assert_close(out[row, :n], ref_out[row, :n], rtol=0, atol=1e-5)

@@ -30,6 +30,7 @@ both entry points and the test oracle.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -47,14 +48,15 @@ def l2_normalize(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                     state: torch.Tensor, num_tokens: torch.Tensor, num_snapshots: int
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     state: torch.Tensor, num_tokens: torch.Tensor, num_snapshots: int,
+                     host_num_tokens: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One pass of the gated delta rule -> (out [bs, T, Hv, dv] in v's dtype, snapshots); the
     model runs it for prefills (wider than S, with S = 1: only the final state is kept).
 
     q, k [bs, T, Hk, dk] raw (normalised and scaled here); v [bs, T, Hv, dv]; g (log decay,
     <= 0) and beta [bs, T, Hv]; state [bs, Hv, dk, dv] fp32, read only; num_tokens [bs].
     snapshots [bs, S, Hv, dk, dv] fp32, right-aligned as the module docstring says.
+    `host_num_tokens`: num_tokens known on the host, which saves the chunked path its syncs.
     """
     bs, T, Hk, dk = q.shape
     Hv, dv = v.shape[2:]
@@ -65,7 +67,8 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     q = l2_normalize(q.float()) * dk**-0.5
     k = l2_normalize(k.float())
     if q.is_cuda and T > num_snapshots and _fla_chunk() is not None:
-        out, snapshots = _chunked_head_then_recurrent_tail(q, k, v, g, beta, state, num_tokens, num_snapshots)
+        out, snapshots = _chunked_head_then_recurrent_tail(q, k, v, g, beta, state, num_tokens, num_snapshots,
+                                                           host_num_tokens)
     else:  # the recurrent kernel on CUDA (a token at a time, but one launch), else the reference
         out, snapshots = recurrent_pass(q, k, v, g, beta, state, num_tokens, num_snapshots)
     return out.to(v.dtype), snapshots
@@ -98,34 +101,68 @@ def _fla_chunk():
     return chunk_gated_delta_rule
 
 
-def _chunked_head_then_recurrent_tail(q, k, v, g, beta, state, num_tokens, num_snapshots):
+@dataclass(frozen=True)
+class _Packing:
+    """Where a prefill's tokens go between fla's packed head and the recurrent tail: index
+    tensors made on the host from the rows' lengths, once per pass (every layer of a pass
+    reuses them, and fla caches its chunk plan per cu_seqlens tensor), so no layer reads a
+    device value on the host."""
+
+    rows: torch.Tensor  # [n] the rows that have a head
+    head_row: torch.Tensor  # per head token (packed order): its row
+    head_pos: torch.Tensor  # ... and its position in the row
+    cu_seqlens: torch.Tensor  # [n + 1] the heads' boundaries in the packed sequence
+    cu_seqlens_cpu: torch.Tensor
+    tail_index: torch.Tensor  # [bs, S] positions of the tail (clamped to the pass)
+    tail_tokens: torch.Tensor  # [bs] real tokens in each row's tail
+    tail_row: torch.Tensor  # per real tail token: its row ...
+    tail_step: torch.Tensor  # ... its index in the tail ...
+    tail_pos: torch.Tensor  # ... and its position in the row
+
+
+@functools.lru_cache(maxsize=8)
+def _packing(num_tokens: tuple[int, ...], width: int, num_snapshots: int, device: torch.device) -> _Packing:
+    heads = [max(n - num_snapshots, 0) for n in num_tokens]
+    tails = [n - h for n, h in zip(num_tokens, heads)]
+    rows = [i for i, h in enumerate(heads) if h > 0]
+    cu = [0]
+    for i in rows:
+        cu.append(cu[-1] + heads[i])
+    tail = [(i, j, heads[i] + j) for i, t in enumerate(tails) for j in range(t)]
+    host = dict(
+        rows=rows, head_row=[i for i in rows for _ in range(heads[i])], head_pos=[p for i in rows for p in range(heads[i])],
+        cu_seqlens=cu, tail_index=[[min(h + j, width - 1) for j in range(num_snapshots)] for h in heads],
+        tail_tokens=tails, tail_row=[r for r, _, _ in tail], tail_step=[j for _, j, _ in tail],
+        tail_pos=[p for _, _, p in tail])
+    tensors = {k: torch.tensor(v, dtype=torch.long).pin_memory() if device.type == "cuda" else torch.tensor(v)
+               for k, v in host.items()}
+    on_device = {k: v.to(device, non_blocking=True) for k, v in tensors.items()}
+    return _Packing(cu_seqlens_cpu=tensors["cu_seqlens"], **on_device)
+
+
+def _chunked_head_then_recurrent_tail(q, k, v, g, beta, state, num_tokens, num_snapshots, host_num_tokens=None):
     """Each row's tokens before its last S run through fla's chunked kernel (packed varlen,
     final state only); the last S run through recurrent_pass, which keeps the snapshots. q and
-    k come normalised and scaled."""
+    k come normalised and scaled. `host_num_tokens`: num_tokens as the host knows them (else
+    read from the device, one sync)."""
     bs, T = q.shape[:2]
     S = num_snapshots
-    head = (num_tokens - S).clamp(min=0)  # [bs] tokens before the snapshot window
+    plan = _packing(tuple(host_num_tokens or num_tokens.tolist()), T, S, q.device)
     out = torch.zeros((bs, T, *v.shape[2:]), dtype=torch.float32, device=v.device)
     mid_state = state.clone()
-    rows = (head > 0).nonzero()[:, 0]
-    if rows.numel():
-        lengths = head[rows]
-        mask = torch.arange(T, device=q.device)[None, :] < lengths[:, None]  # [n, T]
-        pack = lambda x: x[rows][mask][None]  # noqa: E731  [1, sum(lengths), ...]
-        cu_seqlens = F.pad(lengths.cumsum(0), (1, 0)).long()
+    if plan.rows.numel():
+        pack = lambda x: x[plan.head_row, plan.head_pos][None]  # noqa: E731  [1, sum(heads), ...]
         # scale=1 and no in-kernel l2norm: q and k are normalised and scaled already
         o, final = _fla_chunk()(pack(q).to(v.dtype), pack(k).to(v.dtype), pack(v), pack(g).float(),
-                                pack(beta).to(v.dtype), scale=1.0, initial_state=state[rows].contiguous(),
-                                output_final_state=True, cu_seqlens=cu_seqlens)
-        head_out = out[rows]
-        head_out[mask] = o[0].float()
-        out[rows] = head_out
-        mid_state[rows] = final.float()
+                                pack(beta).to(v.dtype), scale=1.0, initial_state=state[plan.rows].contiguous(),
+                                output_final_state=True, cu_seqlens=plan.cu_seqlens,
+                                cu_seqlens_cpu=plan.cu_seqlens_cpu)
+        out[plan.head_row, plan.head_pos] = o[0].float()
+        mid_state[plan.rows] = final.float()
     # the tail: positions head .. head + S - 1 of each row (those past num_tokens are padding)
-    index = (head[:, None] + torch.arange(S, device=q.device)).clamp(max=T - 1)  # [bs, S]
+    index = plan.tail_index
     take = lambda x: x.gather(1, index.view(bs, S, *([1] * (x.dim() - 2))).expand(-1, -1, *x.shape[2:]))  # noqa: E731
     tail_out, snapshots = recurrent_pass(take(q), take(k), take(v), take(g), take(beta), mid_state,
-                                         num_tokens - head, S)
-    valid = torch.arange(S, device=q.device)[None, :] < (num_tokens - head)[:, None]
-    out[torch.arange(bs, device=q.device)[:, None].expand(-1, S)[valid], index[valid]] = tail_out[valid]
+                                         plan.tail_tokens, S)
+    out[plan.tail_row, plan.tail_pos] = tail_out[plan.tail_row, plan.tail_step]
     return out, snapshots

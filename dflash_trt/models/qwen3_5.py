@@ -246,7 +246,8 @@ class GatedDeltaNet(nn.Module):
             v = v.unflatten(-1, (lin.num_value_heads, lin.value_head_dim))
             g = neg_a * F.softplus(a + dt_bias)  # log decay <= 0, fp32 (a is promoted)
             state = cache.state[layer, batch.slots].masked_fill((batch.start == 0)[:, None, None, None], 0)
-            out, final = gated_delta_rule(q, k, v, g, b.float().sigmoid(), state, batch.num_tokens, 1)
+            out, final = gated_delta_rule(q, k, v, g, b.float().sigmoid(), state, batch.num_tokens, 1,
+                                          batch.host_num_tokens)
             cache.state[layer, batch.slots] = final[:, 0]
 
         out = self.norm(out, z.unflatten(-1, (lin.num_value_heads, lin.value_head_dim)))
