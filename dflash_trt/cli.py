@@ -219,6 +219,8 @@ def serve(output_dir, tritonserver_args, http_port, grpc_port, metrics_port, hos
         reason = server.watch()
         ignore_signals()
         # A dead stub leaves a server that reports ready but cannot answer: stop all of it.
+        if api is not None:
+            api.release_streams()
         code = server.stop(drain_timeout=0)
         raise click.ClickException(f"{reason}; stopped the server (tritonserver exit code {code}); "
                                    f"see {server.log_path}")
@@ -226,6 +228,8 @@ def serve(output_dir, tritonserver_args, http_port, grpc_port, metrics_port, hos
         if server.pid is None:
             return
         click.echo(f"stopping tritonserver (requests in flight get {drain_timeout:g} s)", err=True)
+        if api is not None:
+            api.release_streams()  # an open gRPC stream keeps tritonserver from exiting
         code = server.stop()  # start() may have stopped it already: then this only returns its code
         if code != 0 and server.endpoints is not None:  # before ready, Triton can only be killed
             raise click.ClickException(f"tritonserver did not shut down cleanly (exit code {code}); "

@@ -3,6 +3,7 @@ tritonserver, the demo engine."""
 
 import os
 import signal
+from concurrent.futures import ThreadPoolExecutor
 import subprocess
 import sys
 import time
@@ -126,6 +127,24 @@ def test_serve_stops_cleanly_on_sigterm_leaving_no_processes(demo):
     while time.time() < deadline and any(os.path.exists(f"/proc/{pid}") for pid in children):
         time.sleep(0.2)
     assert not any(os.path.exists(f"/proc/{pid}") for pid in children)
+
+
+def test_serve_stops_promptly_after_openai_requests_left_idle_streams(demo):
+    """The API keeps each finished request's gRPC stream for the next one: open, idle streams
+    must not hold up Triton's shutdown."""
+    ports = free_ports(4)
+    proc = start_serve(demo, ports)
+    assert [proc.stdout.readline() for _ in range(4)][3].startswith("OpenAI")
+    client = OpenAI(base_url=f"http://127.0.0.1:{ports[3]}/v1", api_key="EMPTY")
+    with ThreadPoolExecutor(3) as pool:  # three at once: three streams in the pool afterwards
+        answers = list(pool.map(lambda _: client.completions.create(model="any", prompt=PROMPT, max_tokens=4),
+                                range(3)))
+    assert all(a.usage.completion_tokens == 4 for a in answers)
+    start = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert time.monotonic() - start < 15, "idle streams held the shutdown up"
 
 
 def test_serve_starts_the_openai_api_beside_triton(demo, serving):

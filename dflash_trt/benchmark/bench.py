@@ -361,7 +361,8 @@ def serving_overhead(report: Report) -> list[dict]:
             continue
         dflash = t.mode_label.startswith("DFlash")
         tok_s = r.dflash_tok_s if dflash else r.ar_tok_s
-        out.append({"dataset": t.dataset, "concurrency": t.concurrency, "triton_tok_s": t.tok_s,
+        out.append({"dataset": t.dataset, "concurrency": t.concurrency, "path": loadgen.path_name(t.url),
+                    "triton_tok_s": t.tok_s,
                     "triton_mode": t.mode_label, "in_process_tok_s": tok_s,
                     "in_process_mode": f"DFlash in-process ({r.mode_label})" if dflash else "AR in-process",
                     "ratio": t.tok_s / tok_s if tok_s else 0.0,
@@ -376,7 +377,7 @@ def format_overhead(entries: Sequence[dict]) -> str:
         line = (f"serving overhead {e['dataset']} c={e['concurrency']}: {e['triton_tok_s']:.1f} tok/s "
                 f"{e['triton_mode']} / {e['in_process_tok_s']:.1f} tok/s {e['in_process_mode']} = {e['ratio']:.2f}x")
         if e["in_process_tau"]:
-            line += f"; τ per request {e['triton_tau']:.2f} through Triton vs {e['in_process_tau']:.2f} in-process"
+            line += f"; τ per request {e['triton_tau']:.2f} through {e['path']} vs {e['in_process_tau']:.2f} in-process"
         if not e["like_for_like"]:
             line += " (in-process τ is an oracle's: not a like-for-like ratio)"
         lines.append(line)

@@ -79,6 +79,7 @@ class LoadRun:
 
 @dataclass(frozen=True)
 class TritonRow:
+    url: str  # the server's gRPC host:port, or the OpenAI API's http:// address
     dataset: str
     concurrency: int
     mode_label: str  # "DFlash through Triton (real acceptance)" or "AR through Triton"
@@ -104,9 +105,13 @@ def is_openai(url: str) -> bool:
     return url.startswith(("http://", "https://"))
 
 
-def triton_mode_label(speculative: bool, openai: bool = False) -> str:
+def path_name(url: str) -> str:
+    return "the OpenAI API" if is_openai(url) else "Triton"
+
+
+def triton_mode_label(speculative: bool, url: str) -> str:
     # The server cannot run oracle acceptance: its drafts are always the drafter's own.
-    path = "the OpenAI API" if openai else "Triton"
+    path = path_name(url)
     return f"DFlash through {path} (real acceptance)" if speculative else f"AR through {path}"
 
 
@@ -212,8 +217,8 @@ def row(run: LoadRun, dataset: str) -> TritonRow:
     taus = [r.metrics.get(p.MEAN_ACCEPTANCE_LENGTH, 0.0) for r in run.results if r.speculative]
     n = len(run.results)
     return TritonRow(
-        dataset=dataset, concurrency=run.concurrency,
-        mode_label=triton_mode_label(any(r.speculative for r in run.results), is_openai(run.url)),
+        url=run.url, dataset=dataset, concurrency=run.concurrency,
+        mode_label=triton_mode_label(any(r.speculative for r in run.results), run.url),
         tok_s=run.output_tokens / run.wall_s if run.wall_s > 0 else 0.0,
         requests_s=n / run.wall_s if run.wall_s > 0 else 0.0,
         tau=sum(taus) / len(taus) if taus else 0.0,

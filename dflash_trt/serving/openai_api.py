@@ -229,6 +229,26 @@ class Frontend:
     def __init__(self, triton_url: str, tokenizer, max_output_len: int, model_name: str, api_key: str | None = None):
         self.triton_url, self.tokenizer, self.max_output_len = triton_url, tokenizer, max_output_len
         self.model_name, self.api_key = model_name, api_key
+        # Idle gRPC streams, reused: opening one (a channel and a stream) per request cost the
+        # requests of a burst their TTFT (BENCHMARKS.md, Through Triton). Triton 2.51 does not
+        # exit while a stream is open, so release_streams ends the reuse before a shutdown.
+        self._streams: list[GrpcStream] = []
+        self._reuse = True
+        self._lock = threading.Lock()
+
+    def release_streams(self) -> None:
+        """Close the idle streams, and from now on each request's stream when it ends."""
+        with self._lock:
+            self._reuse, idle, self._streams = False, self._streams, []
+        for stream in idle:
+            stream.close()
+
+    def _put_back(self, stream: GrpcStream) -> None:
+        with self._lock:
+            if self._reuse:
+                self._streams.append(stream)
+                return
+        stream.close()
 
     def app(self) -> Starlette:
         return Starlette(routes=[
@@ -282,11 +302,18 @@ class Frontend:
         the iterator is closed early (its client went away)."""
         options = dict(max_tokens=g.max_tokens, temperature=g.temperature, top_k=g.top_k, top_p=g.top_p, seed=g.seed,
                        chat=False, thinking=False, stats=True, stop_words=g.stop)
+        with self._lock:
+            stream = self._streams.pop() if self._streams else None
+        stream = stream or GrpcStream(self.triton_url)
         try:
-            with GrpcStream(self.triton_url) as stream:
-                yield from stream.generate(g.prompt, stream=True, completion=completion, **options)
+            yield from stream.generate(g.prompt, stream=True, completion=completion, **options)
         except ClientError as e:
+            stream.close()
             raise _error_of(e) from None
+        except BaseException:  # GeneratorExit (the client went away) included: close cancels the request
+            stream.close()
+            raise
+        self._put_back(stream)  # read to its final response: ready for the next request
 
 
 async def _json(request: Request) -> dict:
@@ -344,6 +371,7 @@ class ApiServer:
     beside tritonserver); `stop` ends it."""
 
     def __init__(self, frontend: Frontend, host: str, port: int, start_timeout_s: float = 30.0):
+        self._frontend = frontend
         self._server = uvicorn.Server(uvicorn.Config(frontend.app(), host=host, port=port, log_level="warning"))
         self._thread = threading.Thread(target=self._server.run, name="openai-api", daemon=True)
         self._thread.start()
@@ -354,9 +382,14 @@ class ApiServer:
             time.sleep(0.05)
         self.url = f"http://{host}:{port}/v1"
 
+    def release_streams(self) -> None:
+        """Before the Triton server stops: keep no gRPC stream open past a request (see Frontend)."""
+        self._frontend.release_streams()
+
     def stop(self, timeout_s: float = 30.0) -> None:
         self._server.should_exit = True
         self._thread.join(timeout_s)
+        self._frontend.release_streams()
 
 
 def start_api(engine_dir: Path, triton_grpc: str, host: str, port: int, api_key: str | None = None,
