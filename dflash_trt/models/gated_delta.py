@@ -33,7 +33,6 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from dflash_trt.ops import gated_delta_recurrent
 
@@ -130,7 +129,8 @@ def _packing(num_tokens: tuple[int, ...], width: int, num_snapshots: int, device
         cu.append(cu[-1] + heads[i])
     tail = [(i, j, heads[i] + j) for i, t in enumerate(tails) for j in range(t)]
     host = dict(
-        rows=rows, head_row=[i for i in rows for _ in range(heads[i])], head_pos=[p for i in rows for p in range(heads[i])],
+        rows=rows, head_row=[i for i in rows for _ in range(heads[i])],
+        head_pos=[p for i in rows for p in range(heads[i])],
         cu_seqlens=cu, tail_index=[[min(h + j, width - 1) for j in range(num_snapshots)] for h in heads],
         tail_tokens=tails, tail_row=[r for r, _, _ in tail], tail_step=[j for _, j, _ in tail],
         tail_pos=[p for _, _, p in tail])

@@ -1,0 +1,93 @@
+"""Tensor parallelism on the CPU (gloo, one process per rank): a sharded pair's logits and
+tapped hidden states equal the unsharded pair's, and its greedy DFlash output equals the
+unsharded output token for token."""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from dflash_trt.engine import Engine
+from dflash_trt.errors import ConfigError
+from dflash_trt.kv_cache import Batch
+from dflash_trt.loading import load_drafter, load_target
+from dflash_trt.parallel import Group, check_supported, shard
+from dflash_trt.sampling import SamplingParams
+
+pytestmark = pytest.mark.slow
+PROMPTS = [[7], [3, 1, 4], list(range(100, 112)), list(range(200, 220))]
+PARAMS = SamplingParams(max_tokens=23, ignore_eos=True)
+
+
+def run_pair(pair, world: int = 1) -> dict:
+    """Logits and taps of one ragged prefill, and greedy AR and DFlash outputs of PROMPTS."""
+    target = load_target(pair.target)
+    drafter = load_drafter(pair.drafter, target)
+    if world > 1:
+        shard(target, drafter)
+    engine = Engine(target, drafter, max_batch_size=2, max_seq_len=128)
+    lengths = [len(p) for p in PROMPTS]
+    ids = torch.zeros(len(PROMPTS), max(lengths), dtype=torch.long)
+    for i, p in enumerate(PROMPTS):
+        ids[i, :len(p)] = torch.tensor(p)
+    batch = Batch.make(list(range(len(PROMPTS))), [0] * len(PROMPTS), lengths, max(lengths), "cpu")
+    cache = target.new_cache(len(PROMPTS), 64)
+    with torch.inference_mode():
+        hidden, taps = target(ids, batch, cache, drafter.config.target_layer_ids)
+        logits = target.logits(hidden)
+    return {"logits": logits, "taps": taps, "ar": [r.token_ids for r in engine.generate(PROMPTS, PARAMS, mode="ar")],
+            "dflash": [r.token_ids for r in engine.generate(PROMPTS, PARAMS, mode="dflash")],
+            "kv_heads": target.config.dims.num_key_value_heads}
+
+
+def _rank(rank: int, world: int, init: str, pair, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    try:
+        result = run_pair(pair, world)
+        gathered = [None] * world
+        dist.all_gather_object(gathered, result)
+        if rank == 0:
+            torch.save(gathered, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world, heads", [(2, (8, 4)), (4, (4, 2))])
+def test_a_sharded_pair_computes_what_the_whole_pair_does(make_pair, no_tokenizer, tmp_path, world, heads):
+    num_heads, num_kv_heads = heads  # (4, 2) at 4 ranks: each KV head replicated on two ranks
+    pair = make_pair(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=16, block_size=4, **no_tokenizer)
+    whole = run_pair(pair)
+    out = tmp_path / "ranks.pt"
+    mp.start_processes(_rank, args=(world, str(tmp_path / "init"), pair, str(out)), nprocs=world,
+                       start_method="spawn")
+    ranks = torch.load(out, weights_only=False)
+    for rank in ranks:
+        torch.testing.assert_close(rank["logits"], whole["logits"], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(rank["taps"], whole["taps"], rtol=1e-5, atol=1e-5)
+        assert rank["ar"] == whole["ar"] and rank["dflash"] == whole["dflash"]
+        assert rank["kv_heads"] == max(num_kv_heads // world, 1)
+    assert whole["dflash"] == whole["ar"]
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(model_type="qwen3_5"), "dense Qwen3 targets so far, not 'qwen3_5'"),
+    (dict(num_attention_heads=6), "num_attention_heads = 6 does not split over 4 ranks"),
+    (dict(num_key_value_heads=3), "num_key_value_heads = 3 neither splits over nor replicates onto 4 ranks"),
+])
+def test_what_cannot_be_sharded_is_refused_by_name(make_pair, no_tokenizer, changes, message):
+    config = load_target(make_pair(num_heads=8, num_kv_heads=2, **no_tokenizer).target).config
+    dims = {k: v for k, v in changes.items() if k != "model_type"}
+    config = dataclasses.replace(config, dims=dataclasses.replace(config.dims, **dims),
+                                 **{k: v for k, v in changes.items() if k == "model_type"})
+    with pytest.raises(ConfigError, match=message):
+        check_supported(config, 4)
+
+
+def test_one_rank_leaves_the_models_whole(make_pair, no_tokenizer):
+    pair = make_pair(**no_tokenizer)
+    target = load_target(pair.target)
+    weight = target.lm_head.weight
+    shard(target, None, Group(0, 1))
+    assert target.lm_head.weight is weight
