@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from dflash_trt import __version__, plugins
+from dflash_trt import __version__, parallel, plugins
 from dflash_trt.config import ENGINE_FILE, TOKENIZER_DIR, BuildConfig
 from dflash_trt.engine import check_draft_window
 from dflash_trt.errors import BuildError
@@ -216,6 +216,9 @@ def _build_into(config: BuildConfig, work: Path) -> None:
     target = load_target(target_src, "cpu", torch_dtype(config))
     drafter = load_drafter(drafter_src, target, "cpu", torch_dtype(config))
     check_draft_window(config.draft_window_size, config.block_size or drafter.config.block_size)
+    if config.tensor_parallel > 1:
+        parallel.check_supported(target.config, config.tensor_parallel)
+        parallel.check_supported(drafter.config, config.tensor_parallel)
     Tokenizer.from_dir(target_src)  # fails early, naming the file, if the tokenizer is broken
     engine_dir = work / "out" / "engine"
     _log(f"packing weights (fused qkv and gate_up, cast to {config.resolved_dtype})")

@@ -594,6 +594,7 @@ class BuildConfig:
     # the drafter attends to the last this many committed tokens only (0: all of them);
     # bounds its cache and its attention time on long contexts (DraftWindowCache)
     draft_window_size: int = 0
+    tensor_parallel: int = 1  # ranks (GPUs, or CPU processes) the engine is sharded over
     # text_input bytes preprocessing accepts before tokenizing; 0: what max_input_len tokens
     # can be at most (serving.text.max_text_bytes)
     max_input_bytes: int = 0
@@ -609,6 +610,8 @@ class BuildConfig:
         for name in ("max_batch_size", "max_input_len", "max_output_len", "triton_max_batch_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 problems.append(f"{name} must be an int > 0, got {getattr(self, name)!r}")
+        if not isinstance(self.tensor_parallel, int) or self.tensor_parallel < 1:
+            problems.append(f"tensor_parallel must be an int >= 1, got {self.tensor_parallel!r}")
         if not isinstance(self.draft_window_size, int) or self.draft_window_size < 0:
             problems.append(f"draft_window_size must be 0 (none) or an int > 0, got {self.draft_window_size!r}")
         if not isinstance(self.max_input_bytes, int) or self.max_input_bytes < 0:

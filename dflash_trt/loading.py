@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from dflash_trt.config import (
     TOKENIZER_DIR,
@@ -21,6 +22,7 @@ from dflash_trt.config import (
     check_pair,
     read_engine_record,
 )
+from dflash_trt import parallel
 from dflash_trt.engine import Engine
 from dflash_trt.errors import ConfigError, PairError
 from dflash_trt.models import load_target_config, target_class
@@ -122,8 +124,15 @@ def load_engine(engine_dir: Path, device: str | None = None, draft_window: int |
     device = device or config.device
     if draft_window is not None:
         config = dataclasses.replace(config, draft_window_size=draft_window)
+    engine_class = Engine
+    if config.tensor_parallel > 1:
+        # this process is rank 0 unless a follower (parallel._follower_main) joined the group first
+        parallel.join_as_leader(engine_dir, config.tensor_parallel, device, draft_window)
+        engine_class = parallel.Leader if dist.get_rank() == 0 else Engine
     target = load_target(engine_dir / "target", device, torch_dtype(config))
     drafter = load_drafter(engine_dir / "drafter", target, device, torch_dtype(config))
-    engine = Engine(target, drafter, max_batch_size=config.max_batch_size, max_seq_len=config.max_seq_len,
-                    block_size=record["block_size"], draft_window=config.draft_window_size)
+    if config.tensor_parallel > 1:
+        parallel.shard(target, drafter)
+    engine = engine_class(target, drafter, max_batch_size=config.max_batch_size, max_seq_len=config.max_seq_len,
+                          block_size=record["block_size"], draft_window=config.draft_window_size)
     return LoadedEngine(engine, Tokenizer.from_dir(engine_dir / TOKENIZER_DIR), config)

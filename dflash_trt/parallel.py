@@ -1,4 +1,5 @@
-"""Tensor parallelism over torch.distributed (Megatron-style), applied to loaded models.
+"""Tensor parallelism over torch.distributed (Megatron-style): sharded models, and engines
+that step in lockstep, one process per rank.
 
 `shard(target, drafter)` turns a rank's full copy of a Qwen3 target and its drafter into that
 rank's shard, in place, so the model files never mention parallelism:
@@ -13,11 +14,26 @@ rank's shard, in place, so the model files never mention parallelism:
 The configs (and so the caches) take the per-rank head counts.
 
 Only dense Qwen3 targets so far: Qwen3.5 hybrids and MoE targets are refused by name.
+
+Every rank runs the same Engine on its shard. Rank 0's is a `Leader`: each call that changes
+the engine (a request added or aborted, a step, a mode) is broadcast before it runs, and the
+other ranks' `follow` loops make the same call on theirs; their collectives then meet in the
+same order, and since every rank sees the whole logits, all of them pick the same tokens.
+`launch_followers` starts ranks 1..N-1 as child processes (`python -m dflash_trt.parallel`)
+and a watchdog that ends the leader's process, with a log line, when one of them dies.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -25,8 +41,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_trt.config import LayerDims
+from dflash_trt.engine import Engine
 from dflash_trt.errors import ConfigError
 from dflash_trt.models.layers import MLP, AttentionProjections
+from dflash_trt.sampling import SamplingParams
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,3 +188,145 @@ def _shard_lm_head(head: nn.Linear, g: Group) -> None:
         return torch.cat(parts, dim=-1)[..., :vocab]
 
     head.register_forward_hook(gather)
+
+
+# -- ranks in lockstep ------------------------------------------------------------------------
+
+
+class Leader(Engine):
+    """Rank 0's engine: what changes it is broadcast first, for the followers to repeat."""
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams):
+        if not params.greedy and params.seed is None:  # every rank must draw the same numbers
+            params = dataclasses.replace(params, seed=int(torch.randint(0, 2**62, ()).item()))
+        seq = super().add_request(prompt_ids, params)  # a bad request raises before any rank hears of it
+        _broadcast(("add_request", (list(prompt_ids), params)))
+        return seq
+
+    def abort(self, seq) -> None:
+        _broadcast(("abort", seq.request_id))
+        super().abort(seq)
+
+    def step(self):
+        _broadcast(("step", None))
+        return super().step()
+
+    def set_mode(self, mode: str) -> None:
+        super().set_mode(mode)
+        _broadcast(("set_mode", mode))
+
+    def warm_up(self) -> None:
+        _broadcast(("warm_up", None))
+        super().warm_up()
+
+    def stop_followers(self) -> None:
+        _broadcast(("stop", None))
+
+
+def follow(engine: Engine) -> None:
+    """Repeat the leader's calls on this rank's engine until it says stop."""
+    seqs = {}
+    while True:
+        op, arg = _broadcast(None)
+        if op == "stop":
+            return
+        if op == "add_request":
+            seq = engine.add_request(*arg)
+            seqs[seq.request_id] = seq
+        elif op == "abort":
+            if arg in seqs:
+                engine.abort(seqs.pop(arg))
+        elif op == "step":
+            for event in engine.step():
+                if event.finished:
+                    seqs.pop(event.seq.request_id, None)
+        elif op == "set_mode":
+            engine.set_mode(arg)
+        elif op == "warm_up":
+            engine.warm_up()
+
+
+def _broadcast(message):
+    box = [message]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+# -- processes --------------------------------------------------------------------------------
+
+TIMEOUT = timedelta(minutes=10)  # a collective that waits longer than this fails instead of hanging
+
+
+def init(rank: int, size: int, rendezvous: str, device: str) -> None:
+    """Join the group: NCCL on GPUs (rank r on cuda:r), gloo on the CPU."""
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{rendezvous}", rank=rank,
+                            world_size=size, timeout=TIMEOUT)
+
+
+def join_as_leader(engine_dir: Path, size: int, device: str, draft_window: int | None = None) -> None:
+    """Make this process rank 0 of `size`, starting the other ranks, unless it is in a group
+    already (a follower, or a leader loading again)."""
+    if dist.is_initialized():
+        if dist.get_world_size() != size:
+            raise ConfigError(f"{engine_dir} was built for {size} tensor-parallel ranks, this group has "
+                              f"{dist.get_world_size()}")
+        return
+    if device == "cuda" and torch.cuda.device_count() < size:
+        raise ConfigError(f"{engine_dir} was built for {size} GPUs (tensor parallelism), this machine has "
+                          f"{torch.cuda.device_count()}")
+    rendezvous = launch_followers(engine_dir, size, device, draft_window)
+    init(0, size, rendezvous, device)
+
+
+def launch_followers(engine_dir: Path, size: int, device: str, draft_window: int | None = None) -> str:
+    """Start ranks 1..size-1 for `engine_dir` and a watchdog over them; returns the rendezvous
+    file rank 0 joins with (init). A follower that dies ends this process (exit 1); a follower
+    whose leader dies gets SIGTERM (Linux parent-death signal)."""
+    rendezvous = os.path.join(tempfile.mkdtemp(prefix="dflash-trt-tp-"), "rendezvous")
+    python = sys.executable if Path(sys.executable).name.startswith("python") else "python3"  # a Triton stub is not
+    args = [str(engine_dir), str(size), rendezvous, device, "" if draft_window is None else str(draft_window)]
+    procs = [subprocess.Popen([python, "-m", "dflash_trt.parallel", args[0], str(rank), *args[1:]],
+                              preexec_fn=_die_with_parent) for rank in range(1, size)]
+    threading.Thread(target=_watch, args=(procs,), name="dflash-tp-watchdog", daemon=True).start()
+    return rendezvous
+
+
+def _die_with_parent() -> None:
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _watch(procs: list[subprocess.Popen]) -> None:
+    while True:
+        for rank, proc in enumerate(procs, start=1):
+            code = proc.poll()
+            if code is not None and not getattr(proc, "stopped", False):
+                print(f"dflash-trt: tensor-parallel rank {rank} (pid {proc.pid}) exited with code {code}; "
+                      "stopping the other ranks and this process", file=sys.stderr, flush=True)
+                for other in procs:
+                    if other.poll() is None:
+                        other.kill()
+                os._exit(1)
+        time.sleep(0.2)
+
+
+def _follower_main(argv: list[str]) -> int:
+    """python -m dflash_trt.parallel ENGINE_DIR RANK SIZE RENDEZVOUS DEVICE [DRAFT_WINDOW]"""
+    from dflash_trt.loading import load_engine  # loading imports this module
+
+    engine_dir, rank, size, rendezvous, device = argv[0], int(argv[1]), int(argv[2]), argv[3], argv[4]
+    window = int(argv[5]) if len(argv) > 5 and argv[5] else None
+    init(rank, size, rendezvous, device)
+    try:
+        follow(load_engine(Path(engine_dir), device, window).engine)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_follower_main(sys.argv[1:]))

@@ -3,6 +3,12 @@ tapped hidden states equal the unsharded pair's, and its greedy DFlash output eq
 unsharded output token for token."""
 
 import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -91,3 +97,50 @@ def test_one_rank_leaves_the_models_whole(make_pair, no_tokenizer):
     weight = target.lm_head.weight
     shard(target, None, Group(0, 1))
     assert target.lm_head.weight is weight
+
+
+def dflash_trt(*args, **kwargs) -> subprocess.CompletedProcess:
+    """The CLI in a process of its own: a tensor-parallel run joins a process group, which
+    must not outlive it."""
+    return subprocess.run([sys.executable, "-m", "dflash_trt", *map(str, args)], capture_output=True, text=True,
+                          timeout=300, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory):
+    """The demo pair built whole and for two ranks (block 8, 4 query / 2 KV heads)."""
+    root = tmp_path_factory.mktemp("tp")
+    for name, extra in (("whole", []), ("tp2", ["--tensor-parallel", 2])):
+        result = dflash_trt("build", "--preset", "tiny", "-o", root / name, *extra)
+        assert result.returncode == 0, result.stderr
+    return root
+
+
+def test_run_on_a_two_rank_engine_prints_what_the_whole_engine_prints(builds):
+    args = ["Write a quicksort in Python.", "--max-tokens", 24, "--stats"]
+    whole, tp2 = dflash_trt("run", builds / "whole", *args), dflash_trt("run", builds / "tp2", *args)
+    assert whole.returncode == 0 and tp2.returncode == 0, tp2.stderr
+    assert tp2.stdout == whole.stdout and tp2.stdout.strip()
+    assert json.loads((builds / "tp2" / "engine" / "engine.json").read_text())["build_config"]["tensor_parallel"] == 2
+
+
+def test_a_rank_that_dies_ends_the_leader_with_a_clear_line_not_a_hang(builds):
+    script = ("import os, sys, time; from dflash_trt.loading import load_engine; "
+              f"load_engine({str(builds / 'tp2' / 'engine')!r}); print('loaded', flush=True); time.sleep(120)")
+    leader = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert leader.stdout.readline().strip() == "loaded"
+    followers = subprocess.run(["pgrep", "-P", str(leader.pid)], capture_output=True, text=True).stdout.split()
+    assert len(followers) == 1
+    start = time.monotonic()
+    os.kill(int(followers[0]), signal.SIGKILL)
+    _, err = leader.communicate(timeout=30)
+    assert leader.returncode == 1 and time.monotonic() - start < 10
+    assert "tensor-parallel rank 1" in err and "exited with code -9" in err
+
+
+def test_a_two_rank_build_of_a_pair_that_cannot_be_sharded_fails_by_name(make_pair, no_tokenizer, tmp_path):
+    pair = make_pair(num_heads=4, num_kv_heads=2, **no_tokenizer)
+    result = dflash_trt("build", "--target", pair.target, "--drafter", pair.drafter, "--tensor-parallel", 3,
+                        "-o", tmp_path / "out")
+    assert result.returncode == 1 and "num_attention_heads = 4 does not split over 3 ranks" in result.stderr
+    assert not (tmp_path / "out").exists()
