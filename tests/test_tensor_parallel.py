@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from ports import free_ports
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -144,3 +145,31 @@ def test_a_two_rank_build_of_a_pair_that_cannot_be_sharded_fails_by_name(make_pa
                         "-o", tmp_path / "out")
     assert result.returncode == 1 and "num_attention_heads = 4 does not split over 3 ranks" in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_serve_runs_a_two_rank_engine_under_tritonserver_and_sigterm_stops_every_rank(builds):
+    http, grpc, metrics, openai = free_ports(4)
+    serve = subprocess.Popen([sys.executable, "-m", "dflash_trt", "serve", str(builds / "tp2"), "--http-port", str(http),
+                              "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--openai-port", str(openai)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert serve.stdout.readline().startswith("HTTP"), serve.stderr.read() if serve.poll() is not None else ""
+        ranks = followers_of(builds / "tp2")
+        assert len(ranks) == 1
+        args = ["Write a quicksort in Python.", "--max-tokens", 24]
+        served = dflash_trt("generate", *args, "--url", f"127.0.0.1:{grpc}")
+        assert served.returncode == 0, served.stderr
+        assert served.stdout == dflash_trt("run", builds / "whole", *args).stdout
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        serve.communicate(timeout=60)
+    assert serve.returncode == 0
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and followers_of(builds / "tp2"):
+        time.sleep(0.2)
+    assert not followers_of(builds / "tp2")
+
+
+def followers_of(out) -> list[str]:
+    return subprocess.run(["pgrep", "-f", f"dflash_trt.parallel {out / 'engine'}"], capture_output=True,
+                          text=True).stdout.split()
