@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from dflash_trt import parallel
 from dflash_trt.config import (
     TOKENIZER_DIR,
     BuildConfig,
@@ -22,7 +23,6 @@ from dflash_trt.config import (
     check_pair,
     read_engine_record,
 )
-from dflash_trt import parallel
 from dflash_trt.engine import Engine
 from dflash_trt.errors import ConfigError, PairError
 from dflash_trt.models import load_target_config, target_class

@@ -13,7 +13,10 @@ rank's shard, in place, so the model files never mention parallelism:
 - the drafter on the same group, the same way (its fc and norms are small and replicated).
 The configs (and so the caches) take the per-rank head counts.
 
-Only dense Qwen3 targets so far: Qwen3.5 hybrids and MoE targets are refused by name.
+- Gated DeltaNet (Qwen3.5/3.6): each rank keeps its key heads and the value heads they serve
+  (their q/k/v conv channels, z, b and a rows, decay parameters) and out_proj's matching
+  columns, one all-reduce after it; the recurrent state and conv window per rank follow.
+Dense targets so far (Qwen3, Qwen3.5/3.6): mixtures of experts are refused by name.
 
 Every rank runs the same Engine on its shard. Rank 0's is a `Leader`: each call that changes
 the engine (a request added or aborted, a step, a mode) is broadcast before it runs, and the
@@ -43,7 +46,7 @@ from torch import nn
 from dflash_trt.config import LayerDims
 from dflash_trt.engine import Engine
 from dflash_trt.errors import ConfigError
-from dflash_trt.models.layers import MLP, AttentionProjections
+from dflash_trt.models.layers import MLP
 from dflash_trt.sampling import SamplingParams
 
 
@@ -63,7 +66,10 @@ def shard(target: nn.Module, drafter: nn.Module | None, group: Group | None = No
     if group.size == 1:
         return
     check_supported(target.config, group.size)
-    target.config = dataclasses.replace(target.config, dims=_local_dims(target.config.dims, group))
+    local = {"dims": _local_dims(target.config.dims, group)}
+    if getattr(target.config, "linear", None) is not None:
+        local["linear"] = _local_linear(target.config.linear, group)
+    target.config = dataclasses.replace(target.config, **local)
     _shard_layers(target.model.layers, group)
     embed = VocabParallelEmbedding(target.model.embed_tokens.weight, group)
     _shard_lm_head(target.lm_head, group)
@@ -74,13 +80,20 @@ def shard(target: nn.Module, drafter: nn.Module | None, group: Group | None = No
         drafter.bind(target)
 
 
+DENSE_TYPES = ("qwen3", "qwen3_5", "qwen3_5_text")
+
+
 def check_supported(config, size: int) -> None:
     kind = getattr(config, "model_type", "qwen3")
-    if kind != "qwen3" or getattr(config, "moe", None) is not None:
-        raise ConfigError(f"tensor parallelism supports dense Qwen3 targets so far, not {kind!r}"
-                          + (" with experts" if getattr(config, "moe", None) is not None else ""))
+    if kind not in DENSE_TYPES or getattr(config, "moe", None) is not None:
+        raise ConfigError(f"tensor parallelism supports dense targets ({', '.join(DENSE_TYPES)}) so far, "
+                          f"not {kind!r}")
     d = config.dims
-    for name, value in (("num_attention_heads", d.num_attention_heads), ("intermediate_size", d.intermediate_size)):
+    sizes = [("num_attention_heads", d.num_attention_heads), ("intermediate_size", d.intermediate_size)]
+    if getattr(config, "linear", None) is not None:
+        sizes += [("linear_num_key_heads", config.linear.num_key_heads),
+                  ("linear_num_value_heads", config.linear.num_value_heads)]
+    for name, value in sizes:
         if value % size:
             raise ConfigError(f"{name} = {value} does not split over {size} ranks")
     kv = d.num_key_value_heads
@@ -94,6 +107,11 @@ def _local_dims(d: LayerDims, g: Group) -> LayerDims:
                                intermediate_size=d.intermediate_size // g.size)
 
 
+def _local_linear(lin, g: Group):
+    return dataclasses.replace(lin, num_key_heads=lin.num_key_heads // g.size,
+                               num_value_heads=lin.num_value_heads // g.size)
+
+
 def _kv_heads(d: LayerDims, g: Group) -> tuple[int, int]:
     """(first KV head, count) this rank keeps: its share, or the one head its queries read."""
     if d.num_key_value_heads >= g.size:
@@ -104,20 +122,46 @@ def _kv_heads(d: LayerDims, g: Group) -> tuple[int, int]:
 
 def _shard_layers(layers: nn.ModuleList, g: Group) -> None:
     for layer in layers:
-        _shard_attention(layer.self_attn, g)
+        if getattr(layer, "linear_attn", None) is not None:
+            _shard_gated_delta(layer.linear_attn, g)
+        else:
+            _shard_attention(layer.self_attn, g)
         _shard_mlp(layer.mlp, g)
 
 
-def _shard_attention(attn: AttentionProjections, g: Group) -> None:
+def _shard_attention(attn: nn.Module, g: Group) -> None:
+    """Qwen3 attention, or Qwen3.5's gated attention (whose q_proj holds each head's query
+    rows and then its gate rows: per head, twice the rows)."""
     d, hd = attn.dims, attn.dims.head_dim
+    q_rows = attn.qkv_proj.shards["q_proj"]
+    per_head = q_rows // d.num_attention_heads
     q_heads = d.num_attention_heads // g.size
     kv_first, kv_count = _kv_heads(d, g)
-    q = slice(g.rank * q_heads * hd, (g.rank + 1) * q_heads * hd)
     kv = slice(kv_first * hd, (kv_first + kv_count) * hd)
-    _keep_rows(attn.qkv_proj, [(0, q), (d.q_size, kv), (d.q_size + d.kv_size, kv)])
-    _keep_columns(attn.o_proj, q)
+    own = slice(g.rank * q_heads * per_head, (g.rank + 1) * q_heads * per_head)
+    _keep_rows(attn.qkv_proj, [(0, own), (q_rows, kv), (q_rows + d.kv_size, kv)])
+    _keep_columns(attn.o_proj, slice(g.rank * q_heads * hd, (g.rank + 1) * q_heads * hd))
     attn.dims = _local_dims(d, g)
     attn.o_proj.register_forward_hook(_sum_over_ranks)
+
+
+def _shard_gated_delta(layer: nn.Module, g: Group) -> None:
+    lin = layer.lin
+    k_per, v_per = lin.num_key_heads // g.size * lin.key_head_dim, lin.num_value_heads // g.size * lin.value_head_dim
+    heads = lin.num_value_heads // g.size
+    q, v = slice(g.rank * k_per, (g.rank + 1) * k_per), slice(g.rank * v_per, (g.rank + 1) * v_per)
+    h = slice(g.rank * heads, (g.rank + 1) * heads)
+    conv = [(0, q), (lin.key_size, q), (2 * lin.key_size, v)]  # the conv's q | k | v channels
+    z = lin.conv_size  # then z (value channels), b and a (one row per value head each)
+    b = z + lin.value_size
+    _keep_rows(layer.in_proj, [*conv, (z, v), (b, h), (b + lin.num_value_heads, h)])
+    layer.conv1d.weight = nn.Parameter(torch.cat([layer.conv1d.weight.data[o + s.start:o + s.stop] for o, s in conv]),
+                                       requires_grad=False)
+    layer.dt_bias = nn.Parameter(layer.dt_bias.data[h].contiguous(), requires_grad=False)
+    layer.A_log = nn.Parameter(layer.A_log.data[h].contiguous(), requires_grad=False)
+    _keep_columns(layer.out_proj, v)
+    layer.lin = _local_linear(lin, g)
+    layer.out_proj.register_forward_hook(_sum_over_ranks)
 
 
 def _shard_mlp(mlp: nn.Module, g: Group) -> None:
