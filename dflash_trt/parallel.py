@@ -15,8 +15,10 @@ The configs (and so the caches) take the per-rank head counts.
 
 - Gated DeltaNet (Qwen3.5/3.6): each rank keeps its key heads and the value heads they serve
   (their q/k/v conv channels, z, b and a rows, decay parameters) and out_proj's matching
-  columns, one all-reduce after it; the recurrent state and conv window per rank follow.
-Dense targets so far (Qwen3, Qwen3.5/3.6): mixtures of experts are refused by name.
+  columns, one all-reduce after it; the recurrent state and conv window per rank follow;
+- mixture of experts: tensor-parallel experts, each rank a slice of every expert's width
+  (gate/up rows, down columns; the shared expert likewise), the router replicated, one
+  all-reduce after the block. (Expert parallelism is the alternative: not measured yet.)
 
 Every rank runs the same Engine on its shard. Rank 0's is a `Leader`: each call that changes
 the engine (a request added or aborted, a step, a mode) is broadcast before it runs, and the
@@ -46,7 +48,7 @@ from torch import nn
 from dflash_trt.config import LayerDims
 from dflash_trt.engine import Engine
 from dflash_trt.errors import ConfigError
-from dflash_trt.models.layers import MLP
+from dflash_trt.models.moe import SparseMoeBlock
 from dflash_trt.sampling import SamplingParams
 
 
@@ -69,6 +71,8 @@ def shard(target: nn.Module, drafter: nn.Module | None, group: Group | None = No
     local = {"dims": _local_dims(target.config.dims, group)}
     if getattr(target.config, "linear", None) is not None:
         local["linear"] = _local_linear(target.config.linear, group)
+    if getattr(target.config, "moe", None) is not None:
+        local["moe"] = _local_moe(target.config.moe, group)
     target.config = dataclasses.replace(target.config, **local)
     _shard_layers(target.model.layers, group)
     embed = VocabParallelEmbedding(target.model.embed_tokens.weight, group)
@@ -80,19 +84,16 @@ def shard(target: nn.Module, drafter: nn.Module | None, group: Group | None = No
         drafter.bind(target)
 
 
-DENSE_TYPES = ("qwen3", "qwen3_5", "qwen3_5_text")
-
-
 def check_supported(config, size: int) -> None:
-    kind = getattr(config, "model_type", "qwen3")
-    if kind not in DENSE_TYPES or getattr(config, "moe", None) is not None:
-        raise ConfigError(f"tensor parallelism supports dense targets ({', '.join(DENSE_TYPES)}) so far, "
-                          f"not {kind!r}")
-    d = config.dims
+    """Refuse, naming the field, a model whose heads or widths do not split over `size` ranks."""
+    d, moe = config.dims, getattr(config, "moe", None)
     sizes = [("num_attention_heads", d.num_attention_heads), ("intermediate_size", d.intermediate_size)]
     if getattr(config, "linear", None) is not None:
         sizes += [("linear_num_key_heads", config.linear.num_key_heads),
                   ("linear_num_value_heads", config.linear.num_value_heads)]
+    if moe is not None:
+        sizes += [("moe_intermediate_size", moe.expert_size), ("shared_expert_intermediate_size",
+                                                               moe.shared_expert_size)]
     for name, value in sizes:
         if value % size:
             raise ConfigError(f"{name} = {value} does not split over {size} ranks")
@@ -105,6 +106,11 @@ def _local_dims(d: LayerDims, g: Group) -> LayerDims:
     return dataclasses.replace(d, num_attention_heads=d.num_attention_heads // g.size,
                                num_key_value_heads=max(d.num_key_value_heads // g.size, 1),
                                intermediate_size=d.intermediate_size // g.size)
+
+
+def _local_moe(moe, g: Group):
+    return dataclasses.replace(moe, expert_size=moe.expert_size // g.size,
+                               shared_expert_size=moe.shared_expert_size // g.size)
 
 
 def _local_linear(lin, g: Group):
@@ -165,14 +171,36 @@ def _shard_gated_delta(layer: nn.Module, g: Group) -> None:
 
 
 def _shard_mlp(mlp: nn.Module, g: Group) -> None:
-    if not isinstance(mlp, MLP):
-        raise ConfigError(f"tensor parallelism cannot shard a {type(mlp).__name__} MLP yet")
+    if isinstance(mlp, SparseMoeBlock):
+        _shard_experts(mlp, g)
+        return
     width = mlp.down_proj.weight.shape[1]
-    n = width // g.size
-    own = slice(g.rank * n, (g.rank + 1) * n)
+    own = _own(width, g)
     _keep_rows(mlp.gate_up_proj, [(0, own), (width, own)])
     _keep_columns(mlp.down_proj, own)
     mlp.down_proj.register_forward_hook(_sum_over_ranks)
+
+
+def _own(width: int, g: Group) -> slice:
+    n = width // g.size
+    return slice(g.rank * n, (g.rank + 1) * n)
+
+
+def _shard_experts(block: SparseMoeBlock, g: Group) -> None:
+    experts = block.experts
+    width = experts.down_proj.shape[2]
+    own = _own(width, g)
+    gate_up = experts.gate_up_proj.data
+    experts.gate_up_proj = nn.Parameter(torch.cat([gate_up[:, own], gate_up[:, width + own.start:width + own.stop]], 1)
+                                        .contiguous(), requires_grad=False)
+    experts.down_proj = nn.Parameter(experts.down_proj.data[:, :, own].contiguous(), requires_grad=False)
+    shared = getattr(block, "shared_expert", None)
+    if shared is not None:  # a dense shared expert of its own width: its partial sum joins the block's
+        shared_own = _own(shared.down_proj.weight.shape[1], g)
+        _keep_rows(shared.gate_up_proj, [(0, shared_own), (shared.down_proj.weight.shape[1], shared_own)])
+        _keep_columns(shared.down_proj, shared_own)
+    block.moe = _local_moe(block.moe, g)
+    block.register_forward_hook(_sum_over_ranks)
 
 
 def _keep_rows(linear: nn.Linear, parts: list[tuple[int, slice]]) -> None:

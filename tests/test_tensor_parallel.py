@@ -69,7 +69,10 @@ HYBRID = dict(target_type="qwen3_5", head_dim=16, rope_theta=1e7, draft_rope_the
     (2, (8, 4), {}),
     (4, (4, 2), {}),  # each KV head replicated on two ranks
     (2, (4, 2), HYBRID),  # Qwen3.5: Gated DeltaNet and gated attention layers
-], ids=["qwen3-tp2", "qwen3-tp4", "qwen3.5-tp2"])
+    (2, (4, 2), dict(num_experts=4, mlp_only_layers=(1,))),  # Qwen3 MoE, one dense layer
+    (2, (4, 2), dict(HYBRID, num_experts=4)),  # Qwen3.5 MoE, its shared expert packed as one more
+    (2, (4, 2), dict(HYBRID, num_experts=4, shared_expert_size=64)),  # ... a shared expert of its own width
+], ids=["qwen3-tp2", "qwen3-tp4", "qwen3.5-tp2", "qwen3-moe-tp2", "qwen3.5-moe-tp2", "qwen3.5-moe-wide-shared-tp2"])
 def test_a_sharded_pair_computes_what_the_whole_pair_does(make_pair, no_tokenizer, tmp_path, world, heads, spec):
     num_heads, num_kv_heads = heads
     pair = make_pair(num_heads=num_heads, num_kv_heads=num_kv_heads, block_size=4, **{"head_dim": 16, **spec},
@@ -91,15 +94,13 @@ def test_a_sharded_pair_computes_what_the_whole_pair_does(make_pair, no_tokenize
 
 
 @pytest.mark.parametrize("changes, message", [
-    (dict(model_type="qwen3_moe"), "dense targets .* so far, not 'qwen3_moe'"),
+    (dict(intermediate_size=130), "intermediate_size = 130 does not split over 4 ranks"),
     (dict(num_attention_heads=6), "num_attention_heads = 6 does not split over 4 ranks"),
     (dict(num_key_value_heads=3), "num_key_value_heads = 3 neither splits over nor replicates onto 4 ranks"),
 ])
 def test_what_cannot_be_sharded_is_refused_by_name(make_pair, no_tokenizer, changes, message):
     config = load_target(make_pair(num_heads=8, num_kv_heads=2, **no_tokenizer).target).config
-    dims = {k: v for k, v in changes.items() if k != "model_type"}
-    config = dataclasses.replace(config, dims=dataclasses.replace(config.dims, **dims),
-                                 **{k: v for k, v in changes.items() if k == "model_type"})
+    config = dataclasses.replace(config, dims=dataclasses.replace(config.dims, **changes))
     with pytest.raises(ConfigError, match=message):
         check_supported(config, 4)
 
@@ -185,3 +186,9 @@ def test_serve_runs_a_two_rank_engine_under_tritonserver_and_sigterm_stops_every
 def followers_of(out) -> list[str]:
     return subprocess.run(["pgrep", "-f", f"dflash_trt.parallel {out / 'engine'}"], capture_output=True,
                           text=True).stdout.split()
+
+
+def test_bench_refuses_to_drive_a_two_rank_engine_in_process_and_says_what_works(builds):
+    result = dflash_trt("bench", builds / "tp2", "--num-prompts", 1, "--max-tokens", 4, "--concurrency", 1)
+    assert result.returncode == 1
+    assert "bench cannot drive a tensor-parallel engine in-process yet" in result.stderr and "--url" in result.stderr

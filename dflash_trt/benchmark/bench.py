@@ -46,6 +46,7 @@ from dflash_trt.benchmark.loadgen import TritonRow, format_triton_table, percent
 from dflash_trt.benchmark.transformers_baseline import generate_tok_s, to_transformers
 from dflash_trt.engine import Engine
 from dflash_trt.errors import ConfigError
+from dflash_trt.parallel import Leader
 from dflash_trt.sampling import SamplingParams
 from dflash_trt.speculate import OracleDrafts
 
@@ -159,6 +160,9 @@ def run_bench(loaded_engine, prompts: Sequence[str], *, dataset: str = "custom",
 
     `ar_outputs`, when given, is filled with {concurrency: AR output ids per prompt}."""
     base, tok = loaded_engine.engine, loaded_engine.tokenizer
+    if isinstance(base, Leader):
+        raise ConfigError("bench cannot drive a tensor-parallel engine in-process yet (it makes an engine per "
+                          "concurrency); serve it and measure with bench --url")
     if base.drafter is None:
         raise ConfigError("the benchmark needs an engine with a drafter")
     if not prompts:
