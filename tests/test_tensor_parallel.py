@@ -162,9 +162,9 @@ def test_a_two_rank_build_of_a_pair_that_cannot_be_sharded_fails_by_name(make_pa
 
 def test_serve_runs_a_two_rank_engine_under_tritonserver_and_sigterm_stops_every_rank(builds):
     http, grpc, metrics, openai = free_ports(4)
-    serve = subprocess.Popen([sys.executable, "-m", "dflash_trt", "serve", str(builds / "tp2"), "--http-port", str(http),
-                              "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--openai-port", str(openai)],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    serve = subprocess.Popen([sys.executable, "-m", "dflash_trt", "serve", str(builds / "tp2"), "--http-port",
+                              str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--openai-port",
+                              str(openai)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert serve.stdout.readline().startswith("HTTP"), serve.stderr.read() if serve.poll() is not None else ""
         ranks = followers_of(builds / "tp2")
