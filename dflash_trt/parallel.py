@@ -1,24 +1,23 @@
 """Tensor parallelism over torch.distributed (Megatron-style): sharded models, and engines
 that step in lockstep, one process per rank.
 
-`shard(target, drafter)` turns a rank's full copy of a Qwen3 target and its drafter into that
+`shard(target, drafter)` turns a rank's full copy of the target and its drafter into that
 rank's shard, in place, so the model files never mention parallelism:
 - attention: each rank keeps its slice of the query heads and the matching KV heads (KV heads
   are replicated when there are fewer than ranks), and o_proj's matching input columns; the
   partial outputs of o_proj are summed over the ranks (one all-reduce);
+- Gated DeltaNet (Qwen3.5/3.6): each rank keeps its key heads and the value heads they serve
+  (their q/k/v conv channels, z, b and a rows, decay parameters) and out_proj's matching
+  columns, one all-reduce after it; the recurrent state and conv window per rank follow;
 - MLP: gate/up's slice of the intermediate rows, down_proj's matching columns, one all-reduce;
+- mixture of experts: tensor-parallel experts, each rank a slice of every expert's width
+  (gate/up rows, down columns; the shared expert likewise), the router replicated, one
+  all-reduce after the block (expert parallelism, the alternative, is not measured yet);
 - embedding: vocabulary-parallel (each rank looks up its rows, the rest are zeros, all-reduce);
 - LM head: vocabulary-parallel, its logits gathered, so argmax and sampling see the whole
   vocabulary exactly as on one device;
 - the drafter on the same group, the same way (its fc and norms are small and replicated).
-The configs (and so the caches) take the per-rank head counts.
-
-- Gated DeltaNet (Qwen3.5/3.6): each rank keeps its key heads and the value heads they serve
-  (their q/k/v conv channels, z, b and a rows, decay parameters) and out_proj's matching
-  columns, one all-reduce after it; the recurrent state and conv window per rank follow;
-- mixture of experts: tensor-parallel experts, each rank a slice of every expert's width
-  (gate/up rows, down columns; the shared expert likewise), the router replicated, one
-  all-reduce after the block. (Expert parallelism is the alternative: not measured yet.)
+The configs (and so the caches) take the per-rank sizes.
 
 Every rank runs the same Engine on its shard. Rank 0's is a `Leader`: each call that changes
 the engine (a request added or aborted, a step, a mode) is broadcast before it runs, and the
@@ -30,8 +29,10 @@ and a watchdog that ends the leader's process, with a log line, when one of them
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -68,6 +69,8 @@ def shard(target: nn.Module, drafter: nn.Module | None, group: Group | None = No
     if group.size == 1:
         return
     check_supported(target.config, group.size)
+    if drafter is not None:
+        check_supported(drafter.config, group.size)
     local = {"dims": _local_dims(target.config.dims, group)}
     if getattr(target.config, "linear", None) is not None:
         local["linear"] = _local_linear(target.config.linear, group)
@@ -291,17 +294,13 @@ class Leader(Engine):
         _broadcast(("warm_up", None))
         super().warm_up()
 
-    def stop_followers(self) -> None:
-        _broadcast(("stop", None))
-
 
 def follow(engine: Engine) -> None:
-    """Repeat the leader's calls on this rank's engine until it says stop."""
+    """Repeat the leader's calls on this rank's engine, for as long as the leader lives (a
+    follower ends with it: launch_followers)."""
     seqs = {}
     while True:
         op, arg = _broadcast(None)
-        if op == "stop":
-            return
         if op == "add_request":
             seq = engine.add_request(*arg)
             seqs[seq.request_id] = seq
@@ -357,7 +356,8 @@ def launch_followers(engine_dir: Path, size: int, device: str, draft_window: int
     file rank 0 joins with (init). A follower that dies ends this process (exit 1); a follower
     whose leader dies gets SIGTERM (Linux parent-death signal)."""
     rendezvous = os.path.join(tempfile.mkdtemp(prefix="dflash-trt-tp-"), "rendezvous")
-    python = sys.executable if Path(sys.executable).name.startswith("python") else "python3"  # a Triton stub is not
+    # in a Triton stub sys.executable is the stub; its PATH starts with the serving venv's bin
+    python = sys.executable if Path(sys.executable).name.startswith("python") else "python3"
     args = [str(engine_dir), str(size), rendezvous, device, "" if draft_window is None else str(draft_window)]
     procs = [subprocess.Popen([python, "-m", "dflash_trt.parallel", args[0], str(rank), *args[1:]],
                               preexec_fn=_die_with_parent) for rank in range(1, size)]
@@ -366,9 +366,6 @@ def launch_followers(engine_dir: Path, size: int, device: str, draft_window: int
 
 
 def _die_with_parent() -> None:
-    import ctypes
-    import signal
-
     ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
@@ -376,7 +373,7 @@ def _watch(procs: list[subprocess.Popen]) -> None:
     while True:
         for rank, proc in enumerate(procs, start=1):
             code = proc.poll()
-            if code is not None and not getattr(proc, "stopped", False):
+            if code is not None:
                 print(f"dflash-trt: tensor-parallel rank {rank} (pid {proc.pid}) exited with code {code}; "
                       "stopping the other ranks and this process", file=sys.stderr, flush=True)
                 for other in procs:
