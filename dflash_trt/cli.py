@@ -61,8 +61,7 @@ def cli():
               help="The drafter attends to the last N committed tokens only (0, the default: all); "
                    "bounds its cache and draft time on long contexts. At least the block size.")
 @click.option("--tensor-parallel", type=click.IntRange(min=1),
-              help="Shard the engine over N GPUs (N processes on the CPU); run and serve start the ranks. "
-                   "Dense Qwen3 targets so far.")
+              help="Shard the engine over N GPUs (N processes on the CPU); run and serve start the ranks.")
 def build(target, drafter, preset, config_file, output, force, **overrides):
     """Build an engine directory and Triton model repository.
 

@@ -62,7 +62,7 @@ def check_weights_fit(model: torch.nn.Module, device: torch.device) -> None:
     if need > free:
         raise ConfigError(
             f"the {type(model).__name__} weights take {need / 2**30:.1f} GiB but {device} has {free / 2**30:.1f} GiB "
-            "free: this model needs more than one GPU, and tensor parallelism is not supported yet")
+            "free: shard it over several GPUs (build --tensor-parallel N)")
 
 
 def _build(model_cls, config, checkpoint: Checkpoint, device, dtype, prefixes=("",)):
@@ -129,10 +129,15 @@ def load_engine(engine_dir: Path, device: str | None = None, draft_window: int |
         # this process is rank 0 unless a follower (parallel._follower_main) joined the group first
         parallel.join_as_leader(engine_dir, config.tensor_parallel, device, draft_window)
         engine_class = parallel.Leader if dist.get_rank() == 0 else Engine
-    target = load_target(engine_dir / "target", device, torch_dtype(config))
-    drafter = load_drafter(engine_dir / "drafter", target, device, torch_dtype(config))
+    # A rank loads on the host and moves only its shard to its GPU (the host still reads the
+    # whole checkpoint once per rank).
+    load_on = "cpu" if config.tensor_parallel > 1 else device
+    target = load_target(engine_dir / "target", load_on, torch_dtype(config))
+    drafter = load_drafter(engine_dir / "drafter", target, load_on, torch_dtype(config))
     if config.tensor_parallel > 1:
         parallel.shard(target, drafter)
+        target.to(device)
+        drafter.to(device)
     engine = engine_class(target, drafter, max_batch_size=config.max_batch_size, max_seq_len=config.max_seq_len,
                           block_size=record["block_size"], draft_window=config.draft_window_size)
     return LoadedEngine(engine, Tokenizer.from_dir(engine_dir / TOKENIZER_DIR), config)
