@@ -65,18 +65,31 @@ def check_weights_fit(model: torch.nn.Module, device: torch.device) -> None:
             "free: shard it over several GPUs (build --tensor-parallel N)")
 
 
-def _build(model_cls, config, checkpoint: Checkpoint, device, dtype, prefixes=("",)):
-    model = empty_model(model_cls, config, device, dtype)
-    load_weights(model, checkpoint, prefixes)
+def _build(model_cls, config, checkpoint: Checkpoint, device, dtype, prefixes=("",), group=None):
+    """The model with its weights; with a tensor-parallel `group`, this rank's shard, read
+    tensor by tensor (parallel.plan), never the whole model."""
+    if group is None:
+        model = empty_model(model_cls, config, device, dtype)
+        load_weights(model, checkpoint, prefixes)
+        return model.eval()
+    with torch.device("meta"):
+        model = model_cls(config).to(dtype)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    load_weights(model, checkpoint, prefixes, cuts=parallel.plan(model, group), device=device)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()  # the embedding's new shard, into the LM head as well
     return model.eval()
 
 
-def load_target(directory: Path, device="cpu", dtype=torch.float32) -> Qwen3ForCausalLM:
+def load_target(directory: Path, device="cpu", dtype=torch.float32, group=None) -> Qwen3ForCausalLM:
+    """`group`: a tensor-parallel rank's (parallel.Group), for its shard only."""
     config = load_target_config(directory)
-    return _build(target_class(config.model_type), config, Checkpoint(directory), device, dtype)
+    return _build(target_class(config.model_type), config, Checkpoint(directory), device, dtype, group=group)
 
 
-def load_drafter(directory: Path, target: Qwen3ForCausalLM, device="cpu", dtype=torch.float32) -> DFlashDrafter:
+def load_drafter(directory: Path, target: Qwen3ForCausalLM, device="cpu", dtype=torch.float32,
+                 group=None) -> DFlashDrafter:
     config = DraftConfig.from_dir(directory, target.config.dims.num_hidden_layers)
     check_pair(target.config, config, directory)
     checkpoint = Checkpoint(directory)
@@ -91,7 +104,7 @@ def load_drafter(directory: Path, target: Qwen3ForCausalLM, device="cpu", dtype=
             f"{checkpoint.files[fc_name]}: '{fc_name}' has input width {width}, but {config.num_taps} taps x "
             f"hidden_size {target.config.dims.hidden_size} = {expected}"
         )
-    drafter = _build(DFlashDrafter, config, checkpoint, device, dtype, prefixes)
+    drafter = _build(DFlashDrafter, config, checkpoint, device, dtype, prefixes, group)
     drafter.bind(target)
     return drafter
 
@@ -129,15 +142,9 @@ def load_engine(engine_dir: Path, device: str | None = None, draft_window: int |
         # this process is rank 0 unless a follower (parallel._follower_main) joined the group first
         parallel.join_as_leader(engine_dir, config.tensor_parallel, device, draft_window)
         engine_class = parallel.Leader if dist.get_rank() == 0 else Engine
-    # A rank loads on the host and moves only its shard to its GPU (the host still reads the
-    # whole checkpoint once per rank).
-    load_on = "cpu" if config.tensor_parallel > 1 else device
-    target = load_target(engine_dir / "target", load_on, torch_dtype(config))
-    drafter = load_drafter(engine_dir / "drafter", target, load_on, torch_dtype(config))
-    if config.tensor_parallel > 1:
-        parallel.shard(target, drafter)
-        target.to(device)
-        drafter.to(device)
+    group = parallel.Group.current() if config.tensor_parallel > 1 else None
+    target = load_target(engine_dir / "target", device, torch_dtype(config), group)
+    drafter = load_drafter(engine_dir / "drafter", target, device, torch_dtype(config), group)
     engine = engine_class(target, drafter, max_batch_size=config.max_batch_size, max_seq_len=config.max_seq_len,
                           block_size=record["block_size"], draft_window=config.draft_window_size)
     return LoadedEngine(engine, Tokenizer.from_dir(engine_dir / TOKENIZER_DIR), config)

@@ -1,8 +1,9 @@
 """Tensor parallelism over torch.distributed (Megatron-style): sharded models, and engines
 that step in lockstep, one process per rank.
 
-`shard(target, drafter)` turns a rank's full copy of the target and its drafter into that
-rank's shard, in place, so the model files never mention parallelism:
+`plan(model, group)` makes a target or a drafter (built on "meta") that rank's shard, and
+says how to cut each parameter, which loading.load_target / load_drafter read from the
+checkpoint one tensor at a time; the model files never mention parallelism:
 - attention: each rank keeps its slice of the query heads and the matching KV heads (KV heads
   are replicated when there are fewer than ranks), and o_proj's matching input columns; the
   partial outputs of o_proj are summed over the ranks (one all-reduce);
@@ -40,6 +41,7 @@ import threading
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -63,28 +65,40 @@ class Group:
         return cls(dist.get_rank(), dist.get_world_size())
 
 
-def shard(target: nn.Module, drafter: nn.Module | None, group: Group | None = None) -> None:
-    """Shard a loaded target (and drafter, bound to it) for this rank of the default process group."""
-    group = group or Group.current()
-    if group.size == 1:
-        return
-    check_supported(target.config, group.size)
-    if drafter is not None:
-        check_supported(drafter.config, group.size)
-    local = {"dims": _local_dims(target.config.dims, group)}
-    if getattr(target.config, "linear", None) is not None:
-        local["linear"] = _local_linear(target.config.linear, group)
-    if getattr(target.config, "moe", None) is not None:
-        local["moe"] = _local_moe(target.config.moe, group)
-    target.config = dataclasses.replace(target.config, **local)
-    _shard_layers(target.model.layers, group)
-    embed = VocabParallelEmbedding(target.model.embed_tokens.weight, group)
-    _shard_lm_head(target.lm_head, group)
-    target.model.embed_tokens = embed
-    if drafter is not None:
-        drafter.config = dataclasses.replace(drafter.config, dims=_local_dims(drafter.config.dims, group))
-        _shard_layers(drafter.layers, group)
-        drafter.bind(target)
+Cut = Callable[[torch.Tensor], torch.Tensor]  # a parameter's full tensor -> this rank's shard
+
+
+def plan(model: nn.Module, g: Group) -> dict[str, Cut]:
+    """Make `model` (a target or a drafter, loaded or still on "meta") this rank's: its config's
+    sizes, its attention modules' sizes, its all-reduce hooks, a vocabulary-parallel embedding;
+    returns, per parameter name, how to cut the full tensor, for weights.load_weights to load
+    this rank's shard tensor by tensor: no rank ever holds the whole model."""
+    check_supported(model.config, g.size)
+    local = {"dims": _local_dims(model.config.dims, g)}
+    if getattr(model.config, "linear", None) is not None:
+        local["linear"] = _local_linear(model.config.linear, g)
+    if getattr(model.config, "moe", None) is not None:
+        local["moe"] = _local_moe(model.config.moe, g)
+    cuts: dict[str, Cut] = {}
+    layers = model.model.layers if hasattr(model, "model") else model.layers
+    for name, layer in zip(_names(model, layers), layers):
+        if getattr(layer, "linear_attn", None) is not None:
+            _plan_gated_delta(layer.linear_attn, f"{name}.linear_attn", g, cuts)
+        else:
+            _plan_attention(layer.self_attn, f"{name}.self_attn", g, cuts)
+        _plan_mlp(layer.mlp, f"{name}.mlp", g, cuts)
+    if "lm_head" in model._modules:  # a target: vocabulary-parallel ends (the drafter borrows them)
+        embed = model.model.embed_tokens.weight
+        model.model.embed_tokens = VocabParallelEmbedding(embed, g)
+        cuts["model.embed_tokens.weight"] = model.model.embed_tokens.cut
+        cuts["lm_head.weight"] = _plan_lm_head(model.lm_head, g)
+    model.config = dataclasses.replace(model.config, **local)
+    return cuts
+
+
+def _names(model: nn.Module, layers: nn.ModuleList) -> list[str]:
+    where = {m: n for n, m in model.named_modules()}
+    return [where[layer] for layer in layers]
 
 
 def check_supported(config, size: int) -> None:
@@ -129,16 +143,21 @@ def _kv_heads(d: LayerDims, g: Group) -> tuple[int, int]:
     return g.rank * d.num_key_value_heads // g.size, 1
 
 
-def _shard_layers(layers: nn.ModuleList, g: Group) -> None:
-    for layer in layers:
-        if getattr(layer, "linear_attn", None) is not None:
-            _shard_gated_delta(layer.linear_attn, g)
-        else:
-            _shard_attention(layer.self_attn, g)
-        _shard_mlp(layer.mlp, g)
+def _own(width: int, g: Group) -> slice:
+    n = width // g.size
+    return slice(g.rank * n, (g.rank + 1) * n)
 
 
-def _shard_attention(attn: nn.Module, g: Group) -> None:
+def _rows(parts: list[tuple[int, slice]], dim: int = 0) -> Cut:
+    """Keep, of each stacked part starting at index `offset` of `dim`, the indices of its slice."""
+    return lambda t: torch.cat([t.narrow(dim, offset + s.start, s.stop - s.start) for offset, s in parts], dim)
+
+
+def _columns(own: slice) -> Cut:
+    return lambda t: t[:, own]
+
+
+def _plan_attention(attn: nn.Module, name: str, g: Group, cuts: dict[str, Cut]) -> None:
     """Qwen3 attention, or Qwen3.5's gated attention (whose q_proj holds each head's query
     rows and then its gate rows: per head, twice the rows)."""
     d, hd = attn.dims, attn.dims.head_dim
@@ -148,13 +167,14 @@ def _shard_attention(attn: nn.Module, g: Group) -> None:
     kv_first, kv_count = _kv_heads(d, g)
     kv = slice(kv_first * hd, (kv_first + kv_count) * hd)
     own = slice(g.rank * q_heads * per_head, (g.rank + 1) * q_heads * per_head)
-    _keep_rows(attn.qkv_proj, [(0, own), (q_rows, kv), (q_rows + d.kv_size, kv)])
-    _keep_columns(attn.o_proj, slice(g.rank * q_heads * hd, (g.rank + 1) * q_heads * hd))
+    cuts[f"{name}.qkv_proj.weight"] = cuts[f"{name}.qkv_proj.bias"] = _rows(
+        [(0, own), (q_rows, kv), (q_rows + d.kv_size, kv)])
+    cuts[f"{name}.o_proj.weight"] = _columns(slice(g.rank * q_heads * hd, (g.rank + 1) * q_heads * hd))
     attn.dims = _local_dims(d, g)
     attn.o_proj.register_forward_hook(_sum_over_ranks)
 
 
-def _shard_gated_delta(layer: nn.Module, g: Group) -> None:
+def _plan_gated_delta(layer: nn.Module, name: str, g: Group, cuts: dict[str, Cut]) -> None:
     lin = layer.lin
     k_per, v_per = lin.num_key_heads // g.size * lin.key_head_dim, lin.num_value_heads // g.size * lin.value_head_dim
     heads = lin.num_value_heads // g.size
@@ -163,62 +183,38 @@ def _shard_gated_delta(layer: nn.Module, g: Group) -> None:
     conv = [(0, q), (lin.key_size, q), (2 * lin.key_size, v)]  # the conv's q | k | v channels
     z = lin.conv_size  # then z (value channels), b and a (one row per value head each)
     b = z + lin.value_size
-    _keep_rows(layer.in_proj, [*conv, (z, v), (b, h), (b + lin.num_value_heads, h)])
-    layer.conv1d.weight = nn.Parameter(torch.cat([layer.conv1d.weight.data[o + s.start:o + s.stop] for o, s in conv]),
-                                       requires_grad=False)
-    layer.dt_bias = nn.Parameter(layer.dt_bias.data[h].contiguous(), requires_grad=False)
-    layer.A_log = nn.Parameter(layer.A_log.data[h].contiguous(), requires_grad=False)
-    _keep_columns(layer.out_proj, v)
+    cuts[f"{name}.in_proj.weight"] = _rows([*conv, (z, v), (b, h), (b + lin.num_value_heads, h)])
+    cuts[f"{name}.conv1d.weight"] = _rows(conv)
+    cuts[f"{name}.dt_bias"] = cuts[f"{name}.A_log"] = lambda t: t[h]
+    cuts[f"{name}.out_proj.weight"] = _columns(v)
     layer.lin = _local_linear(lin, g)
     layer.out_proj.register_forward_hook(_sum_over_ranks)
 
 
-def _shard_mlp(mlp: nn.Module, g: Group) -> None:
+def _plan_mlp(mlp: nn.Module, name: str, g: Group, cuts: dict[str, Cut]) -> None:
     if isinstance(mlp, SparseMoeBlock):
-        _shard_experts(mlp, g)
+        _plan_experts(mlp, name, g, cuts)
         return
-    width = mlp.down_proj.weight.shape[1]
-    own = _own(width, g)
-    _keep_rows(mlp.gate_up_proj, [(0, own), (width, own)])
-    _keep_columns(mlp.down_proj, own)
+    _plan_dense(mlp, name, g, cuts)
     mlp.down_proj.register_forward_hook(_sum_over_ranks)
 
 
-def _own(width: int, g: Group) -> slice:
-    n = width // g.size
-    return slice(g.rank * n, (g.rank + 1) * n)
-
-
-def _shard_experts(block: SparseMoeBlock, g: Group) -> None:
-    experts = block.experts
-    width = experts.down_proj.shape[2]
+def _plan_dense(mlp: nn.Module, name: str, g: Group, cuts: dict[str, Cut]) -> None:
+    width = mlp.down_proj.weight.shape[1]
     own = _own(width, g)
-    gate_up = experts.gate_up_proj.data
-    experts.gate_up_proj = nn.Parameter(torch.cat([gate_up[:, own], gate_up[:, width + own.start:width + own.stop]], 1)
-                                        .contiguous(), requires_grad=False)
-    experts.down_proj = nn.Parameter(experts.down_proj.data[:, :, own].contiguous(), requires_grad=False)
-    shared = getattr(block, "shared_expert", None)
-    if shared is not None:  # a dense shared expert of its own width: its partial sum joins the block's
-        shared_own = _own(shared.down_proj.weight.shape[1], g)
-        _keep_rows(shared.gate_up_proj, [(0, shared_own), (shared.down_proj.weight.shape[1], shared_own)])
-        _keep_columns(shared.down_proj, shared_own)
+    cuts[f"{name}.gate_up_proj.weight"] = _rows([(0, own), (width, own)])
+    cuts[f"{name}.down_proj.weight"] = _columns(own)
+
+
+def _plan_experts(block: SparseMoeBlock, name: str, g: Group, cuts: dict[str, Cut]) -> None:
+    width = block.experts.down_proj.shape[2]
+    own = _own(width, g)
+    cuts[f"{name}.experts.gate_up_proj"] = _rows([(0, own), (width, own)], dim=1)
+    cuts[f"{name}.experts.down_proj"] = lambda t: t[:, :, own]
+    if getattr(block, "shared_expert", None) is not None:  # of its own width: its partial sum joins the block's
+        _plan_dense(block.shared_expert, f"{name}.shared_expert", g, cuts)
     block.moe = _local_moe(block.moe, g)
     block.register_forward_hook(_sum_over_ranks)
-
-
-def _keep_rows(linear: nn.Linear, parts: list[tuple[int, slice]]) -> None:
-    """Keep, of each stacked part starting at row `offset`, the rows of its slice."""
-    def take(t: torch.Tensor) -> torch.Tensor:
-        return torch.cat([t[offset + s.start:offset + s.stop] for offset, s in parts]).contiguous()
-    linear.weight = nn.Parameter(take(linear.weight.data), requires_grad=False)
-    if linear.bias is not None:
-        linear.bias = nn.Parameter(take(linear.bias.data), requires_grad=False)
-    linear.out_features = linear.weight.shape[0]
-
-
-def _keep_columns(linear: nn.Linear, own: slice) -> None:
-    linear.weight = nn.Parameter(linear.weight.data[:, own].contiguous(), requires_grad=False)
-    linear.in_features = linear.weight.shape[1]
 
 
 def _sum_over_ranks(module, inputs, output: torch.Tensor) -> torch.Tensor:
@@ -233,12 +229,15 @@ def _vocab_slice(vocab: int, g: Group) -> slice:
 
 class VocabParallelEmbedding(nn.Module):
     """This rank's rows of the embedding table; a token outside them looks up zeros, and the
-    ranks' lookups are summed."""
+    ranks' lookups are summed. Made from the whole table's parameter (`cut` keeps the rows)."""
 
-    def __init__(self, weight: torch.Tensor, g: Group):
+    def __init__(self, weight: nn.Parameter, g: Group):
         super().__init__()
         self.vocab = _vocab_slice(weight.shape[0], g)
-        self.weight = nn.Parameter(weight.data[self.vocab].contiguous(), requires_grad=False)
+        self.weight = weight
+
+    def cut(self, t: torch.Tensor) -> torch.Tensor:
+        return t[self.vocab]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.vocab.start
@@ -248,12 +247,10 @@ class VocabParallelEmbedding(nn.Module):
         return out
 
 
-def _shard_lm_head(head: nn.Linear, g: Group) -> None:
+def _plan_lm_head(head: nn.Linear, g: Group) -> Cut:
     vocab = head.weight.shape[0]
     per = -(-vocab // g.size)
     own = _vocab_slice(vocab, g)
-    head.weight = nn.Parameter(head.weight.data[own].contiguous(), requires_grad=False)
-    head.out_features = head.weight.shape[0]
 
     def gather(module, inputs, logits: torch.Tensor) -> torch.Tensor:
         # equal sizes for all_gather: the last rank pads, the padding is cut after
@@ -263,6 +260,7 @@ def _shard_lm_head(head: nn.Linear, g: Group) -> None:
         return torch.cat(parts, dim=-1)[..., :vocab]
 
     head.register_forward_hook(gather)
+    return lambda t: t[own]
 
 
 # -- ranks in lockstep ------------------------------------------------------------------------

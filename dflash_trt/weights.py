@@ -122,8 +122,12 @@ def _stored_whole(name: str, checkpoint: Checkpoint, prefixes: tuple[str, ...]) 
 
 
 def load_weights(model: nn.Module, checkpoint: Checkpoint, prefixes: tuple[str, ...] = ("",),
-                 skip: tuple[str, ...] = ()) -> None:
-    """Fill every parameter of `model` from `checkpoint`, checking shapes; extra tensors are ignored."""
+                 skip: tuple[str, ...] = (), cuts: dict | None = None, device=None) -> None:
+    """Fill every parameter of `model` from `checkpoint`, checking shapes; extra tensors are ignored.
+
+    With `cuts` (a tensor-parallel rank's, parallel.plan), each parameter is checked whole, cut
+    to this rank's shard and set anew on `device`: one whole tensor in memory at a time, so the
+    model may be on "meta"."""
     modules = dict(model.named_modules())
     for param_name, param in model.named_parameters():
         if param_name in skip:
@@ -150,8 +154,16 @@ def load_weights(model: nn.Module, checkpoint: Checkpoint, prefixes: tuple[str, 
                 f"{checkpoint.files[checkpoint.resolve(sources[0], prefixes)]}: "
                 f"tensor {shapes} does not fit parameter '{param_name}' of shape {tuple(param.shape)}"
             )
+        if cuts is not None:
+            set_parameter(model, param_name, cuts.get(param_name, lambda t: t)(tensor).to(device, param.dtype))
+            continue
         with torch.no_grad():
             param.copy_(tensor)
+
+
+def set_parameter(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    owner, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(owner), leaf, nn.Parameter(tensor.contiguous(), requires_grad=False))
 
 
 def write_safetensors(directory: Path, tensors: dict[str, torch.Tensor], num_shards: int = 1,
