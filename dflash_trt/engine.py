@@ -123,6 +123,16 @@ class Engine:
         seq.finish_reason = seq.finish_reason or "abort"
         self._release(seq)
 
+    def sibling(self, **changes) -> "Engine":
+        """A new engine of this kind over the same models and block, `changes` (e.g. another
+        max_batch_size or max_seq_len) applied; caches of its own."""
+        settings = dict(max_batch_size=self.max_batch_size, max_seq_len=self.max_seq_len, block_size=self.block_size,
+                        draft_window=self.draft_window)
+        return type(self)(self.target, self.drafter, **{**settings, **changes})
+
+    def set_oracle(self, oracle: OracleDrafts | None) -> None:
+        self.oracle = oracle
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 

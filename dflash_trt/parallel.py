@@ -21,7 +21,8 @@ checkpoint one tensor at a time; the model files never mention parallelism:
 The configs (and so the caches) take the per-rank sizes.
 
 Every rank runs the same Engine on its shard. Rank 0's is a `Leader`: each call that changes
-the engine (a request added or aborted, a step, a mode) is broadcast before it runs, and the
+the engine (a request added or aborted, a step, a mode, an oracle; a sibling engine, as bench
+makes per concurrency) is broadcast before it runs, and the
 other ranks' `follow` loops make the same call on theirs; their collectives then meet in the
 same order, and since every rank sees the whole logits, all of them pick the same tokens.
 `launch_followers` starts ranks 1..N-1 as child processes (`python -m dflash_trt.parallel`)
@@ -292,6 +293,14 @@ class Leader(Engine):
         _broadcast(("warm_up", None))
         super().warm_up()
 
+    def sibling(self, **changes) -> "Leader":
+        _broadcast(("sibling", changes))  # the followers' engine becomes its sibling too
+        return super().sibling(**changes)
+
+    def set_oracle(self, oracle) -> None:
+        _broadcast(("set_oracle", oracle))  # pickled: references, the draw (its RNG unused yet), forced
+        super().set_oracle(oracle)
+
 
 def follow(engine: Engine) -> None:
     """Repeat the leader's calls on this rank's engine, for as long as the leader lives (a
@@ -313,6 +322,10 @@ def follow(engine: Engine) -> None:
             engine.set_mode(arg)
         elif op == "warm_up":
             engine.warm_up()
+        elif op == "sibling":
+            engine, seqs = engine.sibling(**arg), {}
+        elif op == "set_oracle":
+            engine.set_oracle(arg)
 
 
 def _broadcast(message):

@@ -78,12 +78,12 @@ def test_oracle_tau_sets_the_mean_acceptance_length(loaded):
 
 
 def test_oracle_num_correct_mean_and_bounds():
-    draw = bench.oracle_num_correct(6.5, 16, seed=0)
+    draw = bench.OracleNumCorrect(6.5, 16, seed=0)
     ks = [draw(None) for _ in range(4000)]
     assert set(ks) == {5, 6} and abs(sum(ks) / len(ks) - 5.5) < 0.05
-    assert {bench.oracle_num_correct(8, 8)(None) for _ in range(10)} == {7}
+    assert {bench.OracleNumCorrect(8, 8)(None) for _ in range(10)} == {7}
     with pytest.raises(ConfigError, match="block size"):
-        bench.oracle_num_correct(9, 8)
+        bench.OracleNumCorrect(9, 8)
 
 
 def test_cli_prints_a_table_and_writes_json(out, tmp_path):

@@ -179,7 +179,17 @@ def followers_of(out) -> list[str]:
                           text=True).stdout.split()
 
 
-def test_bench_refuses_to_drive_a_two_rank_engine_in_process_and_says_what_works(builds):
-    result = dflash_trt("bench", builds / "tp2", "--num-prompts", 1, "--max-tokens", 4, "--concurrency", 1)
-    assert result.returncode == 1
-    assert "bench cannot drive a tensor-parallel engine in-process yet" in result.stderr and "--url" in result.stderr
+@pytest.mark.parametrize("oracle", [[], ["--oracle-tau", 3]], ids=["real", "oracle"])
+def test_bench_of_a_two_rank_engine_measures_what_the_whole_engine_does(builds, tmp_path, oracle):
+    """Per concurrency bench makes an engine of its own and may set an oracle: the other rank
+    must follow both, or the collectives (and the drafts) part."""
+    args = ["--dataset", "mt_bench", "--num-prompts", 3, "--max-tokens", 12, "--concurrency", "1,2", *oracle]
+    rows = {}
+    for name in ("whole", "tp2"):
+        result = dflash_trt("bench", builds / name, *args, "--json", tmp_path / f"{name}.json")
+        assert result.returncode == 0, result.stderr
+        rows[name] = json.loads((tmp_path / f"{name}.json").read_text())["rows"]
+    for whole, tp2 in zip(rows["whole"], rows["tp2"], strict=True):
+        assert (tp2["tau_steps"], tp2["identical_share"]) == (whole["tau_steps"], whole["identical_share"])
+    if not oracle:
+        assert all(r["identical_share"] == 1.0 for r in rows["tp2"])  # DFlash == AR through both ranks

@@ -46,7 +46,6 @@ from dflash_trt.benchmark.loadgen import TritonRow, format_triton_table, percent
 from dflash_trt.benchmark.transformers_baseline import generate_tok_s, to_transformers
 from dflash_trt.engine import Engine
 from dflash_trt.errors import ConfigError
-from dflash_trt.parallel import Leader
 from dflash_trt.sampling import SamplingParams
 from dflash_trt.speculate import OracleDrafts
 
@@ -99,15 +98,21 @@ def mode_label(oracle_tau: float | None) -> str:
     return "real acceptance" if oracle_tau is None else f"oracle τ={oracle_tau:g}"
 
 
-def oracle_num_correct(oracle_tau: float, block_size: int, seed: int = 0) -> Callable[[object], int]:
-    """Draw k (correct drafts per verify step) with mean oracle_tau - 1, k in 0..block_size-1."""
-    if not 1 <= oracle_tau <= block_size:
-        raise ConfigError(f"oracle τ must be between 1 and the block size {block_size}, got {oracle_tau:g}")
-    mean = oracle_tau - 1
-    low = min(math.floor(mean), block_size - 1)
-    p_high = mean - low  # P(k = low + 1)
-    rng = random.Random(seed)
-    return lambda seq: low + 1 if rng.random() < p_high else low
+class OracleNumCorrect:
+    """Draw k (correct drafts per verify step) with mean oracle_tau - 1, k in 0..block_size-1.
+    A class, not a closure: a tensor-parallel leader sends it to the other ranks (pickled)."""
+
+    def __init__(self, oracle_tau: float, block_size: int, seed: int = 0):
+        if not 1 <= oracle_tau <= block_size:
+            raise ConfigError(f"oracle τ must be between 1 and the block size {block_size}, got {oracle_tau:g}")
+        mean = oracle_tau - 1
+        self.low = min(math.floor(mean), block_size - 1)
+        self.p_high = mean - self.low  # P(k = low + 1)
+        self.rng = random.Random(seed)
+
+    def __call__(self, seq) -> int:
+        return self.low + 1 if self.rng.random() < self.p_high else self.low
+
 
 
 def encode_prompts(tokenizer, prompts: Sequence[str], *, chat: bool = True, thinking: bool = False) -> list[list[int]]:
@@ -160,16 +165,13 @@ def run_bench(loaded_engine, prompts: Sequence[str], *, dataset: str = "custom",
 
     `ar_outputs`, when given, is filled with {concurrency: AR output ids per prompt}."""
     base, tok = loaded_engine.engine, loaded_engine.tokenizer
-    if isinstance(base, Leader):
-        raise ConfigError("bench cannot drive a tensor-parallel engine in-process yet (it makes an engine per "
-                          "concurrency); serve it and measure with bench --url")
     if base.drafter is None:
         raise ConfigError("the benchmark needs an engine with a drafter")
     if not prompts:
         raise ConfigError("no prompts to benchmark")
     if not concurrencies or any(int(c) < 1 for c in concurrencies):
         raise ConfigError(f"concurrencies must be ints >= 1, got {list(concurrencies)}")
-    num_correct = oracle_num_correct(oracle_tau, base.block_size, seed) if oracle_tau is not None else None
+    num_correct = OracleNumCorrect(oracle_tau, base.block_size, seed) if oracle_tau is not None else None
     prompt_ids = encode_prompts(tok, prompts, chat=chat, thinking=thinking)
     params = SamplingParams(max_tokens=max_tokens, stop_token_ids=tuple(tok.stop_token_ids))
     need = max(len(p) for p in prompt_ids) + max_tokens
@@ -178,8 +180,7 @@ def run_bench(loaded_engine, prompts: Sequence[str], *, dataset: str = "custom",
                           f"engine's max_seq_len = {base.max_seq_len}")
 
     def new_engine(c: int) -> Engine:
-        engine = Engine(base.target, base.drafter, max_batch_size=c, max_seq_len=need, block_size=base.block_size,
-                        draft_window=base.draft_window)
+        engine = base.sibling(max_batch_size=c, max_seq_len=need)
         engine.warm_up()  # CUDA graph captures stay out of the timings
         return engine
 
@@ -200,8 +201,8 @@ def run_bench(loaded_engine, prompts: Sequence[str], *, dataset: str = "custom",
             progress(0, f"{dataset} c={c} AR: {ar.tok_s:.1f} tok/s")
         if num_correct is not None:
             # forced: bf16 near-ties would otherwise steer a random-weight run off its reference
-            engine.oracle = OracleDrafts({tuple(p): o for p, o in zip(prompt_ids, ar.outputs)}, num_correct,
-                                         forced=True)
+            engine.set_oracle(OracleDrafts({tuple(p): o for p, o in zip(prompt_ids, ar.outputs)}, num_correct,
+                                           forced=True))
         engine.set_mode("dflash")
         df = _drive(engine, prompt_ids, params, c, progress)
         del engine
