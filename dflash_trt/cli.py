@@ -83,6 +83,8 @@ def build(target, drafter, preset, config_file, output, force, **overrides):
 
 _DRAFT_WINDOW = click.option("--draft-window-size", type=click.IntRange(min=0),
                              help="Override the build's draft window (0: none; see build --help).")
+_TENSOR_PARALLEL = click.option("--tensor-parallel", type=click.IntRange(min=1),
+                                help="Override the build's tensor-parallel ranks (see build --help).")
 
 
 def _sampling_options(command):
@@ -108,9 +110,10 @@ def _sampling_options(command):
 @click.option("--mode", type=click.Choice(["dflash", "ar"]), default="dflash", show_default=True)
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), help="Default: the device the engine was built for.")
 @_DRAFT_WINDOW
+@_TENSOR_PARALLEL
 @_sampling_options
-def run(output_dir, prompt, mode, device, draft_window_size, max_tokens, temperature, top_k, top_p, seed, chat,
-        thinking, stats):
+def run(output_dir, prompt, mode, device, draft_window_size, tensor_parallel, max_tokens, temperature, top_k, top_p,
+        seed, chat, thinking, stats):
     """Generate in-process from a built engine (no server).
 
     \b
@@ -120,7 +123,7 @@ def run(output_dir, prompt, mode, device, draft_window_size, max_tokens, tempera
     from dflash_trt.sampling import SamplingParams
 
     with _errors():
-        loaded = load_engine(output_dir / "engine", device, draft_window_size)
+        loaded = load_engine(output_dir / "engine", device, draft_window_size, tensor_parallel)
         tok = loaded.tokenizer
         text = tok.apply_chat_template([{"role": "user", "content": prompt}], enable_thinking=thinking) if chat else prompt
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
@@ -156,8 +159,9 @@ def run(output_dir, prompt, mode, device, draft_window_size, max_tokens, tempera
 @click.option("--tritonserver", "tritonserver", type=click.Path(path_type=Path), envvar="DFLASH_TRT_TRITONSERVER",
               help="tritonserver binary (default: PATH, then the one bundled in nvidia-pytriton).")
 @_DRAFT_WINDOW
+@_TENSOR_PARALLEL
 def serve(output_dir, tritonserver_args, http_port, grpc_port, metrics_port, host, drain_timeout, openai_port,
-          api_key, served_model_name, allow_admin_api, tritonserver, draft_window_size):
+          api_key, served_model_name, allow_admin_api, tritonserver, draft_window_size, tensor_parallel):
     """Serve a built output directory with a real tritonserver until Ctrl-C or SIGTERM.
 
     Exits non-zero when tritonserver or one of its model processes dies (having stopped the
@@ -170,7 +174,7 @@ def serve(output_dir, tritonserver_args, http_port, grpc_port, metrics_port, hos
     dflash-trt generate "Write a haiku." --stream --stats
     """
     from dflash_trt.serving.openai_api import start_api
-    from dflash_trt.serving.repository import DRAFT_WINDOW_ENV
+    from dflash_trt.serving.repository import DRAFT_WINDOW_ENV, TENSOR_PARALLEL_ENV
     from dflash_trt.serving.server import (
         ADMIN_APIS,
         ADMIN_HEADER,
@@ -194,7 +198,9 @@ def serve(output_dir, tritonserver_args, http_port, grpc_port, metrics_port, hos
     server = TritonServer(output_dir / "model_repository", http_port=http_port, grpc_port=grpc_port,
                           metrics_port=metrics_port, host=host, tritonserver=tritonserver,
                           extra_args=tritonserver_args, admin_key=admin_key, drain_timeout=drain_timeout,
-                          env={} if draft_window_size is None else {DRAFT_WINDOW_ENV: str(draft_window_size)})
+                          env={name: str(value) for name, value in ((DRAFT_WINDOW_ENV, draft_window_size),
+                                                                    (TENSOR_PARALLEL_ENV, tensor_parallel))
+                               if value is not None})
     # Before start(): a stop while the models load (minutes, for a real model) must clean up too.
     signal.signal(signal.SIGINT, shutdown)
     signal.signal(signal.SIGTERM, shutdown)
@@ -297,12 +303,14 @@ def _random_weights_presets() -> list[str]:
     return list(PRESETS)
 
 
-def _bench_engine(output_dir, random_weights, device, draft_window):
+def _bench_engine(output_dir, random_weights, device, draft_window, tensor_parallel):
     """The in-process engine of `bench`: a built OUTPUT_DIR, random weights, or None (--url only)."""
     if output_dir is not None:
         from dflash_trt.loading import load_engine
 
-        return load_engine(output_dir / "engine", device, draft_window)
+        return load_engine(output_dir / "engine", device, draft_window, tensor_parallel)
+    if tensor_parallel not in (None, 1):
+        raise click.UsageError("--tensor-parallel needs a built OUTPUT_DIR")
     if random_weights is not None:
         from dflash_trt.benchmark.random_weights import random_engine
 
@@ -331,8 +339,9 @@ def _bench_engine(output_dir, random_weights, device, draft_window):
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), help="Default: the device the engine was built for.")
 @click.option("--json", "json_file", type=click.Path(dir_okay=False, path_type=Path), help="Also write rows here.")
 @_DRAFT_WINDOW
+@_TENSOR_PARALLEL
 def bench(output_dir, random_weights, urls, compare_transformers, datasets, concurrency, num_prompts, max_tokens,
-          oracle_tau, chat, thinking, device, json_file, draft_window_size):
+          oracle_tau, chat, thinking, device, json_file, draft_window_size, tensor_parallel):
     """Benchmark AR vs DFlash per dataset and concurrency; markdown tables on stdout.
 
     \b
@@ -358,7 +367,7 @@ def bench(output_dir, random_weights, urls, compare_transformers, datasets, conc
     bar = click.progressbar(length=runs * num_prompts * len(datasets), file=sys.stderr) if sys.stderr.isatty() else None
     progress = lambda n, msg: bar.update(n) if bar else (msg and click.echo(msg, err=True))  # noqa: E731
     with _errors():
-        loaded = _bench_engine(output_dir, random_weights, device, draft_window_size)
+        loaded = _bench_engine(output_dir, random_weights, device, draft_window_size, tensor_parallel)
         report = bench_lib.run_report(loaded, datasets, urls=urls, concurrencies=levels, num_prompts=num_prompts,
                                       max_tokens=max_tokens, chat=chat, thinking=thinking, oracle_tau=oracle_tau,
                                       compare_transformers=compare_transformers, progress=progress)

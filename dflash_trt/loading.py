@@ -129,17 +129,22 @@ class LoadedEngine:
     config: BuildConfig
 
 
-def load_engine(engine_dir: Path, device: str | None = None, draft_window: int | None = None) -> LoadedEngine:
+def load_engine(engine_dir: Path, device: str | None = None, draft_window: int | None = None,
+                tensor_parallel: int | None = None) -> LoadedEngine:
     """Load a built engine directory (`out/engine`) onto `device` (default: the build's), with
-    the build's draft window unless `draft_window` is given (0: none)."""
+    the build's draft window and tensor-parallel ranks unless given (the directory holds whole
+    weights: each rank cuts its shard while loading)."""
     engine_dir = Path(engine_dir)
     record, config = read_engine_record(engine_dir)
     device = device or config.device
     if draft_window is not None:
         config = dataclasses.replace(config, draft_window_size=draft_window)
+    if tensor_parallel is not None:
+        config = dataclasses.replace(config, tensor_parallel=tensor_parallel)
     engine_class = Engine
     if config.tensor_parallel > 1:
         # this process is rank 0 unless a follower (parallel._follower_main) joined the group first
+        parallel.check_supported(load_target_config(engine_dir / "target"), config.tensor_parallel)  # before spawning
         parallel.join_as_leader(engine_dir, config.tensor_parallel, device, draft_window)
         engine_class = parallel.Leader if dist.get_rank() == 0 else Engine
     group = parallel.Group.current() if config.tensor_parallel > 1 else None

@@ -402,7 +402,7 @@ def _follower_main(argv: list[str]) -> int:
     window = int(argv[5]) if len(argv) > 5 and argv[5] else None
     init(rank, size, rendezvous, device)
     try:
-        follow(load_engine(Path(engine_dir), device, window).engine)
+        follow(load_engine(Path(engine_dir), device, window, size).engine)
     finally:
         dist.destroy_process_group()
     return 0

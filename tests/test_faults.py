@@ -243,7 +243,7 @@ class FakeWorker:
 @pytest.mark.parametrize("stop", [False, True], ids=["engine-thread-dies", "finalize"])
 def test_the_dflash_stub_ends_itself_when_its_engine_thread_dies_unasked(monkeypatch, stop):
     worker, exits = FakeWorker(), []
-    monkeypatch.setattr(dflash_model.EngineWorker, "load", lambda path, metrics=None, draft_window=None: worker)
+    monkeypatch.setattr(dflash_model.EngineWorker, "load", lambda path, **options: worker)
     monkeypatch.setattr(dflash_model, "engine_dir_from_args", lambda args: None)
     monkeypatch.setattr(dflash_model, "on_sigterm", lambda callback: None)  # not in the test process
     monkeypatch.setattr(os, "_exit", exits.append)

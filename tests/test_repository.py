@@ -16,6 +16,7 @@ from dflash_trt.serving.repository import (
     engine_dir_from_args,
     render_repository,
     template_dir,
+    tensor_parallel_from_env,
 )
 
 CONFIG = BuildConfig(max_batch_size=5, triton_max_batch_size=12)
@@ -170,3 +171,6 @@ def test_a_malformed_draft_window_override_names_the_variable(monkeypatch):
     monkeypatch.setenv(DRAFT_WINDOW_ENV, "-5")
     with pytest.raises(ConfigError, match="DFLASH_TRT_DRAFT_WINDOW_SIZE must be an int >= 0, got '-5'"):
         draft_window_from_env()
+    monkeypatch.setenv("DFLASH_TRT_TENSOR_PARALLEL", "0")
+    with pytest.raises(ConfigError, match="DFLASH_TRT_TENSOR_PARALLEL must be an int >= 1, got '0'"):
+        tensor_parallel_from_env()

@@ -126,6 +126,11 @@ def test_run_on_a_two_rank_engine_prints_what_the_whole_engine_prints(builds):
     whole, tp2 = dflash_trt("run", builds / "whole", *args), dflash_trt("run", builds / "tp2", *args)
     assert whole.returncode == 0 and tp2.returncode == 0, tp2.stderr
     assert tp2.stdout == whole.stdout and tp2.stdout.strip()
+    # the build's rank count is a default: the directory holds whole weights
+    overridden = dflash_trt("run", builds / "whole", *args, "--tensor-parallel", 2)
+    assert overridden.returncode == 0 and overridden.stdout == whole.stdout, overridden.stderr
+    refused = dflash_trt("run", builds / "whole", *args, "--tensor-parallel", 3)
+    assert refused.returncode == 1 and "num_attention_heads = 8 does not split over 3 ranks" in refused.stderr
     assert json.loads((builds / "tp2" / "engine" / "engine.json").read_text())["build_config"]["tensor_parallel"] == 2
 
 
@@ -152,13 +157,15 @@ def test_a_two_rank_build_of_a_pair_that_cannot_be_sharded_fails_by_name(make_pa
 
 
 def test_serve_runs_a_two_rank_engine_under_tritonserver_and_sigterm_stops_every_rank(builds):
+    """serve's --tensor-parallel on a whole build (the override reaches the dflash model)."""
     http, grpc, metrics, openai = free_ports(4)
-    serve = subprocess.Popen([sys.executable, "-m", "dflash_trt", "serve", str(builds / "tp2"), "--http-port",
+    serve = subprocess.Popen([sys.executable, "-m", "dflash_trt", "serve", str(builds / "whole"), "--http-port",
                               str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--openai-port",
-                              str(openai)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                              str(openai), "--tensor-parallel", "2"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert serve.stdout.readline().startswith("HTTP"), serve.stderr.read() if serve.poll() is not None else ""
-        ranks = followers_of(builds / "tp2")
+        ranks = followers_of(builds / "whole")
         assert len(ranks) == 1
         args = ["Write a quicksort in Python.", "--max-tokens", 24]
         served = dflash_trt("generate", *args, "--url", f"127.0.0.1:{grpc}")
@@ -169,9 +176,9 @@ def test_serve_runs_a_two_rank_engine_under_tritonserver_and_sigterm_stops_every
         serve.communicate(timeout=60)
     assert serve.returncode == 0
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and followers_of(builds / "tp2"):
+    while time.monotonic() < deadline and followers_of(builds / "whole"):
         time.sleep(0.2)
-    assert not followers_of(builds / "tp2")
+    assert not followers_of(builds / "whole")
 
 
 def followers_of(out) -> list[str]:

@@ -28,7 +28,7 @@ import time
 
 from dflash_trt.serving import protocol
 from dflash_trt.serving.metrics import TritonMetrics
-from dflash_trt.serving.repository import draft_window_from_env, engine_dir_from_args
+from dflash_trt.serving.repository import draft_window_from_env, engine_dir_from_args, tensor_parallel_from_env
 from dflash_trt.serving.worker import SHUTTING_DOWN, EngineWorker
 
 POLL_S = 0.05  # how often the drain looks for the last request; the watchdog checks 10x slower
@@ -116,6 +116,7 @@ class DFlashModel:
     def initialize(self, args):
         labels = {"model": args["model_name"], "version": args["model_version"]}
         self.worker = EngineWorker.load(engine_dir_from_args(args), draft_window=draft_window_from_env(),
+                                        tensor_parallel=tensor_parallel_from_env(),
                                         metrics=lambda block_size: TritonMetrics(self._pb, labels, block_size))
         self._tritonserver = os.getppid()
         self._active = set()  # the TritonSink of every request in flight

@@ -97,17 +97,28 @@ def ensemble_steps(steps) -> str:
     return ",\n".join(rendered)
 
 
-# `serve --draft-window-size` reaches the dflash model through tritonserver's environment.
+# `serve --draft-window-size` and `--tensor-parallel` reach the dflash model through
+# tritonserver's environment.
 DRAFT_WINDOW_ENV = "DFLASH_TRT_DRAFT_WINDOW_SIZE"
+TENSOR_PARALLEL_ENV = "DFLASH_TRT_TENSOR_PARALLEL"
 
 
 def draft_window_from_env() -> int | None:
     """The draft window `serve` asked for, or None: the build's."""
-    value = os.environ.get(DRAFT_WINDOW_ENV)
+    return _int_from_env(DRAFT_WINDOW_ENV, 0)
+
+
+def tensor_parallel_from_env() -> int | None:
+    """The tensor-parallel ranks `serve` asked for, or None: the build's."""
+    return _int_from_env(TENSOR_PARALLEL_ENV, 1)
+
+
+def _int_from_env(name: str, least: int) -> int | None:
+    value = os.environ.get(name)
     if value is None:
         return None
-    if not value.isdigit():
-        raise ConfigError(f"{DRAFT_WINDOW_ENV} must be an int >= 0, got {value!r}")
+    if not value.isdigit() or int(value) < least:
+        raise ConfigError(f"{name} must be an int >= {least}, got {value!r}")
     return int(value)
 
 

@@ -172,11 +172,11 @@ class EngineWorker:
         self._thread.start()
 
     @classmethod
-    def load(cls, engine_dir: Path, device: str | None = None, metrics=None,
-             draft_window: int | None = None) -> "EngineWorker":
+    def load(cls, engine_dir: Path, device: str | None = None, metrics=None, draft_window: int | None = None,
+             tensor_parallel: int | None = None) -> "EngineWorker":
         """`metrics`: a callable block_size -> metrics object (see serving.metrics), or None;
-        `draft_window`: overrides the build's (load_engine)."""
-        loaded = load_engine(engine_dir, device, draft_window)
+        `draft_window`, `tensor_parallel`: override the build's (load_engine)."""
+        loaded = load_engine(engine_dir, device, draft_window, tensor_parallel)
         loaded.engine.warm_up()  # CUDA graphs captured before the first request, not during it
         limits = p.Limits(max_input_len=loaded.config.max_input_len, max_output_len=loaded.config.max_output_len)
         return cls(loaded.engine, loaded.tokenizer, limits, metrics=metrics and metrics(loaded.engine.block_size))
