@@ -16,6 +16,7 @@
 #   bash bench/gpu_check.sh moe        # build the plugins, the MoE op's GPU tests, its microbenchmark
 #   bash bench/gpu_check.sh moe-models # MoE: lossless on the GPU, the Qwen3.6-35B-A3B step profile (H200)
 #   bash bench/gpu_check.sh moe-bench  # MoE: Qwen3.6-35B-A3B AR vs DFlash, the 397B-A17B at 4 and 8 layers
+#   bash bench/gpu_check.sh moe-split  # MoE experts at TP2 per rank: tensor- vs expert-parallel
 #   bash bench/gpu_check.sh tests roofline   # several stages in one call
 #
 # The GPU machine has torch, transformers and numpy 2 but no internet. What it lacks travels
@@ -35,7 +36,7 @@
 # The machine has no `unzip`: zips are opened with `python3 -m zipfile`, which drops the
 # executable bits, so they are set again.
 set -u
-usage="usage: gpu_check.sh STAGE... (tests hybrid benches roofline bench8b identity triton window flashinfer splits moe moe-models moe-bench)"
+usage="usage: gpu_check.sh STAGE... (tests hybrid benches roofline bench8b identity triton window flashinfer splits moe moe-models moe-bench moe-split)"
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
@@ -172,6 +173,13 @@ moe)
   DFLASH_TEST_DEVICE=cuda DFLASH_MOE_STATS=$OUT/moe_stats.txt step tests-moe 240 python3 -m pytest -q \
     -p no:cacheprovider tests/test_moe_ops.py
   step moe-bench 150 python3 bench/moe_kernels.py --out "$OUT/moe.json"
+  ;;
+moe-split)
+  step plugins 300 python3 -c 'from dflash_trt import plugins; print(plugins.load())'
+  for shape in 35b-a3b 397b-a17b; do
+    step "split-$shape" 120 python3 bench/moe_kernels.py --shape $shape --ranks 2 \
+      --tokens 1,8,16,32,64,128,256,512,2048 --out "$OUT/moe_tp_ep_$shape.json"
+  done
   ;;
 moe-models)
   # MoE targets on the GPU (H200: the 35B-A3B is ~70 GB in bf16): lossless in fp32 through the

@@ -17,6 +17,15 @@ must read at least; GB/s = bytes / time, next to a device-to-device copy measure
 
     python bench/moe_kernels.py --out $OUT/moe.json
     python bench/moe_kernels.py --shape 397b-a17b --tokens 1,16,512
+
+--ranks R compares the two ways to split the experts over R tensor-parallel ranks, per rank, on
+this one GPU (ops.moe_experts, the same routing): tensor-parallel experts (every expert, I / R
+of its width: what parallel.py builds) against expert-parallel ones (E / R whole experts; a
+rank skips the picks it does not own, as the kernels skip ids outside [0, E)). Both leave the
+tokens on every rank and end in the same all-reduce of [N, H], so the per-rank expert time is
+what differs; an expert-parallel step waits for its slowest rank, so the max over ranks counts.
+
+    python bench/moe_kernels.py --ranks 2 --tokens 1,8,16,32,128,512 --out $OUT/moe_tp_ep.json
 """
 
 from __future__ import annotations
@@ -128,6 +137,36 @@ def measure(shape: str, n: int, dtype: torch.dtype, gate_up, down) -> dict:
     return row
 
 
+def measure_split(shape: str, n: int, ranks: int, dtype: torch.dtype) -> dict:
+    """Per-rank expert time of N tokens at `ranks` ranks: tensor- vs expert-parallel experts."""
+    E, k, H, I = SHAPES[shape]
+    g = torch.Generator(device="cuda").manual_seed(n)
+    x = torch.randn(n, H, generator=g, device="cuda").to(dtype)
+    ids = torch.rand(n, E, generator=g, device="cuda").topk(k, dim=-1).indices.int()
+    weights = torch.softmax(torch.randn(n, k, generator=g, device="cuda"), dim=-1)
+    tp_gate_up = (torch.randn(E, 2 * I // ranks, H, device="cuda") * H ** -0.5).to(dtype)
+    tp_down = (torch.randn(E, H, I // ranks, device="cuda") * I ** -0.5).to(dtype)
+    ep_gate_up, ep_down = tp_gate_up.new_empty(E // ranks, 2 * I, H), tp_down.new_empty(E // ranks, H, I)
+    ep_gate_up.normal_(std=H ** -0.5), ep_down.normal_(std=I ** -0.5)
+    tp_us, _ = time_us(lambda: ops.moe_experts(x, tp_gate_up, tp_down, weights, ids))
+    ep_us, ep_picks = [], []
+    for r in range(ranks):
+        local = ids - r * (E // ranks)  # a pick outside [0, E / R) belongs to another rank
+        ep_picks.append(int(((local >= 0) & (local < E // ranks)).sum()))
+        ep_us.append(time_us(lambda: ops.moe_experts(x, ep_gate_up, ep_down, weights, local))[0])
+    return {"shape": shape, "tokens": n, "ranks": ranks, "distinct_experts": int(ids.unique().numel()),
+            "tp_us": round(tp_us, 2), "ep_us_per_rank": [round(t, 2) for t in ep_us], "ep_us": round(max(ep_us), 2),
+            "ep_picks_per_rank": ep_picks}
+
+
+def print_split(rows: list[dict]) -> None:
+    print(f"{'shape':<10} {'N':>5} {'experts':>7} {'TP us':>8} {'EP us (max)':>12}  EP per rank (picks)")
+    for r in rows:
+        per = ", ".join(f"{t:.1f} ({p})" for t, p in zip(r["ep_us_per_rank"], r["ep_picks_per_rank"]))
+        print(f"{r['shape']:<10} {r['tokens']:>5} {r['distinct_experts']:>7} {r['tp_us']:>8.1f} "
+              f"{r['ep_us']:>12.1f}  {per}")
+
+
 def print_table(rows: list[dict], copy: float) -> None:
     print(f"device-to-device copy: {copy:.0f} GB/s (read + written)")
     names = ("op", "fused", "grouped", "cublas")
@@ -156,10 +195,19 @@ def main() -> None:
     parser.add_argument("--shape", choices=SHAPES, default="35b-a3b")
     parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma-separated token counts N")
+    parser.add_argument("--ranks", type=int, default=0, help="compare tensor- and expert-parallel experts per rank")
     args = parser.parse_args()
     if not torch.cuda.is_available() or plugins.load() is None:
         sys.exit("needs a CUDA GPU and the plugins")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    if args.ranks:
+        rows = [measure_split(args.shape, int(n), args.ranks, dtype) for n in args.tokens.split(",")]
+        print(f"{torch.cuda.get_device_name()}, {args.shape} over {args.ranks} ranks, {args.dtype}")
+        print_split(rows)
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+        return
     E, k, H, I = SHAPES[args.shape]
     gate_up = (torch.randn(E, 2 * I, H, device="cuda") * H ** -0.5).to(dtype)
     down = (torch.randn(E, H, I, device="cuda") * I ** -0.5).to(dtype)

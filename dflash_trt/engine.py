@@ -182,7 +182,7 @@ class Engine:
         last = hidden[torch.arange(len(seqs), device=self.device), batch.num_tokens - 1]
         if dflash:
             self.drafter.append_context(taps, batch, self.draft_cache)
-        tokens = self._pick(self.target.lm_head(last).argmax(dim=-1), last, seqs)
+        tokens = self._pick(self.target.lm_head.argmax(last), last, seqs)
         for s in seqs:
             s.num_cached = len(s.prompt_ids)
         return [StepEvent(s, s.emit([t])) for s, t in zip(seqs, tokens)]

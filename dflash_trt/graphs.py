@@ -81,7 +81,7 @@ class DecodePasses:
     def ar(self, x: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """One target step -> (final hidden [n, 1, H], greedy next token [n])."""
         hidden, _ = self.target(x.last_tokens[:, None], self._batch(x, 1), self.target_cache)
-        return hidden, self.target.lm_head(hidden[:, 0]).argmax(dim=-1)
+        return hidden, self.target.lm_head.argmax(hidden[:, 0])
 
     def draft(self, x: StepInputs) -> torch.Tensor:
         """One drafter pass over [bonus, MASK x (B-1)] per row -> the block [bs, B] with the
@@ -91,7 +91,7 @@ class DecodePasses:
                            device=x.last_tokens.device)
         block[:, 0] = x.last_tokens
         hidden = self.drafter(block, batch, self.draft_cache)
-        block[:, 1:] = self.drafter.lm_head(hidden[:, 1:]).argmax(dim=-1)
+        block[:, 1:] = self.drafter.lm_head.argmax(hidden[:, 1:])
         return block
 
     def verify(self, x: StepInputs, block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -105,7 +105,7 @@ class DecodePasses:
         # a block of other rows (e.g. a draft graph's, padded to its bucket) would index past them
         assert block.shape == (batch.size, self.block_size), f"block {tuple(block.shape)} for {batch.size} rows"
         hidden, tapped = self.target(block, batch, self.target_cache, self.taps)
-        choice = self.target.lm_head(hidden).argmax(dim=-1)  # argmax needs no fp32 copy of the logits
+        choice = self.target.lm_head.argmax(hidden)
         accepted = accepted_length(block[:, 1:], choice[:, :-1])
         bonus = choice.gather(1, accepted[:, None])[:, 0]
         self.drafter.append_context(tapped, batch, self.draft_cache)

@@ -13,10 +13,11 @@ checkpoint one tensor at a time; the model files never mention parallelism:
 - MLP: gate/up's slice of the intermediate rows, down_proj's matching columns, one all-reduce;
 - mixture of experts: tensor-parallel experts, each rank a slice of every expert's width
   (gate/up rows, down columns; the shared expert likewise), the router replicated, one
-  all-reduce after the block (expert parallelism, the alternative, is not measured yet);
+  all-reduce after the block (faster than expert parallelism at decode and verify sizes:
+  BENCHMARKS.md, "Experts over 2 ranks");
 - embedding: vocabulary-parallel (each rank looks up its rows, the rest are zeros, all-reduce);
-- LM head: vocabulary-parallel, its logits gathered, so argmax and sampling see the whole
-  vocabulary exactly as on one device;
+- LM head: vocabulary-parallel; the greedy choice gathers only each rank's best (value,
+  index), sampling gathers the logits, so both pick exactly as on one device;
 - the drafter on the same group, the same way (its fc and norms are small and replicated).
 The configs (and so the caches) take the per-rank sizes.
 
@@ -24,7 +25,7 @@ Every rank runs the same Engine on its shard. Rank 0's is a `Leader`: each call 
 the engine (a request added or aborted, a step, a mode, an oracle; a sibling engine, as bench
 makes per concurrency) is broadcast before it runs, and the
 other ranks' `follow` loops make the same call on theirs; their collectives then meet in the
-same order, and since every rank sees the whole logits, all of them pick the same tokens.
+same order, and since every rank sees the same choices, all of them pick the same tokens.
 `launch_followers` starts ranks 1..N-1 as child processes (`python -m dflash_trt.parallel`)
 and a watchdog that ends the leader's process, with a log line, when one of them dies.
 """
@@ -49,6 +50,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_trt import ops
 from dflash_trt.config import LayerDims
 from dflash_trt.engine import Engine
 from dflash_trt.errors import ConfigError
@@ -260,7 +262,21 @@ def _plan_lm_head(head: nn.Linear, g: Group) -> Cut:
         dist.all_gather(parts, padded.contiguous())
         return torch.cat(parts, dim=-1)[..., :vocab]
 
+    def argmax(hidden: torch.Tensor) -> torch.Tensor:
+        # each rank's best (value, vocabulary index) travels, not its slice of the logits: at a
+        # verify of many rows that slice is tens of MB per rank. Indices are exact in fp32
+        # (vocabularies < 2^24); the first rank holding the maximum has the lowest index, so
+        # ties resolve as one device's argmax does.
+        best, where = ops.linear(hidden, head.weight).max(dim=-1)
+        mine = torch.stack([best.float(), (where + own.start).float()], dim=-1)
+        parts = [torch.empty_like(mine) for _ in range(g.size)]
+        dist.all_gather(parts, mine)
+        ranked = torch.stack(parts)  # [ranks, ..., 2]
+        winner = ranked[..., 0].argmax(dim=0, keepdim=True)
+        return ranked[..., 1].gather(0, winner)[0].long()
+
     head.register_forward_hook(gather)
+    head.argmax = argmax
     return lambda t: t[own]
 
 

@@ -20,7 +20,8 @@ from dflash_trt.engine import Engine
 from dflash_trt.errors import ConfigError
 from dflash_trt.kv_cache import Batch
 from dflash_trt.loading import load_drafter, load_target
-from dflash_trt.parallel import Group, check_supported
+from dflash_trt.models.layers import LMHead
+from dflash_trt.parallel import Group, _plan_lm_head, check_supported
 from dflash_trt.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -90,6 +91,48 @@ def test_a_sharded_pair_computes_what_the_whole_pair_does(make_pair, no_tokenize
         assert rank["ar"] == whole["ar"] and rank["dflash"] == whole["dflash"]
         assert rank["kv_heads"] == max(num_kv_heads // world, 1)
     assert whole["dflash"] == whole["ar"]
+
+
+def head_and_rows(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """An LM head whose best logit is tied between a row on each half of the vocabulary for
+    the first hidden row, and random for the others."""
+    gen = torch.Generator().manual_seed(0)
+    weight, hidden = torch.randn(vocab, 8, generator=gen), torch.randn(5, 8, generator=gen)
+    hidden[0] = torch.eye(8)[0]
+    weight[:, 0] = torch.linspace(-1, 1, vocab)
+    weight[2, 0] = weight[vocab - 2, 0] = 9.0  # the tie: rows on the first and on the last rank
+    return weight, hidden
+
+
+def _argmax_rank(rank: int, world: int, init: str, vocab: int, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    try:
+        weight, hidden = head_and_rows(vocab)
+        head = LMHead(8, vocab, bias=False)
+        head.weight = torch.nn.Parameter(_plan_lm_head(head, Group.current())(weight))
+        with torch.inference_mode():
+            result = {"argmax": head.argmax(hidden), "logits": head(hidden), "rows": head.weight.shape[0]}
+        gathered = [None] * world
+        dist.all_gather_object(gathered, result)
+        if rank == 0:
+            torch.save(gathered, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world, vocab", [(2, 10), (3, 10)], ids=["even-split", "uneven-split"])
+def test_the_vocabulary_parallel_greedy_choice_is_the_whole_heads_argmax_ties_included(tmp_path, world, vocab):
+    weight, hidden = head_and_rows(vocab)
+    whole = hidden @ weight.T
+    out = tmp_path / "ranks.pt"
+    mp.start_processes(_argmax_rank, args=(world, str(tmp_path / "init"), vocab, str(out)), nprocs=world,
+                       start_method="spawn")
+    ranks = torch.load(out, weights_only=False)
+    assert [r["rows"] for r in ranks] == ([5, 5] if world == 2 else [4, 4, 2])  # each rank holds its slice only
+    for rank in ranks:
+        assert rank["argmax"].tolist() == whole.argmax(dim=-1).tolist()
+        assert rank["argmax"][0] == 2  # the tie goes to the lowest index, as one device's argmax
+        torch.testing.assert_close(rank["logits"], whole)  # sampling still sees every logit
 
 
 @pytest.mark.parametrize("changes, message", [

@@ -88,6 +88,14 @@ class Linear(nn.Linear):
         return ops.linear(x, self.weight, self.bias)
 
 
+class LMHead(Linear):
+    """The vocabulary projection; `argmax` is the greedy choice, which tensor parallelism
+    replaces by one that never gathers the vocabulary (parallel.py)."""
+
+    def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self(hidden).argmax(dim=-1)  # in the weights' dtype: no fp32 copy of the logits
+
+
 class PackedLinear(Linear):
     """One matmul for several checkpoint projections stacked by rows (q/k/v, gate/up).
 

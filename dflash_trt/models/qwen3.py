@@ -13,7 +13,7 @@ from torch import nn
 
 from dflash_trt.config import LayerDims, TargetConfig
 from dflash_trt.kv_cache import Batch, KVCache
-from dflash_trt.models.layers import AttentionProjections, DecoderLayer, Linear, RMSNorm, Rotary
+from dflash_trt.models.layers import AttentionProjections, DecoderLayer, LMHead, RMSNorm, Rotary
 from dflash_trt.models.moe import feed_forward
 from dflash_trt.ops import paged_block_attention
 
@@ -71,7 +71,7 @@ class Qwen3ForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = Qwen3Model(config)
-        self.lm_head = Linear(config.dims.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = LMHead(config.dims.hidden_size, config.vocab_size, bias=False)
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:

@@ -41,7 +41,7 @@ from dflash_trt import ops
 from dflash_trt.config import HybridTargetConfig
 from dflash_trt.kv_cache import Batch, KVCache
 from dflash_trt.models.gated_delta import L2_EPS, gated_delta_rule
-from dflash_trt.models.layers import DecoderLayer, Linear, PackedLinear, Rotary, apply_rope
+from dflash_trt.models.layers import DecoderLayer, Linear, LMHead, PackedLinear, Rotary, apply_rope
 from dflash_trt.models.moe import feed_forward
 from dflash_trt.ops import causal_conv1d, gated_delta_prepare, gated_delta_recurrent, paged_block_attention
 
@@ -310,7 +310,7 @@ class Qwen3_5ForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = Qwen3_5Model(config)
-        self.lm_head = Linear(config.dims.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = LMHead(config.dims.hidden_size, config.vocab_size, bias=False)
         if config.has_vision:
             log.warning("this Qwen3.5 checkpoint has a vision tower; dflash-trt serves text only, "
                         "so images and videos are not served and the vision weights are not loaded")
