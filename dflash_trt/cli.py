@@ -139,6 +139,97 @@ def run(output_dir, prompt, mode, device, draft_window_size, tensor_parallel, ma
                    f"mean acceptance length {tau}; verify steps {s.verify_steps}", err=True)
 
 
+def _ints(ctx, param, value):
+    if value is None:
+        return None
+    try:
+        return tuple(int(x) for x in value.split(",") if x.strip())
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
+
+
+@cli.command()
+@click.option("--target", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="The target checkpoint directory (Hugging Face layout).")
+@click.option("--data", "source", required=True, metavar="FILE_OR_DATASET",
+              help="Prompts (JSONL with 'prompt' or 'messages'; or gsm8k, humaneval, mt_bench) whose responses the "
+                   "target writes, or a token dataset directory an earlier run wrote (OUTPUT/data).")
+@click.option("-o", "--output", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="The drafter directory to write (z-lab layout; also its checkpoint, log and evaluation).")
+@click.option("--block-size", type=click.IntRange(min=2), default=16, show_default=True)
+@click.option("--draft-layers", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--target-layer-ids", callback=_ints,
+              help="Tapped target layers, e.g. 1,9,17 [default: z-lab's formula].")
+@click.option("--mask-token-id", type=click.IntRange(min=0),
+              help="[default: the first embedding row the tokenizer does not use]")
+@click.option("--sliding-layers", callback=_ints, default="", help="Drafter layers with a sliding window, e.g. 0.")
+@click.option("--sliding-window", type=click.IntRange(min=1))
+@click.option("--steps", type=click.IntRange(min=1), default=1000, show_default=True)
+@click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Sequences per step and process.")
+@click.option("--max-length", type=click.IntRange(min=2), default=1024, show_default=True)
+@click.option("--num-anchors", type=click.IntRange(min=1), default=64, show_default=True, help="Blocks per sequence.")
+@click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=6e-4, show_default=True)
+@click.option("--warmup", type=click.FloatRange(0, 1), default=0.04, show_default=True, help="Share of the steps.")
+@click.option("--decay", type=click.FloatRange(min=0, min_open=True),
+              help="Gamma of the per-slot loss weights exp(-(j-1)/gamma) [default: 7 at block 16, 4 at 8].")
+@click.option("--checkpoint-every", type=click.IntRange(min=1), default=200, show_default=True)
+@click.option("--log-every", type=click.IntRange(min=1), default=10, show_default=True)
+@click.option("--eval-prompts", type=click.IntRange(min=0), default=16, show_default=True,
+              help="The data's last sequences, held out of training; their prompts measure real acceptance at the end.")
+@click.option("--eval-max-tokens", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--eval-temperature", type=click.FloatRange(min=0), multiple=True,
+              help="Repeat for several [default: 0, greedy].")
+@click.option("--init-from", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Fine-tune this drafter instead of starting from random weights.")
+@click.option("--resume", is_flag=True, help="Continue the run whose checkpoint OUTPUT holds.")
+@click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Processes (one per GPU; gloo on the CPU), data-parallel. torchrun works too.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]))
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--chat/--no-chat", default=True, show_default=True, help="Prompts through the chat template.")
+@click.option("--thinking/--no-thinking", default=False, show_default=True)
+@click.option("--response-tokens", type=click.IntRange(min=1), default=512, show_default=True,
+              help="The longest response the target writes per prompt.")
+@click.option("--response-temperature", type=click.FloatRange(min=0), default=0.0, show_default=True)
+@click.option("--num-prompts", type=click.IntRange(min=1), help="Use at most this many prompts.")
+def train(target, source, output, block_size, draft_layers, target_layer_ids, mask_token_id, sliding_layers,
+          sliding_window, steps, batch_size, max_length, num_anchors, lr, warmup, decay, checkpoint_every, log_every,
+          eval_prompts, eval_max_tokens, eval_temperature, init_from, resume, nproc, device, seed, chat, thinking,
+          response_tokens, response_temperature, num_prompts):
+    """Train a DFlash drafter for a target on responses the target writes itself.
+
+    \b
+    dflash-trt train --target models/Qwen3-4B --data prompts.jsonl -o drafters/q4 --steps 4000
+    dflash-trt train --target out/t --data out/d/data -o out/d --resume   # after a stop or a kill
+    """
+    from dflash_trt.training.drafter_files import DrafterShape
+    from dflash_trt.training.trainer import DataConfig, TrainConfig, train_processes
+    from dflash_trt.training.trainer import train as train_drafter
+
+    kwargs = dict(
+        target_dir=target, source=source, out_dir=output, init_from=init_from, resume=resume, device=device,
+        temperatures=eval_temperature or (0.0,),
+        shape=DrafterShape(block_size, draft_layers, target_layer_ids, mask_token_id, sliding_window, sliding_layers),
+        cfg=TrainConfig(steps=steps, batch_size=batch_size, max_length=max_length, num_anchors=num_anchors, lr=lr,
+                        warmup=warmup, decay=decay, checkpoint_every=checkpoint_every, log_every=log_every,
+                        eval_prompts=eval_prompts, eval_max_tokens=eval_max_tokens, seed=seed),
+        data_cfg=DataConfig(chat=chat, thinking=thinking, max_tokens=response_tokens,
+                            temperature=response_temperature, limit=num_prompts))
+    with _errors():
+        report = train_processes(nproc, **kwargs) if nproc > 1 else train_drafter(**kwargs, progress=_progress)
+    for key, value in report.items():
+        if key.startswith("temperature_"):
+            click.echo(f"held-out prompts ({report['prompts']}), {key.replace('_', ' ')}: mean acceptance length "
+                       f"{value['tau']:.2f} over {value['verify_steps']} verify steps; "
+                       f"histogram {value['acceptance_histogram']}")
+    click.echo(f"drafter: {output}")
+
+
+def _progress(message: str) -> None:
+    click.echo(message, err=True)
+
+
 @cli.command()
 @click.argument("output_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.argument("tritonserver_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- TRITONSERVER_ARGS]...")

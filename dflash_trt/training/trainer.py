@@ -1,0 +1,353 @@
+"""`dflash-trt train`: data, the training loop, checkpoints and the closing evaluation.
+
+One process per device; with several (torchrun, or `train --nproc N`) the drafter is wrapped
+in DistributedDataParallel and rank r takes every N-th batch. The frozen target computes its
+tapped hidden states online for each batch (nothing is dumped to disk). A checkpoint holds the
+drafter, the optimizer, the step and the data cursor; resuming from it continues the same run
+(`tests/test_train.py` checks a resumed run ends with the uninterrupted run's weights).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel
+
+from dflash_trt.config import read_json
+from dflash_trt.engine import Engine
+from dflash_trt.errors import ConfigError
+from dflash_trt.kv_cache import Batch
+from dflash_trt.loading import load_drafter, load_target
+from dflash_trt.sampling import SamplingParams
+from dflash_trt.tokenizer import Tokenizer
+from dflash_trt.training import data
+from dflash_trt.training.drafter_files import (
+    DrafterShape,
+    checkpoint_tensors,
+    initial_tensors,
+    new_drafter_config,
+    write_drafter,
+)
+from dflash_trt.training.objective import DraftObjective, sample_anchors
+
+CHECKPOINT, LOG, EVAL, DATA = "checkpoint.pt", "train_log.jsonl", "eval.json", "data"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 1000
+    batch_size: int = 8  # sequences per step and rank
+    max_length: int = 1024  # tokens per sequence (longer ones are cut)
+    num_anchors: int = 64  # blocks per sequence
+    lr: float = 6e-4
+    warmup: float = 0.04  # share of the steps
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    decay: float | None = None  # gamma of the slot weights; None: by block size (objective.default_decay)
+    checkpoint_every: int = 200
+    log_every: int = 10
+    eval_prompts: int = 16  # the token dataset's last sequences, held out of training
+    eval_max_tokens: int = 128
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where the training text comes from when `--data` names prompts, not a token dataset."""
+
+    chat: bool = True
+    thinking: bool = False
+    max_tokens: int = 512  # per response
+    temperature: float = 0.0
+    generate_batch: int = 32
+    limit: int | None = None  # prompts used, at most
+
+
+def learning_rate(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up, then cosine to zero."""
+    warm = max(1, int(cfg.warmup * cfg.steps))
+    if step < warm:
+        return cfg.lr * (step + 1) / warm
+    return cfg.lr * 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, cfg.steps - warm)))
+
+
+def _distributed() -> tuple[int, int]:
+    """(rank, world) under torchrun or `--nproc`, with the process group up; (0, 1) alone."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return (dist.get_rank(), world) if world > 1 else (0, 1)
+
+
+def _device(rank: int, device: str | None) -> torch.device:
+    if device:
+        return torch.device(device)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def prepare_data(source: str, target_dir: Path, out_dir: Path, cfg: DataConfig, device: torch.device,
+                 progress=print) -> Path:
+    """A token dataset for `source`: itself when it is one, else the target's responses to its
+    prompts, generated once into out_dir/data (kept for a resumed run)."""
+    if (Path(source) / data.INDEX_FILE).is_file():
+        return Path(source)
+    where = out_dir / DATA
+    if (where / data.INDEX_FILE).is_file():
+        progress(f"data: reusing {where}")
+        return where
+    tokenizer = Tokenizer.from_dir(target_dir)
+    conversations = data.read_conversations(source)[:cfg.limit]
+    prompts = [data.encode_conversation(tokenizer, c, cfg.chat, cfg.thinking) for c in conversations]
+    target = load_target(target_dir, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    longest = max(map(len, prompts)) + cfg.max_tokens
+    engine = Engine(target, max_batch_size=cfg.generate_batch, max_seq_len=longest)
+    engine.warm_up()
+    params = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature, seed=0)
+    start = time.perf_counter()
+    data.generate_responses(engine, prompts, params, where,
+                            lambda done, total: progress(f"data: {done}/{total} responses"))
+    made = data.TokenDataset(where)
+    progress(f"data: {len(made)} sequences, {made.num_response_tokens()} response tokens in "
+             f"{time.perf_counter() - start:.0f} s -> {where}")
+    return where
+
+
+def initial_drafter(target_dir: Path, shape: DrafterShape, init_from: Path | None,
+                    seed: int) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The config and weights training starts from (checked before anything is written)."""
+    if init_from is not None:
+        drafter = load_drafter(init_from, load_target(target_dir))
+        return read_json(init_from / "config.json"), checkpoint_tensors(drafter)
+    config = new_drafter_config(read_json(target_dir / "config.json"), Tokenizer.from_dir(target_dir).vocab_size, shape)
+    return config, initial_tensors(config, seed)
+
+
+class _Window:
+    """What the steps since the last log line add up to: mean loss, loss per block slot,
+    supervised tokens per second."""
+
+    def __init__(self, block_size: int):
+        self.sums, self.counts = torch.zeros(block_size), torch.zeros(block_size)
+        self.loss, self.norm, self.steps, self.tokens, self.start = 0.0, 0.0, 0, 0, time.perf_counter()
+
+    def add(self, loss, per_slot, count, norm, tokens: int) -> None:
+        self.sums += per_slot.cpu()
+        self.counts += count.cpu()
+        self.loss, self.norm = self.loss + float(loss), max(self.norm, float(norm))
+        self.steps, self.tokens = self.steps + 1, self.tokens + tokens
+
+    def close(self, step: int, lr: float, epoch: int) -> dict:
+        seconds = time.perf_counter() - self.start
+        record = {"step": step, "loss": round(self.loss / self.steps, 4), "lr": lr,
+                  "max_grad_norm": round(self.norm, 4), "tokens_per_s": round(self.tokens / seconds, 1), "epoch": epoch, "steps": self.steps,
+                  "seconds": round(seconds, 3),
+                  "slot_loss": [round(float(s / max(c, 1)), 3) for s, c in zip(self.sums, self.counts)][1:]}
+        self.__init__(len(self.sums))
+        return record
+
+
+class Trainer:
+    def __init__(self, target_dir: Path, dataset: data.TokenDataset, out_dir: Path, cfg: TrainConfig,
+                 device: torch.device, rank: int = 0, world: int = 1, progress=print):
+        self.cfg, self.out_dir, self.device, self.rank, self.world = cfg, out_dir, device, rank, world
+        self.progress = progress if rank == 0 else (lambda *_: None)
+        self.target = load_target(target_dir, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+        self.target.requires_grad_(False)
+        self.drafter = load_drafter(out_dir, self.target, device, torch.float32)  # fp32 master weights
+        self.drafter.requires_grad_(True)
+        self.config = read_json(out_dir / "config.json")
+        self.objective = DraftObjective(self.drafter, cfg.decay)
+        self.model = DistributedDataParallel(self.objective) if world > 1 else self.objective
+        self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                           betas=(0.9, 0.95))
+        self.dataset = dataset
+        self.train_size = len(dataset) - cfg.eval_prompts
+        if self.train_size < cfg.batch_size * world:
+            raise ConfigError(f"{dataset.directory}: {len(dataset)} sequences leave {self.train_size} for training "
+                              f"after {cfg.eval_prompts} held out; one step needs {cfg.batch_size * world}")
+        self.step, self.cursor = 0, data.Cursor()
+        self.stop_requested = False
+
+    # -- checkpoints --------------------------------------------------------------------
+
+    def save(self) -> None:
+        """The drafter (z-lab layout, bf16) and the state to resume from, each replaced whole."""
+        if self.rank != 0:
+            return
+        write_drafter(self.out_dir, self.config, checkpoint_tensors(self.drafter))
+        state = {"step": self.step, "cursor": asdict(self.cursor), "optimizer": self.optimizer.state_dict(),
+                 "drafter": {k: v.detach().cpu() for k, v in self.drafter.state_dict().items()},
+                 "train_config": asdict(self.cfg)}
+        staged = self.out_dir / f".{CHECKPOINT}.tmp"
+        torch.save(state, staged)
+        os.replace(staged, self.out_dir / CHECKPOINT)
+
+    def restore(self) -> None:
+        path = self.out_dir / CHECKPOINT
+        if not path.is_file():
+            raise ConfigError(f"{path}: no checkpoint to resume from")
+        state = torch.load(path, map_location=self.device, weights_only=True)
+        self.drafter.load_state_dict(state["drafter"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step, self.cursor = state["step"], data.Cursor(**state["cursor"])
+        self.progress(f"resumed at step {self.step} (epoch {self.cursor.epoch}, batch {self.cursor.batch})")
+
+    # -- the loop -----------------------------------------------------------------------
+
+    def taps(self, ids: torch.Tensor) -> torch.Tensor:
+        """The frozen target's tapped hidden states of every position [bs, S, K*H]."""
+        bs, S = ids.shape
+        batch = Batch.make(list(range(bs)), [0] * bs, [S] * bs, S, self.device)
+        cache = self.target.new_cache(bs, S)
+        with torch.no_grad():
+            return self.target(ids, batch, cache, self.drafter.config.target_layer_ids)[1]
+
+    def train_step(self, ids: torch.Tensor, mask: torch.Tensor):
+        cfg = self.cfg
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        anchors_rng = torch.Generator().manual_seed(cfg.seed * 7919 + self.step * 31 + self.rank)
+        blocks = sample_anchors(mask, cfg.num_anchors, anchors_rng)
+        taps = self.taps(ids)
+        for group in self.optimizer.param_groups:
+            group["lr"] = learning_rate(self.step, cfg)
+        with torch.autocast(self.device.type, torch.bfloat16, enabled=self.device.type == "cuda"):
+            loss, per_slot, counts = self.model(ids, mask, taps, blocks)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip)
+        self.optimizer.step()
+        self.step += 1
+        return loss.detach(), per_slot, counts, norm
+
+    def run(self) -> None:
+        cfg = self.cfg
+        stream = data.batches(self.dataset, self.train_size, cfg.batch_size, cfg.max_length, cfg.seed, self.cursor,
+                              self.rank, self.world)
+        signal.signal(signal.SIGTERM, self._request_stop)
+        window = _Window(self.drafter.config.block_size)
+        try:
+            while self.step < cfg.steps and not self.stop_requested:
+                cursor, ids, mask = next(stream)
+                loss, per_slot, count, norm = self.train_step(ids, mask)
+                self.cursor = cursor
+                window.add(loss, per_slot, count, norm, int(mask.sum()) * self.world)
+                if self.step % cfg.log_every == 0 or self.step == cfg.steps:
+                    self._log(window.close(self.step, learning_rate(self.step - 1, cfg), cursor.epoch))
+                if self.step % cfg.checkpoint_every == 0:
+                    self.save()
+        finally:
+            self.save()  # at exit, whatever ended the loop
+
+    def _log(self, record: dict) -> None:
+        eta = (self.cfg.steps - self.step) * record["seconds"] / max(1, record["steps"])
+        self.progress(f"step {self.step}/{self.cfg.steps} loss {record['loss']:.3f} "
+                      f"(slots 1-3: {', '.join(f'{x:.2f}' for x in record['slot_loss'][:3])}) "
+                      f"{record['tokens_per_s']:.0f} tok/s, ETA {eta:.0f} s")
+        if self.rank == 0:
+            with (self.out_dir / LOG).open("a") as log:
+                log.write(json.dumps(record) + "\n")
+
+    def _request_stop(self, signum, frame) -> None:
+        self.stop_requested = True  # the step in flight finishes, then the loop saves and ends
+
+    # -- the closing evaluation ---------------------------------------------------------
+
+    def evaluate(self, temperatures: tuple[float, ...] = (0.0,)) -> dict:
+        """Real acceptance of the written drafter on the held-out prompts, through the engine."""
+        prompts = [list(map(int, self.dataset[i][0][:self.dataset[i][1]]))
+                   for i in range(self.train_size, len(self.dataset))]
+        if not prompts:
+            return {}
+        target = self.target  # the written drafter in the target's dtype, as `build` would pair them
+        drafter = load_drafter(self.out_dir, target, self.device, target.lm_head.weight.dtype)
+        longest = max(map(len, prompts)) + self.cfg.eval_max_tokens
+        engine = Engine(target, drafter, max_batch_size=min(16, len(prompts)), max_seq_len=longest)
+        engine.warm_up()
+        report = {"prompts": len(prompts), "block_size": drafter.config.block_size}
+        for temperature in temperatures:
+            params = [SamplingParams(max_tokens=self.cfg.eval_max_tokens, temperature=temperature, seed=i)
+                      for i in range(len(prompts))]
+            results = engine.generate(prompts, params, mode="dflash")
+            lengths = [n for r in results for n in r.stats.acceptance_lengths]
+            histogram = [lengths.count(k) for k in range(1, drafter.config.block_size + 1)]
+            report[f"temperature_{temperature:g}"] = {
+                "tau": round(sum(lengths) / max(1, len(lengths)), 3), "verify_steps": len(lengths),
+                "acceptance_histogram": histogram}
+        return report
+
+
+def train(target_dir: Path, source: str, out_dir: Path, *, shape: DrafterShape = DrafterShape(),
+          cfg: TrainConfig = TrainConfig(), data_cfg: DataConfig = DataConfig(), init_from: Path | None = None,
+          resume: bool = False, device: str | None = None, temperatures: tuple[float, ...] = (0.0,),
+          progress=print) -> dict:
+    """Train a drafter for the target into out_dir (z-lab layout); returns the evaluation."""
+    rank, world = _distributed()
+    dev = _device(rank, device)
+    progress = progress if rank == 0 else (lambda *_: None)
+    if rank == 0:
+        if (out_dir / CHECKPOINT).is_file() and not resume:
+            raise ConfigError(f"{out_dir} already holds a training run ({CHECKPOINT}): pass --resume to continue it, "
+                              "or choose another output directory")
+        if resume and not (out_dir / CHECKPOINT).is_file():
+            raise ConfigError(f"{out_dir / CHECKPOINT}: no checkpoint to resume from")
+        if not (Path(source) / data.INDEX_FILE).is_file():
+            data.read_conversations(source)  # a bad prompt file fails before anything is written
+        start_from = None if resume else initial_drafter(target_dir, shape, init_from, cfg.seed)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        dataset_dir = prepare_data(source, target_dir, out_dir, data_cfg, dev, progress)
+        if start_from:
+            write_drafter(out_dir, *start_from, torch.float32)
+            (out_dir / LOG).unlink(missing_ok=True)
+    if world > 1:
+        shared = [dataset_dir if rank == 0 else None]
+        dist.broadcast_object_list(shared)
+        dataset_dir = shared[0]
+    trainer = Trainer(target_dir, data.TokenDataset(dataset_dir), out_dir, cfg, dev, rank, world, progress)
+    if resume:
+        trainer.restore()
+    start = time.perf_counter()
+    trainer.run()
+    if rank != 0 or trainer.stop_requested:
+        return {}
+    report = {"train_seconds": round(time.perf_counter() - start, 1), "steps": trainer.step,
+              **trainer.evaluate(temperatures)}
+    if dev.type == "cuda":
+        report["peak_gpu_memory_gb"] = round(torch.cuda.max_memory_allocated(dev) / 1e9, 2)
+    (out_dir / EVAL).write_text(json.dumps(report, indent=1) + "\n")
+    return report
+
+
+def _rank_main(rank: int, world: int, init: str, kwargs: dict) -> None:
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
+    dist.init_process_group("nccl" if torch.cuda.is_available() and kwargs.get("device") != "cpu" else "gloo",
+                            init_method=f"file://{init}", rank=rank, world_size=world)
+    try:
+        report = train(**kwargs)
+        if rank == 0:
+            kwargs["out_dir"].joinpath(f".{EVAL}.rank0").write_text(json.dumps(report))
+    finally:
+        dist.destroy_process_group()
+
+
+def train_processes(nproc: int, **kwargs) -> dict:
+    """`train` in `nproc` processes (one per GPU, or gloo on the CPU), started here."""
+    with tempfile.TemporaryDirectory(prefix="dflash-trt-train-") as tmp:
+        mp.start_processes(_rank_main, args=(nproc, str(Path(tmp) / "init"), kwargs), nprocs=nproc,
+                           start_method="spawn")
+    handoff = Path(kwargs["out_dir"]) / f".{EVAL}.rank0"
+    report = json.loads(handoff.read_text())
+    handoff.unlink()
+    return report

@@ -1,0 +1,188 @@
+"""Training drafters: the training forward is the inference drafter's, anchors and labels follow
+the recipe, a tiny drafter learns and `build` loads it, a killed run resumes to the same
+weights, and data-parallel ranks step with the averaged gradients of their halves."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import load_file
+
+from dflash_trt.kv_cache import Batch
+from dflash_trt.loading import load_drafter, load_target
+from dflash_trt.training import data
+from dflash_trt.training.objective import IGNORE, Blocks, DraftObjective, attention_mask, block_inputs, sample_anchors
+from dflash_trt.training.trainer import TrainConfig, Trainer
+
+SLIDING = dict(draft_layer_types=("sliding_attention", "full_attention"), sliding_window=3)
+
+
+def tapped(target, ids):
+    S = ids.shape[1]
+    with torch.no_grad():
+        return target(ids, Batch.make([0], [0], [S], S, "cpu"), target.new_cache(1, S), (0, 2))[1]
+
+
+@pytest.mark.parametrize("spec", [{}, SLIDING], ids=["full", "sliding"])
+def test_the_training_forward_computes_the_inference_drafters_block_logits(make_pair, no_tokenizer, spec):
+    pair = make_pair(block_size=4, **spec, **no_tokenizer)
+    target = load_target(pair.target)
+    drafter = load_drafter(pair.drafter, target)
+    B, S = drafter.config.block_size, 20
+    ids = torch.randint(0, 500, (1, S), generator=torch.Generator().manual_seed(0))
+    taps = tapped(target, ids)
+    anchors = [0, 5, 13, 18]  # no context; some; a block running past the end
+    blocks = Blocks(anchors=torch.tensor([anchors]), valid=torch.ones(1, len(anchors), dtype=torch.bool))
+    block_ids, positions, _ = block_inputs(ids, torch.ones_like(ids, dtype=torch.bool), blocks, B,
+                                           drafter.config.mask_token_id)
+    objective = DraftObjective(drafter)
+    masks = {w: attention_mask(blocks, S, B, w) for w in {layer.self_attn.window for layer in drafter.layers}}
+    with torch.no_grad():
+        trained = drafter.logits(objective.hidden(taps, block_ids, positions, masks)).view(len(anchors), B, -1)
+    for i, anchor in enumerate(anchors):
+        cache = drafter.new_cache(1, S + B)
+        if anchor:
+            drafter.append_context(taps[:, :anchor], Batch.make([0], [0], [anchor], anchor, "cpu"), cache)
+        with torch.no_grad():
+            served = drafter.logits(drafter(block_ids[:, i * B:(i + 1) * B], Batch.make([0], [anchor], [B], B, "cpu"),
+                                            cache))[0]
+        torch.testing.assert_close(trained[i], served, atol=2e-4 * served.abs().max().item(), rtol=0)
+
+
+def test_anchors_are_distinct_sorted_and_only_before_a_supervised_token():
+    mask = torch.zeros(3, 40, dtype=torch.bool)
+    mask[0, 10:30] = True  # 19 candidates (9..28)
+    mask[1, 35:] = True  # 5 candidates: fewer than asked for
+    blocks = sample_anchors(mask, 8, torch.Generator().manual_seed(0))
+    for row, candidates in ((0, set(range(9, 29))), (1, set(range(34, 39))), (2, set())):
+        chosen = blocks.anchors[row][blocks.valid[row]].tolist()
+        assert chosen == sorted(set(chosen)) and set(chosen) <= candidates
+        assert len(chosen) == min(8, len(candidates))
+    ids = torch.arange(40).expand(3, -1)
+    _, positions, labels = block_inputs(ids, mask, blocks, 4, mask_token_id=999)
+    for row in range(3):
+        for slot, (pos, label) in enumerate(zip(positions[row].tolist(), labels[row].tolist())):
+            supervised = slot % 4 > 0 and pos < 40 and bool(mask[row, pos]) and bool(blocks.valid[row, slot // 4])
+            assert label == (pos if supervised else IGNORE)  # ids are positions here: slot j learns a + j
+
+
+def dflash_trt(*args, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dflash_trt", *map(str, args)], capture_output=True, text=True,
+                          timeout=600, **kwargs)
+
+
+TRAIN = ["--block-size", 4, "--draft-layers", 1, "--batch-size", 4, "--max-length", 320, "--num-anchors", 16,
+         "--eval-prompts", 4, "--eval-max-tokens", 16, "--response-tokens", 32, "--log-every", 5]
+
+
+@pytest.fixture(scope="module")
+def trained(make_pair, tmp_path_factory):
+    pair = make_pair()
+    out = tmp_path_factory.mktemp("train") / "drafter"
+    done = dflash_trt("train", "--target", pair.target, "--data", "gsm8k", "--num-prompts", 40, "-o", out,
+                      "--steps", 40, "--lr", 3e-3, *TRAIN)
+    assert done.returncode == 0, done.stderr
+    return pair, out, done
+
+
+@pytest.mark.slow
+def test_a_tiny_drafter_learns_and_build_loads_it(trained, tmp_path):
+    pair, out, done = trained
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == list(range(5, 41, 5))
+    assert log[-1]["loss"] < 0.8 * log[0]["loss"], [r["loss"] for r in log]
+    report = json.loads((out / "eval.json").read_text())
+    assert report["prompts"] == 4 and report["temperature_0"]["verify_steps"] > 0
+    assert "mean acceptance length" in done.stdout
+    built = dflash_trt("build", "--target", pair.target, "--drafter", out, "-o", tmp_path / "engine")
+    assert built.returncode == 0, built.stderr
+    ran = dflash_trt("run", tmp_path / "engine", "What is 2 + 3?", "--max-tokens", 8, "--stats")
+    assert ran.returncode == 0 and "mean acceptance length" in ran.stderr, ran.stderr
+
+
+@pytest.mark.slow
+def test_a_killed_run_resumed_ends_with_the_uninterrupted_runs_weights(trained, tmp_path):
+    pair, first, _ = trained
+    args = ["--target", pair.target, "--data", first / "data", "--steps", 12, "--checkpoint-every", 2, "--lr", 3e-3,
+            *TRAIN[:-6]]
+    whole = dflash_trt("train", *args, "-o", tmp_path / "whole", "--eval-max-tokens", 4)
+    assert whole.returncode == 0, whole.stderr
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_trt", "train", *map(str, args), "-o", killed],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not (killed / "checkpoint.pt").exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    at_kill = torch.load(killed / "checkpoint.pt", weights_only=True)["step"]
+    assert 0 < at_kill < 12  # killed part-way, not after the end
+    resumed = dflash_trt("train", *args, "-o", killed, "--resume", "--eval-max-tokens", 4)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resumed at step {at_kill}" in resumed.stderr
+    a, b = load_file(tmp_path / "whole" / "model.safetensors"), load_file(killed / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_bad_training_input_fails_by_name_and_leaves_no_run(make_pair, tmp_path):
+    pair = make_pair()
+    missing = dflash_trt("train", "--target", pair.target, "--data", tmp_path / "nope.jsonl", "-o", tmp_path / "d")
+    assert missing.returncode == 1 and "nope.jsonl" in missing.stderr
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "fine"}\n{"question": "no prompt"}\n')
+    wrong = dflash_trt("train", "--target", pair.target, "--data", bad, "-o", tmp_path / "d")
+    assert wrong.returncode == 1 and "bad.jsonl:2" in wrong.stderr
+    taps = dflash_trt("train", "--target", pair.target, "--data", "gsm8k", "--target-layer-ids", "0,9",
+                      "--num-prompts", 2, "-o", tmp_path / "d2", "--response-tokens", 2)
+    assert taps.returncode == 1 and "target_layer_ids = [0, 9]" in taps.stderr
+    assert not (tmp_path / "d2").exists() and not (tmp_path / "d").exists()
+    no_run = dflash_trt("train", "--target", pair.target, "--data", "gsm8k", "-o", tmp_path / "d3", "--resume")
+    assert no_run.returncode == 1 and "no checkpoint to resume from" in no_run.stderr
+
+
+# no clipping: a rank clips the averaged gradient, one process would clip each half
+ONE_STEP = TrainConfig(batch_size=2, max_length=320, num_anchors=8, eval_prompts=0, grad_clip=1e9)
+
+
+def _ddp_rank(rank: int, world: int, init: str, pair, dataset_dir, out_dir, result: str) -> None:
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank))
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    try:
+        trainer = Trainer(pair.target, data.TokenDataset(dataset_dir), out_dir, ONE_STEP, torch.device("cpu"), rank,
+                          world)
+        batch = next(data.batches(trainer.dataset, len(trainer.dataset), 2, 320, 0, data.Cursor(), rank, world))
+        trainer.train_step(*batch[1:])
+        if rank == 0:
+            torch.save({k: v.grad for k, v in trainer.drafter.named_parameters()}, result)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_data_parallel_ranks_step_with_the_mean_of_their_halves_gradients(trained, tmp_path):
+    pair, first, _ = trained
+    out = tmp_path / "ddp"
+    out.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (out / name).write_bytes((first / name).read_bytes())
+    mp.start_processes(_ddp_rank, args=(2, str(tmp_path / "init"), pair, first / "data", out, str(tmp_path / "g.pt")),
+                       nprocs=2, start_method="spawn")
+    ddp = torch.load(tmp_path / "g.pt", weights_only=True)
+    alone = Trainer(pair.target, data.TokenDataset(first / "data"), out, ONE_STEP, torch.device("cpu"))
+    grads = []
+    for rank in range(2):  # what each rank computed: its batch, its anchors
+        alone.rank, alone.step = rank, 0
+        batch = next(data.batches(alone.dataset, len(alone.dataset), 2, 320, 0, data.Cursor(), rank, 2))
+        alone.optimizer.zero_grad()
+        alone.train_step(*batch[1:])
+        grads.append({k: v.grad.clone() for k, v in alone.drafter.named_parameters()})
+        alone.drafter.load_state_dict(load_drafter(out, alone.target).state_dict())  # undo the step
+    for name, g in ddp.items():
+        torch.testing.assert_close(g, (grads[0][name] + grads[1][name]) / 2, rtol=1e-4, atol=1e-6)
