@@ -17,6 +17,9 @@
 #   bash bench/gpu_check.sh moe-models # MoE: lossless on the GPU, the Qwen3.6-35B-A3B step profile (H200)
 #   bash bench/gpu_check.sh moe-bench  # MoE: Qwen3.6-35B-A3B AR vs DFlash, the 397B-A17B at 4 and 8 layers
 #   bash bench/gpu_check.sh moe-split  # MoE experts at TP2 per rank: tensor- vs expert-parallel
+#   bash bench/gpu_check.sh demo-target demo-drafter demo-eval
+#                                      # the shipped demo pair's recipe (bench/train_demo.py; its corpus
+#                                      # stage writes .gpu/demo first, on any machine)
 #   bash bench/gpu_check.sh tests roofline   # several stages in one call
 #
 # The GPU machine has torch, transformers and numpy 2 but no internet. What it lacks travels
@@ -36,7 +39,7 @@
 # The machine has no `unzip`: zips are opened with `python3 -m zipfile`, which drops the
 # executable bits, so they are set again.
 set -u
-usage="usage: gpu_check.sh STAGE... (tests hybrid benches roofline bench8b identity triton window flashinfer splits moe moe-models moe-bench moe-split)"
+usage="usage: gpu_check.sh STAGE... (tests hybrid benches roofline bench8b identity triton window flashinfer splits moe moe-models moe-bench moe-split demo-target demo-drafter demo-eval)"
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
@@ -180,6 +183,28 @@ moe-split)
     step "split-$shape" 120 python3 bench/moe_kernels.py --shape $shape --ranks 2 \
       --tokens 1,8,16,32,64,128,256,512,2048 --out "$OUT/moe_tp_ep_$shape.json"
   done
+  ;;
+demo-target)
+  step demo-target 560 python3 bench/train_demo.py target .gpu/demo --steps "${DEMO_STEPS:-3000}" --max-seconds 480
+  mkdir -p "$OUT/demo" && cp -r .gpu/demo/target "$OUT/demo/"
+  ;;
+demo-drafter)
+  step plugins 300 python3 -c 'from dflash_trt import plugins; print(plugins.load())'
+  step demo-drafter 585 dflash-trt train --target .gpu/demo/target --data .gpu/demo/drafter_prompts.jsonl \
+    -o .gpu/demo/drafter --block-size 16 --draft-layers 2 --target-layer-ids 1,3,5 --steps "${DEMO_DRAFTER_STEPS:-5000}" \
+    --batch-size 32 --max-length 512 --num-anchors 32 --lr 1.5e-3 --response-tokens 256 --generate-batch 128 --log-every 100 \
+    --checkpoint-every 500 --eval-temperature 0 --eval-temperature 0.7
+  mkdir -p "$OUT/demo" && cp -r .gpu/demo/drafter "$OUT/demo/"
+  ;;
+demo-eval)
+  # the shipped pair (dflash_trt/fixtures/demo): real τ per dataset and block size, DFlash == AR
+  # in fp32, and the demo engine's bench with real acceptance
+  step plugins 300 python3 -c 'from dflash_trt import plugins; print(plugins.load())'
+  step demo-eval 330 python3 bench/train_demo.py eval dflash_trt/fixtures/demo --report "$OUT/demo_eval.json"
+  step demo-build 60 dflash-trt build -o /tmp/demo-engine --device cuda --dtype bfloat16 --max-input-len 1024 \
+    --max-output-len 256 --max-batch-size 8
+  step demo-bench 200 dflash-trt bench /tmp/demo-engine --dataset gsm8k --dataset humaneval --num-prompts 32 \
+    --max-tokens 256 --concurrency 1,8 --json "$OUT/demo_bench.json"
   ;;
 moe-models)
   # MoE targets on the GPU (H200: the 35B-A3B is ~70 GB in bf16): lossless in fp32 through the

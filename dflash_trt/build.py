@@ -26,7 +26,7 @@ from dflash_trt import __version__, parallel, plugins
 from dflash_trt.config import ENGINE_FILE, TOKENIZER_DIR, BuildConfig
 from dflash_trt.engine import check_draft_window
 from dflash_trt.errors import BuildError
-from dflash_trt.fixtures.pair import DEMO_SPEC, write_tiny_pair
+from dflash_trt.fixtures import DEMO_DIR
 from dflash_trt.loading import load_drafter, load_target, torch_dtype
 from dflash_trt.serving.repository import render_repository
 from dflash_trt.tokenizer import Tokenizer
@@ -80,10 +80,10 @@ def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def _demo_sources(workdir: Path) -> tuple[Path, Path]:
-    _log("no checkpoints given: writing the embedded demo pair (tiny random weights, real Qwen tokenizer)")
-    pair = write_tiny_pair(workdir / "demo-sources", DEMO_SPEC)
-    return pair.target, pair.drafter
+def _demo_sources() -> tuple[Path, Path]:
+    _log("no checkpoints given: the embedded demo pair (a small Qwen3 target trained on Python's standard library "
+         "and GSM8K / HumanEval solutions, and its DFlash drafter trained by `dflash-trt train`; bench/train_demo.py)")
+    return DEMO_DIR / "target", DEMO_DIR / "drafter"
 
 
 def _save_model(model, directory: Path, config_src: Path) -> None:
@@ -211,7 +211,7 @@ def _build_into(config: BuildConfig, work: Path) -> None:
         target_src = resolve_source(config.target, "target")
         drafter_src = resolve_source(config.drafter, "drafter")
     else:
-        target_src, drafter_src = _demo_sources(work)
+        target_src, drafter_src = _demo_sources()
     _log(f"validating the pair: {target_src} + {drafter_src}")
     target = load_target(target_src, "cpu", torch_dtype(config))
     drafter = load_drafter(drafter_src, target, "cpu", torch_dtype(config))

@@ -162,8 +162,10 @@ def _ints(ctx, param, value):
               help="Tapped target layers, e.g. 1,9,17 [default: z-lab's formula].")
 @click.option("--mask-token-id", type=click.IntRange(min=0),
               help="[default: the first embedding row the tokenizer does not use]")
-@click.option("--sliding-layers", callback=_ints, default="", help="Drafter layers with a sliding window, e.g. 0.")
+@click.option("--sliding-layers", callback=_ints, default="",
+              help="Drafter layers with a sliding window, e.g. 0.")
 @click.option("--sliding-window", type=click.IntRange(min=1))
+@click.option("--intermediate-size", type=click.IntRange(min=1), help="The drafter's MLP width [default: the target's].")
 @click.option("--steps", type=click.IntRange(min=1), default=1000, show_default=True)
 @click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True,
               help="Sequences per step and process.")
@@ -193,10 +195,12 @@ def _ints(ctx, param, value):
               help="The longest response the target writes per prompt.")
 @click.option("--response-temperature", type=click.FloatRange(min=0), default=0.0, show_default=True)
 @click.option("--num-prompts", type=click.IntRange(min=1), help="Use at most this many prompts.")
+@click.option("--generate-batch", type=click.IntRange(min=1), default=32, show_default=True,
+              help="Responses the target writes at once.")
 def train(target, source, output, block_size, draft_layers, target_layer_ids, mask_token_id, sliding_layers,
-          sliding_window, steps, batch_size, max_length, num_anchors, lr, warmup, decay, checkpoint_every, log_every,
-          eval_prompts, eval_max_tokens, eval_temperature, init_from, resume, nproc, device, seed, chat, thinking,
-          response_tokens, response_temperature, num_prompts):
+          sliding_window, intermediate_size, steps, batch_size, max_length, num_anchors, lr, warmup, decay,
+          checkpoint_every, log_every, eval_prompts, eval_max_tokens, eval_temperature, init_from, resume, nproc, device, seed, chat, thinking,
+          response_tokens, response_temperature, num_prompts, generate_batch):
     """Train a DFlash drafter for a target on responses the target writes itself.
 
     \b
@@ -210,12 +214,13 @@ def train(target, source, output, block_size, draft_layers, target_layer_ids, ma
     kwargs = dict(
         target_dir=target, source=source, out_dir=output, init_from=init_from, resume=resume, device=device,
         temperatures=eval_temperature or (0.0,),
-        shape=DrafterShape(block_size, draft_layers, target_layer_ids, mask_token_id, sliding_window, sliding_layers),
+        shape=DrafterShape(block_size, draft_layers, target_layer_ids, mask_token_id, sliding_window, sliding_layers,
+                           intermediate_size),
         cfg=TrainConfig(steps=steps, batch_size=batch_size, max_length=max_length, num_anchors=num_anchors, lr=lr,
                         warmup=warmup, decay=decay, checkpoint_every=checkpoint_every, log_every=log_every,
                         eval_prompts=eval_prompts, eval_max_tokens=eval_max_tokens, seed=seed),
         data_cfg=DataConfig(chat=chat, thinking=thinking, max_tokens=response_tokens,
-                            temperature=response_temperature, limit=num_prompts))
+                            temperature=response_temperature, limit=num_prompts, generate_batch=generate_batch))
     with _errors():
         report = train_processes(nproc, **kwargs) if nproc > 1 else train_drafter(**kwargs, progress=_progress)
     for key, value in report.items():

@@ -67,10 +67,10 @@ def test_rows_per_concurrency_are_lossless_and_positive(loaded):
 
 
 def test_oracle_tau_sets_the_mean_acceptance_length(loaded):
-    assert loaded.engine.block_size == 8
+    assert loaded.engine.block_size == 16  # the demo drafter's
     prompts = load_prompts("gsm8k", 4)
     (row,) = bench.run_bench(loaded, prompts, dataset="gsm8k", concurrencies=(4,), max_tokens=64,
-                             oracle_tau=4, seed=1, chat=False)
+                             oracle_tau=4, seed=1)
     assert row.mode_label == "oracle τ=4"
     assert abs(row.tau_steps - 4) <= 0.5, row
     assert row.identical_share is None  # the forced oracle follows AR by construction
@@ -196,5 +196,5 @@ def test_a_hybrid_engine_benches_like_a_qwen3_one(tmp_path):
     real, = bench.run_bench(hybrid, prompts, dataset="gsm8k", concurrencies=(2,), max_tokens=24, chat=False)
     assert real.identical_share == 1.0 and real.mode_label == "real acceptance"
     oracle, = bench.run_bench(hybrid, prompts, dataset="gsm8k", concurrencies=(2,), max_tokens=48,
-                              oracle_tau=4, seed=1, chat=False)
+                              oracle_tau=4, seed=1)
     assert abs(oracle.tau_steps - 4) <= 1.0, oracle

@@ -40,7 +40,7 @@ def test_build_of_the_demo_prints_the_output_path_and_writes_the_engine(demo):
     assert result.stdout.strip() == str(out)
     assert "embedded demo pair" in result.stderr
     record = json.loads((out / "engine" / "engine.json").read_text())
-    assert record["build_config"]["preset"] == "tiny" and record["block_size"] == 8
+    assert record["build_config"]["preset"] == "tiny" and record["block_size"] == 16  # the demo drafter's
     for part in ("target/config.json", "drafter/config.json", "tokenizer/tokenizer.json"):
         assert (out / "engine" / part).exists(), part
 

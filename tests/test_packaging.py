@@ -18,7 +18,7 @@ def wheel(tmp_path_factory):
     return next(out.glob("dflash_trt-*.whl"))
 
 
-def test_wheel_ships_plugin_sources_presets_templates_and_datasets(wheel):
+def test_wheel_ships_plugin_sources_presets_templates_datasets_and_the_demo_pair(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     for path in ROOT.glob("plugins/*"):
         if path.suffix in (".cu", ".h", ".cpp"):
@@ -26,6 +26,8 @@ def test_wheel_ships_plugin_sources_presets_templates_and_datasets(wheel):
     assert "dflash_trt/build_configs/qwen3-8b-b16.toml" in names
     assert "dflash_trt/triton_repo/dflash/1/model.py" in names
     assert "dflash_trt/benchmark/datasets/gsm8k.jsonl" in names
+    for path in ROOT.glob("dflash_trt/fixtures/demo/*/*"):
+        assert str(path.relative_to(ROOT)) in names
 
 
 def test_wheel_ships_every_module_of_the_package(wheel):

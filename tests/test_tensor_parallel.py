@@ -156,7 +156,7 @@ def dflash_trt(*args, **kwargs) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory):
-    """The demo pair built whole and for two ranks (block 8, 4 query / 2 KV heads)."""
+    """The demo pair built whole and for two ranks (block 16, 4 query / 2 KV heads)."""
     root = tmp_path_factory.mktemp("tp")
     for name, extra in (("whole", []), ("tp2", ["--tensor-parallel", 2])):
         result = dflash_trt("build", "--preset", "tiny", "-o", root / name, *extra)
@@ -173,7 +173,7 @@ def test_run_on_a_two_rank_engine_prints_what_the_whole_engine_prints(builds):
     overridden = dflash_trt("run", builds / "whole", *args, "--tensor-parallel", 2)
     assert overridden.returncode == 0 and overridden.stdout == whole.stdout, overridden.stderr
     refused = dflash_trt("run", builds / "whole", *args, "--tensor-parallel", 3)
-    assert refused.returncode == 1 and "num_attention_heads = 8 does not split over 3 ranks" in refused.stderr
+    assert refused.returncode == 1 and "num_attention_heads = 4 does not split over 3 ranks" in refused.stderr
     assert json.loads((builds / "tp2" / "engine" / "engine.json").read_text())["build_config"]["tensor_parallel"] == 2
 
 

@@ -32,6 +32,7 @@ class DrafterShape:
     mask_token_id: int | None = None  # None: the first embedding row the tokenizer does not use
     sliding_window: int | None = None  # with sliding_layers: their window
     sliding_layers: tuple[int, ...] = ()
+    intermediate_size: int | None = None  # None: the target's MLP width
 
 
 def new_drafter_config(target_config: dict, tokenizer_vocab: int, shape: DrafterShape) -> dict:
@@ -55,7 +56,7 @@ def new_drafter_config(target_config: dict, tokenizer_vocab: int, shape: Drafter
         raise ConfigError(f"sliding layers {list(shape.sliding_layers)} need a --sliding-window and must be in "
                           f"0..{shape.num_layers - 1}")
     head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
-    intermediate = text.get("intermediate_size") or 3 * text["hidden_size"]
+    intermediate = shape.intermediate_size or text.get("intermediate_size") or 3 * text["hidden_size"]
     config = {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",

@@ -152,8 +152,8 @@ class _Window:
     def close(self, step: int, lr: float, epoch: int) -> dict:
         seconds = time.perf_counter() - self.start
         record = {"step": step, "loss": round(self.loss / self.steps, 4), "lr": lr,
-                  "max_grad_norm": round(self.norm, 4), "tokens_per_s": round(self.tokens / seconds, 1), "epoch": epoch, "steps": self.steps,
-                  "seconds": round(seconds, 3),
+                  "max_grad_norm": round(self.norm, 4), "tokens_per_s": round(self.tokens / seconds, 1),
+                  "epoch": epoch, "steps": self.steps, "seconds": round(seconds, 3),
                   "slot_loss": [round(float(s / max(c, 1)), 3) for s, c in zip(self.sums, self.counts)][1:]}
         self.__init__(len(self.sums))
         return record
