@@ -17,6 +17,7 @@
 #   bash bench/gpu_check.sh moe-models # MoE: lossless on the GPU, the Qwen3.6-35B-A3B step profile (H200)
 #   bash bench/gpu_check.sh moe-bench  # MoE: Qwen3.6-35B-A3B AR vs DFlash, the 397B-A17B at 4 and 8 layers
 #   bash bench/gpu_check.sh moe-split  # MoE experts at TP2 per rank: tensor- vs expert-parallel
+#   bash bench/gpu_check.sh draft-vocab # Qwen3-8B's draft pass with the whole vocabulary and with 32k tokens
 #   bash bench/gpu_check.sh demo-target demo-drafter demo-eval
 #                                      # the shipped demo pair's recipe (bench/train_demo.py; its corpus
 #                                      # stage writes .gpu/demo first, on any machine)
@@ -39,7 +40,7 @@
 # The machine has no `unzip`: zips are opened with `python3 -m zipfile`, which drops the
 # executable bits, so they are set again.
 set -u
-usage="usage: gpu_check.sh STAGE... (tests hybrid benches roofline bench8b identity triton window flashinfer splits moe moe-models moe-bench moe-split demo-target demo-drafter demo-eval)"
+usage="usage: gpu_check.sh STAGE... (tests hybrid benches roofline bench8b identity triton window flashinfer splits moe moe-models moe-bench moe-split draft-vocab demo-target demo-drafter demo-eval)"
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
@@ -182,6 +183,13 @@ moe-split)
   for shape in 35b-a3b 397b-a17b; do
     step "split-$shape" 120 python3 bench/moe_kernels.py --shape $shape --ranks 2 \
       --tokens 1,8,16,32,64,128,256,512,2048 --out "$OUT/moe_tp_ep_$shape.json"
+  done
+  ;;
+draft-vocab)
+  step plugins 300 python3 -c 'from dflash_trt import plugins; print(plugins.load())'
+  for k in 0 32768; do
+    step "draft-vocab-$k" 200 python3 bench/profile_step.py --preset qwen3-8b --batch 1,8,32 --draft-vocab-size $k \
+      --json "$OUT/draft_vocab_$k.json"
   done
   ;;
 demo-target)

@@ -187,6 +187,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json")
     ap.add_argument("--layers", type=int, help="a reduced-depth copy of the preset (one too large for the GPU)")
     ap.add_argument("--draft-window-size", type=int, default=0, help="the drafter sees the last N rows only")
+    ap.add_argument("--draft-vocab-size", type=int, default=0,
+                    help="the drafter proposes from K tokens only (their choice does not change the time)")
     ap.add_argument("--blas", choices=("cublas", "cublaslt"),
                     help="the BLAS library torch uses for the GEMMs (default: torch's choice)")
     args = ap.parse_args(argv)
@@ -196,12 +198,14 @@ def main(argv=None) -> int:
     loaded = random_engine(args.preset, max_batch_size=max(batches), max_seq_len=args.context + 512,
                            num_layers=args.layers, draft_window=args.draft_window_size)
     engine, passes = loaded.engine, loaded.engine.passes
+    if args.draft_vocab_size:  # before the first pass: graphs are captured on first use
+        engine.drafter.prune_vocab(torch.arange(args.draft_vocab_size))
     eager = DecodePasses(engine.target, engine.drafter, engine.target_cache, engine.draft_cache, engine.taps,
                          engine.block_size)
     result = {"gpu": torch.cuda.get_device_name(), "preset": args.preset, "layers": args.layers, "context": args.context,
               "passes": type(passes).__name__, "blas": str(torch.backends.cuda.preferred_blas_library()),
-              "draft_window": engine.draft_window, "draft_cache_gb": cache_bytes(engine.draft_cache) / 1e9,
-              "target_cache_gb": cache_bytes(engine.target_cache) / 1e9}
+              "draft_window": engine.draft_window, "draft_vocab_size": args.draft_vocab_size,
+              "draft_cache_gb": cache_bytes(engine.draft_cache) / 1e9, "target_cache_gb": cache_bytes(engine.target_cache) / 1e9}
     bw = copy_bandwidth()
     wb = weight_bytes(engine.target)
     result.update(copy_bandwidth_gb_s=bw / 1e9, target_weight_gb=wb / 1e9,

@@ -18,18 +18,21 @@ import signal
 import sys
 import tempfile
 import threading
+from collections import Counter
 from pathlib import Path
 
 import torch
 
-from dflash_trt import __version__, parallel, plugins
+from dflash_trt import __version__, draft_vocab, parallel, plugins
+from dflash_trt.benchmark.datasets import dataset_path, load_prompts
 from dflash_trt.config import ENGINE_FILE, TOKENIZER_DIR, BuildConfig
 from dflash_trt.engine import check_draft_window
-from dflash_trt.errors import BuildError
+from dflash_trt.errors import BuildError, ConfigError
 from dflash_trt.fixtures import DEMO_DIR
 from dflash_trt.loading import load_drafter, load_target, torch_dtype
 from dflash_trt.serving.repository import render_repository
 from dflash_trt.tokenizer import Tokenizer
+from dflash_trt.training.data import TokenDataset
 from dflash_trt.weights import write_safetensors
 
 MARKER = ".dflash-trt-build"  # written into every output: what proves --force may replace it
@@ -219,11 +222,13 @@ def _build_into(config: BuildConfig, work: Path) -> None:
     if config.tensor_parallel > 1:
         parallel.check_supported(target.config, config.tensor_parallel)
         parallel.check_supported(drafter.config, config.tensor_parallel)
-    Tokenizer.from_dir(target_src)  # fails early, naming the file, if the tokenizer is broken
+    tokenizer = Tokenizer.from_dir(target_src)  # fails early, naming the file, if the tokenizer is broken
     engine_dir = work / "out" / "engine"
     _log(f"packing weights (fused qkv and gate_up, cast to {config.resolved_dtype})")
     _save_model(target, engine_dir / "target", target_src)
     _save_model(drafter, engine_dir / "drafter", drafter_src)
+    if config.draft_vocab_size:
+        _write_draft_vocab(config, target, tokenizer, engine_dir / "drafter")
     _copy_tokenizer(target_src, engine_dir / TOKENIZER_DIR)
     _compile_plugins(config)
     record = {
@@ -236,6 +241,29 @@ def _build_into(config: BuildConfig, work: Path) -> None:
     render_repository(engine_dir, work / "out" / "model_repository", config)
     marker = {"tool": "dflash-trt", "version": __version__, "contents": list(OUTPUT_ENTRIES)}
     (work / "out" / MARKER).write_text(json.dumps(marker) + "\n")
+
+
+def _token_counts(source: str, tokenizer: Tokenizer) -> Counter:
+    """Token frequencies of a token dataset directory (`train`'s OUTPUT/data), a JSONL of
+    prompts (or a shipped set's name), or a plain text file."""
+    path = Path(source)
+    if (path / "index.json").is_file():
+        return Counter(TokenDataset(path).tokens.tolist())
+    if str(source).endswith(".jsonl") or not path.exists():
+        dataset_path(source)  # names the file when it is neither a set nor a file
+        return Counter(t for p in load_prompts(source) for t in tokenizer.encode(p))
+    try:
+        return Counter(tokenizer.encode(path.read_text(encoding="utf-8")))
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read a draft-vocabulary corpus ({e})") from None
+
+
+def _write_draft_vocab(config: BuildConfig, target, tokenizer: Tokenizer, drafter_dir: Path) -> None:
+    counts = _token_counts(config.draft_vocab_corpus, tokenizer)
+    ids = draft_vocab.choose(counts, config.draft_vocab_size, tokenizer.stop_token_ids, target.config.vocab_size)
+    covered = sum(counts[i] for i in ids) / max(1, sum(counts.values()))
+    _log(f"draft vocabulary: {len(ids)} of {target.config.vocab_size} tokens, {covered:.1%} of the corpus's tokens")
+    draft_vocab.write(drafter_dir, ids)
 
 
 def _compile_plugins(config: BuildConfig) -> None:

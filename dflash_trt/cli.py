@@ -60,6 +60,12 @@ def cli():
 @click.option("--draft-window-size", type=click.IntRange(min=0),
               help="The drafter attends to the last N committed tokens only (0, the default: all); "
                    "bounds its cache and draft time on long contexts. At least the block size.")
+@click.option("--draft-vocab-size", type=click.IntRange(min=0),
+              help="The drafter proposes only the K tokens most frequent in --draft-vocab-corpus (0: all): its "
+                   "LM head reads K rows. Output is unchanged (verification sees every token).")
+@click.option("--draft-vocab-corpus", metavar="SRC",
+              help="A token dataset (train's OUTPUT/data), a JSONL of prompts (or gsm8k, humaneval, mt_bench) "
+                   "or a text file.")
 @click.option("--tensor-parallel", type=click.IntRange(min=1),
               help="Shard the engine over N GPUs (N processes on the CPU); run and serve start the ranks.")
 def build(target, drafter, preset, config_file, output, force, **overrides):
@@ -165,7 +171,8 @@ def _ints(ctx, param, value):
 @click.option("--sliding-layers", callback=_ints, default="",
               help="Drafter layers with a sliding window, e.g. 0.")
 @click.option("--sliding-window", type=click.IntRange(min=1))
-@click.option("--intermediate-size", type=click.IntRange(min=1), help="The drafter's MLP width [default: the target's].")
+@click.option("--intermediate-size", type=click.IntRange(min=1),
+              help="The drafter's MLP width [default: the target's].")
 @click.option("--steps", type=click.IntRange(min=1), default=1000, show_default=True)
 @click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True,
               help="Sequences per step and process.")

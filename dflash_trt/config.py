@@ -594,6 +594,10 @@ class BuildConfig:
     # the drafter attends to the last this many committed tokens only (0: all of them);
     # bounds its cache and its attention time on long contexts (DraftWindowCache)
     draft_window_size: int = 0
+    # the drafter proposes only the K tokens most frequent in draft_vocab_corpus (0: all);
+    # its LM head reads K rows instead of the vocabulary's (verification is untouched)
+    draft_vocab_size: int = 0
+    draft_vocab_corpus: str = ""  # a token dataset (train's OUTPUT/data), a JSONL of prompts or a text file
     tensor_parallel: int = 1  # ranks (GPUs, or CPU processes) the engine is sharded over
     # text_input bytes preprocessing accepts before tokenizing; 0: what max_input_len tokens
     # can be at most (serving.text.max_text_bytes)
@@ -614,6 +618,10 @@ class BuildConfig:
             problems.append(f"tensor_parallel must be an int >= 1, got {self.tensor_parallel!r}")
         if not isinstance(self.draft_window_size, int) or self.draft_window_size < 0:
             problems.append(f"draft_window_size must be 0 (none) or an int > 0, got {self.draft_window_size!r}")
+        if not isinstance(self.draft_vocab_size, int) or self.draft_vocab_size < 0:
+            problems.append(f"draft_vocab_size must be 0 (all) or an int > 0, got {self.draft_vocab_size!r}")
+        if bool(self.draft_vocab_size) != bool(self.draft_vocab_corpus):
+            problems.append("draft_vocab_size and draft_vocab_corpus go together (the corpus picks the tokens)")
         if not isinstance(self.max_input_bytes, int) or self.max_input_bytes < 0:
             problems.append(f"max_input_bytes must be 0 (derived) or an int > 0, got {self.max_input_bytes!r}")
         if not isinstance(self.block_size, int) or self.block_size < 0 or self.block_size == 1:

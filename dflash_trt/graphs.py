@@ -91,7 +91,7 @@ class DecodePasses:
                            device=x.last_tokens.device)
         block[:, 0] = x.last_tokens
         hidden = self.drafter(block, batch, self.draft_cache)
-        block[:, 1:] = self.drafter.lm_head.argmax(hidden[:, 1:])
+        block[:, 1:] = self.drafter.propose(hidden[:, 1:])
         return block
 
     def verify(self, x: StepInputs, block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

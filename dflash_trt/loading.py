@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dflash_trt import parallel
+from dflash_trt import draft_vocab, parallel
 from dflash_trt.config import (
     TOKENIZER_DIR,
     BuildConfig,
@@ -106,6 +106,12 @@ def load_drafter(directory: Path, target: Qwen3ForCausalLM, device="cpu", dtype=
         )
     drafter = _build(DFlashDrafter, config, checkpoint, device, dtype, prefixes, group)
     drafter.bind(target)
+    vocab = draft_vocab.read(directory, target.config.vocab_size)
+    if vocab is not None:
+        if group is not None:
+            raise ConfigError(f"{Path(directory) / draft_vocab.FILE}: a pruned draft vocabulary with tensor "
+                              "parallelism is not supported yet")
+        drafter.prune_vocab(torch.tensor(vocab, dtype=torch.long))
     return drafter
 
 

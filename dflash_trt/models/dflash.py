@@ -57,6 +57,7 @@ class DFlashDrafter(nn.Module):
         )
         self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
         self.rotary = Rotary(dims.head_dim, dims.rope_theta, dims.rope_yarn)  # the drafter's own RoPE config
+        self.vocab_ids = self.vocab_head = None  # prune_vocab: plain attributes, no state_dict entries
 
     def bind(self, target: nn.Module) -> None:
         """Borrow the target's embedding and LM head (DFlash ships neither).
@@ -87,6 +88,17 @@ class DFlashDrafter(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def prune_vocab(self, ids: torch.Tensor) -> None:
+        """Propose only these token ids: their rows of the LM head, gathered once."""
+        self.vocab_ids = ids.to(self.lm_head.weight.device)
+        self.vocab_head = self.lm_head.weight[self.vocab_ids]
+
+    def propose(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The greedy proposal at each row of hidden [..., H] -> ids [...]."""
+        if self.vocab_ids is None:
+            return self.lm_head.argmax(hidden)
+        return self.vocab_ids[ops.linear(hidden, self.vocab_head).argmax(dim=-1)]
 
     def new_cache(self, num_slots: int, capacity: int, device=None, window: int = 0, block_size: int = 0) -> KVCache:
         """A cache of `capacity` positions per slot, or, with a draft window W, of the last W
