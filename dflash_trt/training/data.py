@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash_trt.benchmark.datasets import dataset_path
+from dflash_trt.benchmark.datasets import dataset_path, json_lines
 from dflash_trt.engine import Engine
 from dflash_trt.errors import ConfigError
 from dflash_trt.sampling import SamplingParams
@@ -34,13 +34,7 @@ def read_conversations(name_or_path: str | Path) -> list[list[dict]]:
     target writes the response)."""
     path = dataset_path(name_or_path)
     conversations = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}:{number}: not valid JSON ({e.msg})") from None
+    for number, record in json_lines(path):
         messages = record.get("messages") if isinstance(record, dict) else None
         prompt = record.get("prompt") if isinstance(record, dict) else None
         if isinstance(prompt, str) and prompt:

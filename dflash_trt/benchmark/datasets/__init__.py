@@ -34,25 +34,30 @@ def dataset_path(name_or_path: str | Path) -> Path:
     return path
 
 
+def json_lines(path: Path):
+    """(line number, parsed JSON) of each non-blank line; errors name the file and line."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read ({e})") from None
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            yield number, json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}:{number}: not valid JSON ({e.msg})") from None
+
+
 def load_prompts(name_or_path: str | Path, limit: int | None = None) -> list[str]:
     """The `prompt` of each line of a shipped set or a user JSONL file, at most `limit` of them."""
     path = dataset_path(name_or_path)
     if limit is not None and limit <= 0:
         raise ConfigError(f"limit must be > 0, got {limit!r}")
     prompts: list[str] = []
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: cannot read ({e})") from None
-    for number, line in enumerate(lines, start=1):
+    for number, record in json_lines(path):
         if limit is not None and len(prompts) >= limit:
             break
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}:{number}: not valid JSON ({e.msg})") from None
         prompt = record.get("prompt") if isinstance(record, dict) else None
         if not isinstance(prompt, str) or not prompt:
             raise ConfigError(f"{path}:{number}: each line must be a JSON object with a non-empty string 'prompt'")
