@@ -49,10 +49,11 @@ def run_pair(pair, world: int = 1) -> dict:
             "kv_heads": target.config.dims.num_key_value_heads}
 
 
-def _rank(rank: int, world: int, init: str, pair, out: str) -> None:
+def _rank(rank: int, world: int, init: str, out: str, compute, *args) -> None:
+    """One gloo rank: compute(*args); rank 0 saves every rank's result to `out`."""
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     try:
-        result = run_pair(pair, world)
+        result = compute(*args)
         gathered = [None] * world
         dist.all_gather_object(gathered, result)
         if rank == 0:
@@ -79,7 +80,7 @@ def test_a_sharded_pair_computes_what_the_whole_pair_does(make_pair, no_tokenize
                      **no_tokenizer)
     whole = run_pair(pair)
     out = tmp_path / "ranks.pt"
-    mp.start_processes(_rank, args=(world, str(tmp_path / "init"), pair, str(out)), nprocs=world,
+    mp.start_processes(_rank, args=(world, str(tmp_path / "init"), str(out), run_pair, pair, world), nprocs=world,
                        start_method="spawn")
     ranks = torch.load(out, weights_only=False)
     for rank in ranks:
@@ -104,20 +105,12 @@ def head_and_rows(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     return weight, hidden
 
 
-def _argmax_rank(rank: int, world: int, init: str, vocab: int, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
-    try:
-        weight, hidden = head_and_rows(vocab)
-        head = LMHead(8, vocab, bias=False)
-        head.weight = torch.nn.Parameter(_plan_lm_head(head, Group.current())(weight))
-        with torch.inference_mode():
-            result = {"argmax": head.argmax(hidden), "logits": head(hidden), "rows": head.weight.shape[0]}
-        gathered = [None] * world
-        dist.all_gather_object(gathered, result)
-        if rank == 0:
-            torch.save(gathered, out)
-    finally:
-        dist.destroy_process_group()
+def sharded_head_choices(vocab: int) -> dict:
+    weight, hidden = head_and_rows(vocab)
+    head = LMHead(8, vocab, bias=False)
+    head.weight = torch.nn.Parameter(_plan_lm_head(head, Group.current())(weight))
+    with torch.inference_mode():
+        return {"argmax": head.argmax(hidden), "logits": head(hidden), "rows": head.weight.shape[0]}
 
 
 @pytest.mark.parametrize("world, vocab", [(2, 10), (3, 10)], ids=["even-split", "uneven-split"])
@@ -125,8 +118,8 @@ def test_the_vocabulary_parallel_greedy_choice_is_the_whole_heads_argmax_ties_in
     weight, hidden = head_and_rows(vocab)
     whole = hidden @ weight.T
     out = tmp_path / "ranks.pt"
-    mp.start_processes(_argmax_rank, args=(world, str(tmp_path / "init"), vocab, str(out)), nprocs=world,
-                       start_method="spawn")
+    mp.start_processes(_rank, args=(world, str(tmp_path / "init"), str(out), sharded_head_choices, vocab),
+                       nprocs=world, start_method="spawn")
     ranks = torch.load(out, weights_only=False)
     assert [r["rows"] for r in ranks] == ([5, 5] if world == 2 else [4, 4, 2])  # each rank holds its slice only
     for rank in ranks:
