@@ -19,7 +19,7 @@ from dflash_trt.graphs import DecodePasses, GraphedPasses, graphs_supported
 from dflash_trt.kv_cache import Batch
 from dflash_trt.models.dflash import DFlashDrafter
 from dflash_trt.models.qwen3 import Qwen3ForCausalLM
-from dflash_trt.sampling import SamplingParams, sample, target_probs
+from dflash_trt.sampling import SamplingParams
 from dflash_trt.sequence import RequestStats, Sequence
 from dflash_trt.speculate import OracleDrafts, speculative_step
 
@@ -211,7 +211,7 @@ class Engine:
         tokens = greedy.tolist()
         for i, s in enumerate(seqs):  # rows are indexed only where needed: unbinding every row costs host time
             if not s.params.greedy:
-                tokens[i] = sample(target_probs(self.target.logits(hidden[i]), s.params), s.generator)
+                tokens[i] = self.target.lm_head.distribution(hidden[i][None], s.params).sample(0, s.generator)
         return tokens
 
     def _release(self, seq: Sequence) -> None:

@@ -17,7 +17,9 @@ checkpoint one tensor at a time; the model files never mention parallelism:
   BENCHMARKS.md, "Experts over 2 ranks");
 - embedding: vocabulary-parallel (each rank looks up its rows, the rest are zeros, all-reduce);
 - LM head: vocabulary-parallel; the greedy choice gathers only each rank's best (value,
-  index), sampling gathers the logits, so both pick exactly as on one device;
+  index), and sampling only normalisers, top-k thresholds, one probability at a time and
+  best (value, index) pairs (top-p gathers the logits: its cut needs the sorted whole), so
+  both pick as one device does;
 - the drafter on the same group, the same way (its fc and norms are small and replicated).
 The configs (and so the caches) take the per-rank sizes.
 
@@ -55,7 +57,7 @@ from dflash_trt.config import LayerDims
 from dflash_trt.engine import Engine
 from dflash_trt.errors import ConfigError
 from dflash_trt.models.moe import SparseMoeBlock
-from dflash_trt.sampling import SamplingParams
+from dflash_trt.sampling import Distribution, SamplingParams, gumbel_noise
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,21 +265,69 @@ def _plan_lm_head(head: nn.Linear, g: Group) -> Cut:
         return torch.cat(parts, dim=-1)[..., :vocab]
 
     def argmax(hidden: torch.Tensor) -> torch.Tensor:
-        # each rank's best (value, vocabulary index) travels, not its slice of the logits: at a
-        # verify of many rows that slice is tens of MB per rank. Indices are exact in fp32
-        # (vocabularies < 2^24); the first rank holding the maximum has the lowest index, so
-        # ties resolve as one device's argmax does.
-        best, where = ops.linear(hidden, head.weight).max(dim=-1)
-        mine = torch.stack([best.float(), (where + own.start).float()], dim=-1)
-        parts = [torch.empty_like(mine) for _ in range(g.size)]
-        dist.all_gather(parts, mine)
-        ranked = torch.stack(parts)  # [ranks, ..., 2]
-        winner = ranked[..., 0].argmax(dim=0, keepdim=True)
-        return ranked[..., 1].gather(0, winner)[0].long()
+        # each rank's best (value, index) travels, not its slice of the logits: at a verify
+        # of many rows that slice is tens of MB per rank
+        return _best_over_ranks(ops.linear(hidden, head.weight), own.start, g)
+
+    def distribution(hidden: torch.Tensor, params: SamplingParams) -> Distribution:
+        if params.top_p < 1:  # the nucleus is cut from the whole sorted distribution: gather it
+            return Distribution(head(hidden).float(), params)
+        return VocabParallelDistribution(ops.linear(hidden, head.weight).float(), params, own, vocab, g)
 
     head.register_forward_hook(gather)
-    head.argmax = argmax
+    head.argmax, head.distribution = argmax, distribution
     return lambda t: t[own]
+
+
+def _best_over_ranks(score: torch.Tensor, start: int, g: Group) -> torch.Tensor:
+    """The vocabulary index of the largest of every rank's local scores [..., V_r] -> [...].
+    Indices travel as fp32, exact for vocabularies < 2^24; the first rank holding the maximum
+    has the lowest index, so ties resolve as one device's argmax does."""
+    best, where = score.max(dim=-1)
+    mine = torch.stack([best.float(), (where + start).float()], dim=-1)
+    parts = [torch.empty_like(mine) for _ in range(g.size)]
+    dist.all_gather(parts, mine)
+    ranked = torch.stack(parts)  # [ranks, ..., 2]
+    winner = ranked[..., 0].argmax(dim=0, keepdim=True)
+    return ranked[..., 1].gather(0, winner)[0].long()
+
+
+class VocabParallelDistribution:
+    """sampling.Distribution over this rank's vocabulary slice: the normaliser (and top-k's
+    threshold) come from small collectives, a probability from its owner, a draw from the
+    Gumbel-max trick over the slices with every rank drawing the whole vocabulary's noise
+    (so the draw is the one a single device makes with the same generator). Logits never
+    leave their rank."""
+
+    def __init__(self, local: torch.Tensor, params: SamplingParams, own: slice, vocab: int, g: Group):
+        self.own, self.vocab, self.g = own, vocab, g
+        logits = local / params.temperature
+        if params.top_k and params.top_k < vocab:
+            # the global k-th largest is among the ranks' own k largest
+            top = F.pad(logits, (0, max(0, params.top_k - logits.shape[-1])), value=float("-inf"))
+            mine = top.topk(params.top_k, dim=-1).values.contiguous()
+            parts = [torch.empty_like(mine) for _ in range(g.size)]
+            dist.all_gather(parts, mine)
+            kth = torch.cat(parts, dim=-1).topk(params.top_k, dim=-1).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        peak = logits.max(dim=-1, keepdim=True).values
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        mass = (logits - peak).exp().sum(dim=-1, keepdim=True)
+        dist.all_reduce(mass)
+        self.logp = logits - peak - mass.log()  # [B, V_r]
+
+    def prob(self, position: int, token: int) -> float:
+        local = token - self.own.start
+        p = self.logp[position, local].exp() if 0 <= local < self.logp.shape[-1] else self.logp.new_zeros(())
+        dist.all_reduce(p)
+        return float(p)
+
+    def sample(self, position: int, generator, exclude: int | None = None) -> int:
+        noise = gumbel_noise(1, self.vocab, generator, self.logp.device)[0, self.own]
+        score = self.logp[position] + noise
+        if exclude is not None and 0 <= exclude - self.own.start < score.shape[-1]:
+            score[exclude - self.own.start] = float("-inf")
+        return int(_best_over_ranks(score, self.own.start, self.g))
 
 
 # -- ranks in lockstep ------------------------------------------------------------------------

@@ -62,6 +62,29 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One token from probs [V]."""
-    return int(torch.multinomial(probs, 1, generator=generator))
+def gumbel_noise(num_rows: int, vocab: int, generator: torch.Generator | None, device) -> torch.Tensor:
+    """Gumbel(0, 1) noise [rows, vocab]: argmax(log p + noise) is a draw from p (the Gumbel-max
+    trick). Drawn for the whole vocabulary even by a rank that holds a slice of it, so every
+    rank's generator stays in step and their slices together are one device's noise."""
+    u = torch.rand(num_rows, vocab, generator=generator, device=device)
+    return -torch.log(-torch.log(u.clamp(min=torch.finfo(u.dtype).tiny)))
+
+
+class Distribution:
+    """The target distributions of B positions of one request (probs [B, V] of target_probs),
+    as the sampling steps use them. Tensor parallelism swaps in one over vocabulary slices
+    (parallel.py) with the same two methods."""
+
+    def __init__(self, logits: torch.Tensor, params: SamplingParams):
+        self.probs = target_probs(logits, params)
+
+    def prob(self, position: int, token: int) -> float:
+        return float(self.probs[position, token])
+
+    def sample(self, position: int, generator: torch.Generator | None, exclude: int | None = None) -> int:
+        """A draw from position's distribution; `exclude`: with that token removed, renormalised."""
+        logp = self.probs[position].log()
+        if exclude is not None:
+            logp[exclude] = float("-inf")
+        noise = gumbel_noise(1, logp.shape[-1], generator, logp.device)[0]
+        return int((logp + noise).argmax())

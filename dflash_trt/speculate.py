@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from dflash_trt.sampling import sample, target_probs
+from dflash_trt.sampling import Distribution
 from dflash_trt.sequence import Sequence
 
 
@@ -23,21 +23,20 @@ def accepted_length(draft: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (draft == target).long().cumprod(dim=-1).sum(dim=-1)
 
 
-def speculative_sample(probs: torch.Tensor, draft: torch.Tensor, generator) -> tuple[int, int]:
-    """Lossless rule for a point-mass draft: probs [B, V] target distributions, draft [B-1].
+def speculative_sample(dist: Distribution, draft: torch.Tensor, generator) -> tuple[int, int]:
+    """Lossless rule for a point-mass draft: `dist` the target distributions p_0..p_{B-1} of
+    the block's positions (sampling.Distribution), draft [B-1].
 
     Draft d_j is accepted with probability p_{j-1}(d_j); on the first rejection the bonus is
     drawn from p_{j-1} with d_j removed and renormalised, so every emitted token is
     distributed exactly as the target would sample it. Returns (accepted drafts, bonus).
     """
-    for j, token in enumerate(draft.tolist()):
-        p = probs[j]
-        if torch.rand((), generator=generator, device=p.device) < p[token]:
+    tokens = draft.tolist()
+    for j, token in enumerate(tokens):
+        if torch.rand((), generator=generator, device=draft.device) < dist.prob(j, token):
             continue
-        residual = p.clone()
-        residual[token] = 0
-        return j, sample(residual / residual.sum(), generator)
-    return len(draft), sample(probs[-1], generator)
+        return j, dist.sample(j, generator, exclude=token)
+    return len(tokens), dist.sample(len(tokens), generator)
 
 
 class OracleDrafts:
@@ -110,8 +109,8 @@ def speculative_step(passes, seqs: list[Sequence], oracle: OracleDrafts | None =
     drafts, accepted, bonus = [r[:-2] for r in rows], [r[-2] for r in rows], [r[-1] for r in rows]
     for i, seq in enumerate(seqs):
         if not seq.params.greedy:
-            probs = target_probs(passes.target.logits(hidden[i]), seq.params)
-            accepted[i], bonus[i] = speculative_sample(probs, block[i, 1:], seq.generator)
+            dist = passes.target.lm_head.distribution(hidden[i], seq.params)
+            accepted[i], bonus[i] = speculative_sample(dist, block[i, 1:], seq.generator)
     if plans is not None:
         oracle.settle(seqs, plans, accepted, bonus)
 

@@ -10,7 +10,7 @@ from scipy.stats import chisquare
 from dflash_trt.errors import RequestError
 from dflash_trt.kv_cache import Batch
 from dflash_trt.loading import load_pair
-from dflash_trt.sampling import SamplingParams, target_probs
+from dflash_trt.sampling import Distribution, SamplingParams, target_probs
 from dflash_trt.speculate import accepted_length, speculative_sample
 
 P_MIN = 1e-3
@@ -70,9 +70,10 @@ P1 = torch.tensor([0.05, 0.05, 0.1, 0.2, 0.3, 0.3])
 @pytest.mark.parametrize("draft_token", [0, 3, 4])  # likely, unlikely, impossible under P0
 def test_speculative_sample_emits_exactly_the_target_distribution(draft_token):
     gen = torch.Generator().manual_seed(draft_token)
+    dist = Distribution(torch.stack([P0, P1]).log(), SamplingParams(temperature=1.0))  # softmax(log p) = p
     first, second = torch.zeros(6), torch.zeros(6)
     for _ in range(20000):
-        accepted, bonus = speculative_sample(torch.stack([P0, P1]), torch.tensor([draft_token]), gen)
+        accepted, bonus = speculative_sample(dist, torch.tensor([draft_token]), gen)
         first[draft_token if accepted else bonus] += 1
         if accepted:
             second[bonus] += 1

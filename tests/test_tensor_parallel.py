@@ -27,6 +27,12 @@ from dflash_trt.sampling import SamplingParams
 pytestmark = pytest.mark.slow
 PROMPTS = [[7], [3, 1, 4], list(range(100, 112)), list(range(200, 220))]
 PARAMS = SamplingParams(max_tokens=23, ignore_eos=True)
+# sampled with the same seeds, a sharded pair draws what the whole one draws: top-k from the
+# ranks' slices, top-p from gathered logits
+SAMPLED = {"top-k": [SamplingParams(max_tokens=23, ignore_eos=True, temperature=0.9, top_k=40, seed=i)
+                     for i in range(len(PROMPTS))],
+           "top-p": [SamplingParams(max_tokens=23, ignore_eos=True, temperature=1.1, top_p=0.8, seed=i)
+                     for i in range(len(PROMPTS))]}
 
 
 def run_pair(pair, world: int = 1) -> dict:
@@ -46,6 +52,8 @@ def run_pair(pair, world: int = 1) -> dict:
         logits = target.logits(hidden)
     return {"logits": logits, "taps": taps, "ar": [r.token_ids for r in engine.generate(PROMPTS, PARAMS, mode="ar")],
             "dflash": [r.token_ids for r in engine.generate(PROMPTS, PARAMS, mode="dflash")],
+            **{name: [r.token_ids for r in engine.generate(PROMPTS, params, mode="dflash")]
+               for name, params in SAMPLED.items()},
             "kv_heads": target.config.dims.num_key_value_heads}
 
 
@@ -90,8 +98,10 @@ def test_a_sharded_pair_computes_what_the_whole_pair_does(make_pair, no_tokenize
             scale = whole[name].abs().max()
             assert (rank[name] - whole[name]).abs().max() <= 5e-5 * scale, name
         assert rank["ar"] == whole["ar"] and rank["dflash"] == whole["dflash"]
+        assert rank["top-k"] == whole["top-k"] and rank["top-p"] == whole["top-p"]
         assert rank["kv_heads"] == max(num_kv_heads // world, 1)
     assert whole["dflash"] == whole["ar"]
+    assert whole["top-k"] != whole["dflash"] and whole["top-p"] != whole["dflash"]  # the draws are not greedy
 
 
 def head_and_rows(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:

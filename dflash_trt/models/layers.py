@@ -14,6 +14,7 @@ from torch import nn
 
 from dflash_trt import ops
 from dflash_trt.config import LayerDims, YaRN
+from dflash_trt.sampling import Distribution, SamplingParams
 
 
 class RMSNorm(nn.Module):
@@ -89,11 +90,16 @@ class Linear(nn.Linear):
 
 
 class LMHead(Linear):
-    """The vocabulary projection; `argmax` is the greedy choice, which tensor parallelism
-    replaces by one that never gathers the vocabulary (parallel.py)."""
+    """The vocabulary projection. `argmax` is the greedy choice and `distribution` what a
+    sampling request draws from; tensor parallelism replaces both by ones that never gather
+    the vocabulary (parallel.py)."""
 
     def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
         return self(hidden).argmax(dim=-1)  # in the weights' dtype: no fp32 copy of the logits
+
+    def distribution(self, hidden: torch.Tensor, params: SamplingParams) -> Distribution:
+        """hidden [B, H] -> the target distributions of those B positions."""
+        return Distribution(self(hidden).float(), params)
 
 
 class PackedLinear(Linear):
