@@ -32,7 +32,7 @@ from dflash_trt.fixtures import DEMO_DIR
 from dflash_trt.loading import load_drafter, load_target, torch_dtype
 from dflash_trt.serving.repository import render_repository
 from dflash_trt.tokenizer import Tokenizer
-from dflash_trt.training.data import TokenDataset
+from dflash_trt.training.data import INDEX_FILE, TokenDataset
 from dflash_trt.weights import write_safetensors
 
 MARKER = ".dflash-trt-build"  # written into every output: what proves --force may replace it
@@ -247,7 +247,7 @@ def _token_counts(source: str, tokenizer: Tokenizer) -> Counter:
     """Token frequencies of a token dataset directory (`train`'s OUTPUT/data), a JSONL of
     prompts (or a shipped set's name), or a plain text file."""
     path = Path(source)
-    if (path / "index.json").is_file():
+    if (path / INDEX_FILE).is_file():
         return Counter(TokenDataset(path).tokens.tolist())
     if str(source).endswith(".jsonl") or not path.exists():
         dataset_path(source)  # names the file when it is neither a set nor a file

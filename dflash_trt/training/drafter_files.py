@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from dflash_trt.config import default_target_layer_ids
 from dflash_trt.errors import ConfigError
@@ -137,11 +136,3 @@ def write_drafter(directory: Path, config: dict, tensors: dict[str, torch.Tensor
         for name in ("model.safetensors", CONFIG_FILE):
             os.replace(staged / name, directory / name)
 
-
-def trainable(drafter: nn.Module) -> list[nn.Parameter]:
-    """The drafter's own parameters: fc, hidden_norm, its layers, its final norm (the
-    embedding and LM head are the target's, borrowed unregistered, and stay frozen)."""
-    params = list(drafter.parameters())
-    for p in params:
-        p.requires_grad_(True)
-    return params
