@@ -56,12 +56,12 @@ def test_the_training_forward_computes_the_inference_drafters_block_logits(make_
         torch.testing.assert_close(trained[i], served, atol=2e-4 * served.abs().max().item(), rtol=0)
 
 
-def test_anchors_are_distinct_sorted_and_only_before_a_supervised_token():
+def test_anchors_are_distinct_sorted_and_only_on_a_supervised_token_before_another():
     mask = torch.zeros(3, 40, dtype=torch.bool)
-    mask[0, 10:30] = True  # 19 candidates (9..28)
-    mask[1, 35:] = True  # 5 candidates: fewer than asked for
+    mask[0, 10:30] = True  # 19 candidates (10..28)
+    mask[1, 35:] = True  # 4 candidates: fewer than asked for
     blocks = sample_anchors(mask, 8, torch.Generator().manual_seed(0))
-    for row, candidates in ((0, set(range(9, 29))), (1, set(range(34, 39))), (2, set())):
+    for row, candidates in ((0, set(range(10, 29))), (1, set(range(35, 39))), (2, set())):
         chosen = blocks.anchors[row][blocks.valid[row]].tolist()
         assert chosen == sorted(set(chosen)) and set(chosen) <= candidates
         assert len(chosen) == min(8, len(candidates))

@@ -41,10 +41,11 @@ class Blocks:
 
 
 def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator) -> Blocks:
-    """Up to `num_anchors` distinct anchors per sequence, uniformly among the positions p whose
-    next token p + 1 is supervised (a response token), sorted. loss_mask [bs, S] bool."""
+    """Up to `num_anchors` distinct anchors per sequence, uniformly among the positions p where
+    p and p + 1 are both supervised (response tokens: at inference a block starts at a token the
+    target produced), sorted. loss_mask [bs, S] bool."""
     candidates = torch.zeros_like(loss_mask)
-    candidates[:, :-1] = loss_mask[:, 1:]
+    candidates[:, :-1] = loss_mask[:, :-1] & loss_mask[:, 1:]
     # random keys, candidates first: the top num_anchors keys are a uniform draw among them
     keys = torch.rand(loss_mask.shape, generator=generator).to(loss_mask.device) + candidates.float()
     n = min(num_anchors, loss_mask.shape[1])
