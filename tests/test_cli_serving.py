@@ -137,9 +137,10 @@ def test_serve_stops_promptly_after_openai_requests_left_idle_streams(demo):
     assert [proc.stdout.readline() for _ in range(4)][3].startswith("OpenAI")
     client = OpenAI(base_url=f"http://127.0.0.1:{ports[3]}/v1", api_key="EMPTY")
     with ThreadPoolExecutor(3) as pool:  # three at once: three streams in the pool afterwards
-        answers = list(pool.map(lambda _: client.completions.create(model="any", prompt=PROMPT, max_tokens=4),
-                                range(3)))
-    assert all(a.usage.completion_tokens == 4 for a in answers)
+        answers = list(pool.map(lambda _: client.completions.create(model="any", prompt=PROMPT, max_tokens=4,
+                                                                    temperature=0.0), range(3)))
+    # greedy: the same answer three times (the trained demo may end it before 4 tokens)
+    assert len({a.choices[0].text for a in answers}) == 1 and all(0 < a.usage.completion_tokens <= 4 for a in answers)
     start = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
