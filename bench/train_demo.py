@@ -37,7 +37,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from dflash_trt.benchmark.datasets import load_prompts
+from dflash_trt.engine import Engine
 from dflash_trt.fixtures.tokenizer import write_qwen_tokenizer
+from dflash_trt.loading import load_drafter, load_target
+from dflash_trt.sampling import SamplingParams
+from dflash_trt.sequence import acceptance_summary
 from dflash_trt.tokenizer import Tokenizer
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -151,10 +155,6 @@ def target(out: Path, steps: int, batch: int, length: int, lr: float, max_second
 
 
 def evaluate(pair: Path, report_path: Path, max_tokens: int, device: str) -> None:
-    from dflash_trt.engine import Engine
-    from dflash_trt.loading import load_drafter, load_target
-    from dflash_trt.sampling import SamplingParams
-
     tok = Tokenizer.from_dir(pair / "target")
     report = {}
     for dtype in (torch.bfloat16, torch.float32):
@@ -170,10 +170,8 @@ def evaluate(pair: Path, report_path: Path, max_tokens: int, device: str) -> Non
                     params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i,
                                              stop_token_ids=tuple(tok.stop_token_ids)) for i in range(len(prompts))]
                     results = engine.generate(prompts, params, mode="dflash")
-                    lengths = [n for r in results for n in r.stats.acceptance_lengths]
                     key = f"{dataset} block {block} T {temperature:g} {str(dtype).removeprefix('torch.')}"
-                    report[key] = {"tau": round(sum(lengths) / len(lengths), 3), "verify_steps": len(lengths),
-                                   "histogram": [lengths.count(k) for k in range(1, block + 1)]}
+                    report[key] = acceptance_summary([r.stats for r in results], block)
                     if dtype == torch.float32 and temperature == 0.0:
                         ar = engine.generate(prompts, params, mode="ar")
                         report[key]["identical_to_ar"] = all(a.token_ids == d.token_ids for a, d in zip(ar, results))

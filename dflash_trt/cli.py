@@ -206,8 +206,8 @@ def _ints(ctx, param, value):
               help="Responses the target writes at once.")
 def train(target, source, output, block_size, draft_layers, target_layer_ids, mask_token_id, sliding_layers,
           sliding_window, intermediate_size, steps, batch_size, max_length, num_anchors, lr, warmup, decay,
-          checkpoint_every, log_every, eval_prompts, eval_max_tokens, eval_temperature, init_from, resume, nproc, device, seed, chat, thinking,
-          response_tokens, response_temperature, num_prompts, generate_batch):
+          checkpoint_every, log_every, eval_prompts, eval_max_tokens, eval_temperature, init_from, resume, nproc,
+          device, seed, chat, thinking, response_tokens, response_temperature, num_prompts, generate_batch):
     """Train a DFlash drafter for a target on responses the target writes itself.
 
     \b
@@ -220,7 +220,7 @@ def train(target, source, output, block_size, draft_layers, target_layer_ids, ma
 
     kwargs = dict(
         target_dir=target, source=source, out_dir=output, init_from=init_from, resume=resume, device=device,
-        temperatures=eval_temperature or (0.0,),
+        temperatures=eval_temperature or (0.0,), progress=_progress,
         shape=DrafterShape(block_size, draft_layers, target_layer_ids, mask_token_id, sliding_window, sliding_layers,
                            intermediate_size),
         cfg=TrainConfig(steps=steps, batch_size=batch_size, max_length=max_length, num_anchors=num_anchors, lr=lr,
@@ -229,7 +229,7 @@ def train(target, source, output, block_size, draft_layers, target_layer_ids, ma
         data_cfg=DataConfig(chat=chat, thinking=thinking, max_tokens=response_tokens,
                             temperature=response_temperature, limit=num_prompts, generate_batch=generate_batch))
     with _errors():
-        report = train_processes(nproc, **kwargs) if nproc > 1 else train_drafter(**kwargs, progress=_progress)
+        report = train_processes(nproc, **kwargs) if nproc > 1 else train_drafter(**kwargs)
     for key, value in report.items():
         if key.startswith("temperature_"):
             click.echo(f"held-out prompts ({report['prompts']}), {key.replace('_', ' ')}: mean acceptance length "

@@ -323,7 +323,7 @@ class VocabParallelDistribution:
         return float(p)
 
     def sample(self, position: int, generator, exclude: int | None = None) -> int:
-        noise = gumbel_noise(1, self.vocab, generator, self.logp.device)[0, self.own]
+        noise = gumbel_noise(self.vocab, generator, self.logp.device)[self.own]
         score = self.logp[position] + noise
         if exclude is not None and 0 <= exclude - self.own.start < score.shape[-1]:
             score[exclude - self.own.start] = float("-inf")

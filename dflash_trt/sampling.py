@@ -62,11 +62,11 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
-def gumbel_noise(num_rows: int, vocab: int, generator: torch.Generator | None, device) -> torch.Tensor:
-    """Gumbel(0, 1) noise [rows, vocab]: argmax(log p + noise) is a draw from p (the Gumbel-max
+def gumbel_noise(vocab: int, generator: torch.Generator | None, device) -> torch.Tensor:
+    """Gumbel(0, 1) noise [vocab]: argmax(log p + noise) is a draw from p (the Gumbel-max
     trick). Drawn for the whole vocabulary even by a rank that holds a slice of it, so every
     rank's generator stays in step and their slices together are one device's noise."""
-    u = torch.rand(num_rows, vocab, generator=generator, device=device)
+    u = torch.rand(vocab, generator=generator, device=device)
     return -torch.log(-torch.log(u.clamp(min=torch.finfo(u.dtype).tiny)))
 
 
@@ -86,5 +86,5 @@ class Distribution:
         logp = self.probs[position].log()
         if exclude is not None:
             logp[exclude] = float("-inf")
-        noise = gumbel_noise(1, logp.shape[-1], generator, logp.device)[0]
+        noise = gumbel_noise(logp.shape[-1], generator, logp.device)
         return int((logp + noise).argmax())

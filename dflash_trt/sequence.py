@@ -38,6 +38,15 @@ class RequestStats:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
 
 
+
+def acceptance_summary(stats: list[RequestStats], block_size: int) -> dict:
+    """τ over every verify step of these requests, the step count and the histogram of tokens
+    per step (1..block_size)."""
+    lengths = [n for s in stats for n in s.acceptance_lengths]
+    return {"tau": round(sum(lengths) / max(1, len(lengths)), 3), "verify_steps": len(lengths),
+            "acceptance_histogram": [lengths.count(k) for k in range(1, block_size + 1)]}
+
+
 @dataclass(eq=False)
 class Sequence:
     request_id: int

@@ -114,7 +114,6 @@ class OracleNumCorrect:
         return self.low + 1 if self.rng.random() < self.p_high else self.low
 
 
-
 def encode_prompts(tokenizer, prompts: Sequence[str], *, chat: bool = True, thinking: bool = False) -> list[list[int]]:
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], enable_thinking=thinking) if chat else p
              for p in prompts]

@@ -2,8 +2,8 @@
 dataset on disk that training reads lazily.
 
 A token dataset is a directory: `tokens.bin` (all sequences' int32 ids back to back) and
-`index.json` (each sequence's offset, length and prompt length: the loss covers only the
-response). It is written beside its final place and renamed whole.
+`index.json` (each sequence's length and prompt length: the loss covers only the response).
+It is written beside its final place and renamed whole.
 """
 
 from __future__ import annotations
@@ -79,8 +79,7 @@ def write_token_dataset(directory: Path, sequences: list[tuple[list[int], int]])
     staged = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}-"))
     lengths = [len(ids) for ids, _ in sequences]
     np.concatenate([np.asarray(ids, dtype=np.int32) for ids, _ in sequences]).tofile(staged / TOKENS_FILE)
-    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).tolist()
-    index = {"offsets": offsets, "lengths": lengths, "prompt_lengths": [p for _, p in sequences]}
+    index = {"lengths": lengths, "prompt_lengths": [p for _, p in sequences]}
     (staged / INDEX_FILE).write_text(json.dumps(index))
     os.replace(staged, directory)
 
@@ -92,10 +91,10 @@ class TokenDataset:
         self.directory = Path(directory)
         try:
             index = json.loads((self.directory / INDEX_FILE).read_text())
-            self.offsets, self.lengths = index["offsets"], index["lengths"]
-            self.prompt_lengths = index["prompt_lengths"]
+            self.lengths, self.prompt_lengths = index["lengths"], index["prompt_lengths"]
         except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
             raise ConfigError(f"{self.directory / INDEX_FILE}: not a token dataset index ({e})") from None
+        self.offsets = np.concatenate([[0], np.cumsum(self.lengths)[:-1]]).astype(np.int64).tolist()
         self.tokens = np.memmap(self.directory / TOKENS_FILE, dtype=np.int32, mode="r")
         if self.tokens.shape[0] != sum(self.lengths):
             raise ConfigError(f"{self.directory / TOKENS_FILE}: holds {self.tokens.shape[0]} tokens, its index "

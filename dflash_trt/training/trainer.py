@@ -29,6 +29,7 @@ from dflash_trt.errors import ConfigError
 from dflash_trt.kv_cache import Batch
 from dflash_trt.loading import load_drafter, load_target
 from dflash_trt.sampling import SamplingParams
+from dflash_trt.sequence import acceptance_summary
 from dflash_trt.tokenizer import Tokenizer
 from dflash_trt.training import data
 from dflash_trt.training.drafter_files import (
@@ -98,20 +99,21 @@ def _device(rank: int, device: str | None) -> torch.device:
     return torch.device("cpu")
 
 
-def prepare_data(source: str, target_dir: Path, out_dir: Path, cfg: DataConfig, device: torch.device,
-                 progress=print) -> Path:
-    """A token dataset for `source`: itself when it is one, else the target's responses to its
-    prompts, generated once into out_dir/data (kept for a resumed run)."""
-    if (Path(source) / data.INDEX_FILE).is_file():
-        return Path(source)
+def _target_dtype(device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def prepare_data(conversations: list[list[dict]], target_dir: Path, out_dir: Path, cfg: DataConfig,
+                 device: torch.device, progress=print) -> Path:
+    """The target's responses to `conversations`, generated once into out_dir/data as a token
+    dataset (a resumed run finds it there)."""
     where = out_dir / DATA
     if (where / data.INDEX_FILE).is_file():
         progress(f"data: reusing {where}")
         return where
     tokenizer = Tokenizer.from_dir(target_dir)
-    conversations = data.read_conversations(source)[:cfg.limit]
-    prompts = [data.encode_conversation(tokenizer, c, cfg.chat, cfg.thinking) for c in conversations]
-    target = load_target(target_dir, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    prompts = [data.encode_conversation(tokenizer, c, cfg.chat, cfg.thinking) for c in conversations[:cfg.limit]]
+    target = load_target(target_dir, device, _target_dtype(device))
     longest = max(map(len, prompts)) + cfg.max_tokens
     engine = Engine(target, max_batch_size=cfg.generate_batch, max_seq_len=longest)
     engine.warm_up()
@@ -164,7 +166,7 @@ class Trainer:
                  device: torch.device, rank: int = 0, world: int = 1, progress=print):
         self.cfg, self.out_dir, self.device, self.rank, self.world = cfg, out_dir, device, rank, world
         self.progress = progress if rank == 0 else (lambda *_: None)
-        self.target = load_target(target_dir, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+        self.target = load_target(target_dir, device, _target_dtype(device))
         self.target.requires_grad_(False)
         self.drafter = load_drafter(out_dir, self.target, device, torch.float32)  # fp32 master weights
         self.drafter.requires_grad_(True)
@@ -281,11 +283,8 @@ class Trainer:
             params = [SamplingParams(max_tokens=self.cfg.eval_max_tokens, temperature=temperature, seed=i)
                       for i in range(len(prompts))]
             results = engine.generate(prompts, params, mode="dflash")
-            lengths = [n for r in results for n in r.stats.acceptance_lengths]
-            histogram = [lengths.count(k) for k in range(1, drafter.config.block_size + 1)]
-            report[f"temperature_{temperature:g}"] = {
-                "tau": round(sum(lengths) / max(1, len(lengths)), 3), "verify_steps": len(lengths),
-                "acceptance_histogram": histogram}
+            report[f"temperature_{temperature:g}"] = acceptance_summary([r.stats for r in results],
+                                                                        drafter.config.block_size)
         return report
 
 
@@ -303,11 +302,11 @@ def train(target_dir: Path, source: str, out_dir: Path, *, shape: DrafterShape =
                               "or choose another output directory")
         if resume and not (out_dir / CHECKPOINT).is_file():
             raise ConfigError(f"{out_dir / CHECKPOINT}: no checkpoint to resume from")
-        if not (Path(source) / data.INDEX_FILE).is_file():
-            data.read_conversations(source)  # a bad prompt file fails before anything is written
+        given = Path(source) if (Path(source) / data.INDEX_FILE).is_file() else None  # a token dataset
+        conversations = None if given else data.read_conversations(source)  # read before anything is written
         start_from = None if resume else initial_drafter(target_dir, shape, init_from, cfg.seed)
         out_dir.mkdir(parents=True, exist_ok=True)
-        dataset_dir = prepare_data(source, target_dir, out_dir, data_cfg, dev, progress)
+        dataset_dir = given or prepare_data(conversations, target_dir, out_dir, data_cfg, dev, progress)
         if start_from:
             write_drafter(out_dir, *start_from, torch.float32)
             (out_dir / LOG).unlink(missing_ok=True)
