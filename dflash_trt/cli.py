@@ -66,6 +66,9 @@ def cli():
 @click.option("--draft-vocab-corpus", metavar="SRC",
               help="A token dataset (train's OUTPUT/data), a JSONL of prompts (or gsm8k, humaneval, mt_bench) "
                    "or a text file.")
+@click.option("--prefill-chunk-size", type=click.IntRange(min=0),
+              help="Prefill prompts at most N tokens per engine step, between the running requests' steps, so a "
+                   "long prompt does not stall them (0, the default: a prompt in one pass).")
 @click.option("--tensor-parallel", type=click.IntRange(min=1),
               help="Shard the engine over N GPUs (N processes on the CPU); run and serve start the ranks.")
 def build(target, drafter, preset, config_file, output, force, **overrides):
@@ -441,10 +444,16 @@ def _bench_engine(output_dir, random_weights, device, draft_window, tensor_paral
 @click.option("--thinking/--no-thinking", default=False, show_default=True)
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), help="Default: the device the engine was built for.")
 @click.option("--json", "json_file", type=click.Path(dir_okay=False, path_type=Path), help="Also write rows here.")
+@click.option("--prefill-chunk-size", type=click.IntRange(min=0),
+              help="Override the engine's prefill chunk (0: a prompt in one pass; see build --help).")
+@click.option("--stall-prompt", type=click.IntRange(min=1), metavar="N",
+              help="Instead of the throughput rows: a prompt of N tokens arrives while --concurrency requests "
+                   "decode; their token gaps during its prefill, in one pass and in --prefill-chunk-size chunks.")
 @_DRAFT_WINDOW
 @_TENSOR_PARALLEL
 def bench(output_dir, random_weights, urls, compare_transformers, datasets, concurrency, num_prompts, max_tokens,
-          oracle_tau, chat, thinking, device, json_file, draft_window_size, tensor_parallel):
+          oracle_tau, chat, thinking, device, json_file, prefill_chunk_size, stall_prompt, draft_window_size,
+          tensor_parallel):
     """Benchmark AR vs DFlash per dataset and concurrency; markdown tables on stdout.
 
     \b
@@ -452,6 +461,7 @@ def bench(output_dir, random_weights, urls, compare_transformers, datasets, conc
     dflash-trt bench --random-weights qwen3-8b --oracle-tau 6.5 --compare-transformers
     dflash-trt bench out/q8 --url localhost:8001     # also through a running `dflash-trt serve out/q8`
     dflash-trt bench --url localhost:8001 --url http://localhost:9000   # gRPC vs the OpenAI API
+    dflash-trt bench --random-weights qwen3-8b --stall-prompt 30000 --prefill-chunk-size 2048 --concurrency 8
     """
     from dflash_trt.benchmark import bench as bench_lib
 
@@ -462,18 +472,23 @@ def bench(output_dir, random_weights, urls, compare_transformers, datasets, conc
     if (compare_transformers or oracle_tau is not None) and output_dir is None and random_weights is None:
         raise click.UsageError("--compare-transformers and --oracle-tau need an in-process engine "
                                "(OUTPUT_DIR or --random-weights)")
+    if stall_prompt and (urls or compare_transformers or oracle_tau is not None):
+        raise click.UsageError("--stall-prompt runs alone: not with --url, --compare-transformers or --oracle-tau")
     try:
         levels = [int(c) for c in concurrency.split(",")]
     except ValueError:
         raise click.BadParameter(f"expected comma-separated ints, got {concurrency!r}", param_hint="--concurrency")
     runs = (2 * len(levels) if output_dir or random_weights else 0) + len(levels) * len(urls) + compare_transformers
-    bar = click.progressbar(length=runs * num_prompts * len(datasets), file=sys.stderr) if sys.stderr.isatty() else None
+    runs = 0 if stall_prompt else runs  # the stall test reports phases, not finished requests
+    bar = (click.progressbar(length=runs * num_prompts * len(datasets), file=sys.stderr)
+           if sys.stderr.isatty() and runs else None)
     progress = lambda n, msg: bar.update(n) if bar else (msg and click.echo(msg, err=True))  # noqa: E731
     with _errors():
         loaded = _bench_engine(output_dir, random_weights, device, draft_window_size, tensor_parallel)
         report = bench_lib.run_report(loaded, datasets, urls=urls, concurrencies=levels, num_prompts=num_prompts,
                                       max_tokens=max_tokens, chat=chat, thinking=thinking, oracle_tau=oracle_tau,
-                                      compare_transformers=compare_transformers, progress=progress)
+                                      compare_transformers=compare_transformers, progress=progress,
+                                      prefill_chunk=prefill_chunk_size, stall_prompt=stall_prompt or 0)
     if bar:
         bar.render_finish()
     click.echo(bench_lib.format_report(report))

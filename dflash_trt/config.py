@@ -598,6 +598,9 @@ class BuildConfig:
     # its LM head reads K rows instead of the vocabulary's (verification is untouched)
     draft_vocab_size: int = 0
     draft_vocab_corpus: str = ""  # a token dataset (train's OUTPUT/data), a JSONL of prompts or a text file
+    # prompts enter the caches at most this many tokens per engine step, interleaved with the
+    # running requests' steps (0: a prompt in one pass); see engine.py
+    prefill_chunk_size: int = 0
     tensor_parallel: int = 1  # ranks (GPUs, or CPU processes) the engine is sharded over
     # text_input bytes preprocessing accepts before tokenizing; 0: what max_input_len tokens
     # can be at most (serving.text.max_text_bytes)
@@ -618,6 +621,9 @@ class BuildConfig:
             problems.append(f"tensor_parallel must be an int >= 1, got {self.tensor_parallel!r}")
         if not isinstance(self.draft_window_size, int) or self.draft_window_size < 0:
             problems.append(f"draft_window_size must be 0 (none) or an int > 0, got {self.draft_window_size!r}")
+        if not isinstance(self.prefill_chunk_size, int) or self.prefill_chunk_size < 0:
+            problems.append(f"prefill_chunk_size must be 0 (a prompt in one pass) or an int > 0, got "
+                            f"{self.prefill_chunk_size!r}")
         if not isinstance(self.draft_vocab_size, int) or self.draft_vocab_size < 0:
             problems.append(f"draft_vocab_size must be 0 (all) or an int > 0, got {self.draft_vocab_size!r}")
         if bool(self.draft_vocab_size) != bool(self.draft_vocab_corpus):

@@ -4,6 +4,12 @@ Requests join (`add_request`) and leave (finish or `abort`) between steps. A ste
 prefills newly admitted requests or advances every running one: by one token in AR mode,
 or by one draft/verify round in DFlash mode. AR and DFlash share the models and caches,
 so AR is the baseline that DFlash must reproduce.
+
+With a prefill chunk C (`prefill_chunk`), prompts enter the caches at most C tokens per
+step and every step also advances the running requests: a long prompt no longer stalls
+them for its whole prefill, only for one chunk per step. A chunk continues the prompt from
+its cached rows like a verify pass continues a sequence, so what the caches hold at the
+end is what one whole pass writes (up to float rounding of the split).
 """
 
 from __future__ import annotations
@@ -50,7 +56,8 @@ class StepEvent:
 class Engine:
     def __init__(self, target: Qwen3ForCausalLM, drafter: DFlashDrafter | None = None, *,
                  max_batch_size: int = 8, max_seq_len: int = 4096, block_size: int = 0, mode: str | None = None,
-                 oracle: OracleDrafts | None = None, cuda_graphs: bool = True, draft_window: int = 0):
+                 oracle: OracleDrafts | None = None, cuda_graphs: bool = True, draft_window: int = 0,
+                 prefill_chunk: int = 0):
         self.target, self.drafter, self.oracle = target, drafter, oracle
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         # block_size 0: the drafter's trained block size (a build may choose another)
@@ -59,6 +66,8 @@ class Engine:
         self.mode = mode or ("dflash" if drafter else "ar")
         self._check_mode(self.mode)
         check_draft_window(draft_window, self.block_size)
+        check_prefill_chunk(prefill_chunk)
+        self.prefill_chunk = prefill_chunk
         # A window as long as the longest sequence never binds: the drafter keeps every row.
         self.draft_window = draft_window if drafter and draft_window < max_seq_len else 0
         capacity = max_seq_len + self.block_size  # a verify block may run past the last kept token
@@ -82,6 +91,7 @@ class Engine:
         self.eos_token_ids = frozenset(target.config.eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.prefilling: list[Sequence] = []  # chunked prefill: admitted, prompt partly cached
         self.free_slots = list(range(max_batch_size - 1, -1, -1))
         self._next_id = 0
 
@@ -120,6 +130,8 @@ class Engine:
     def abort(self, seq: Sequence) -> None:
         if seq in self.waiting:
             self.waiting.remove(seq)
+        if seq in self.prefilling:
+            self.prefilling.remove(seq)
         seq.finish_reason = seq.finish_reason or "abort"
         self._release(seq)
 
@@ -127,14 +139,18 @@ class Engine:
         """A new engine of this kind over the same models and block, `changes` (e.g. another
         max_batch_size or max_seq_len) applied; caches of its own."""
         settings = dict(max_batch_size=self.max_batch_size, max_seq_len=self.max_seq_len, block_size=self.block_size,
-                        draft_window=self.draft_window)
+                        draft_window=self.draft_window, prefill_chunk=self.prefill_chunk)
         return type(self)(self.target, self.drafter, **{**settings, **changes})
 
     def set_oracle(self, oracle: OracleDrafts | None) -> None:
         self.oracle = oracle
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.prefilling)
+
+    def will_prefill(self) -> bool:
+        """Whether the next step runs a prefill pass (it may also decode, when chunked)."""
+        return bool(self.prefilling or (self.waiting and self.free_slots))
 
     def set_mode(self, mode: str) -> None:
         self._check_mode(mode)
@@ -157,9 +173,14 @@ class Engine:
             seq = self.waiting.popleft()
             seq.slot = self.free_slots.pop()
             admitted.append(seq)
-        if admitted:
-            events = self._prefill(admitted)
-            self.running += admitted
+        if self.prefill_chunk:
+            # one chunk of the waiting prompts, then a step of the requests already running
+            self.prefilling += admitted
+            decoding = list(self.running)
+            events = self._prefill(*self._next_chunk()) if self.prefilling else []
+            events += self._decode(decoding) if decoding else []
+        elif admitted:
+            events = self._prefill(admitted, [len(s.prompt_ids) for s in admitted])
         elif self.running:
             events = self._decode(self.running)
         else:
@@ -169,23 +190,46 @@ class Engine:
                 self._release(event.seq)
         return events
 
-    def _prefill(self, seqs: list[Sequence]) -> list[StepEvent]:
-        lengths = [len(s.prompt_ids) for s in seqs]
-        width = max(lengths)
+    def _next_chunk(self) -> tuple[list[Sequence], list[int]]:
+        """The prompts' next prefill_chunk tokens, first come first served."""
+        seqs, counts, budget = [], [], self.prefill_chunk
+        for seq in self.prefilling:
+            n = min(len(seq.prompt_ids) - seq.num_cached, budget)
+            if n == 0:
+                break
+            seqs.append(seq)
+            counts.append(n)
+            budget -= n
+        return seqs, counts
+
+    def _prefill(self, seqs: list[Sequence], counts: list[int]) -> list[StepEvent]:
+        """Cache the next counts[i] prompt tokens of each sequence (from its num_cached on); a
+        sequence whose prompt is then all cached gets its first token and starts running."""
+        starts = [s.num_cached for s in seqs]
+        width = max(counts)
         ids = torch.zeros((len(seqs), width), dtype=torch.long)
         for i, s in enumerate(seqs):
-            ids[i, : lengths[i]] = torch.tensor(s.prompt_ids)
-        batch = Batch.make([s.slot for s in seqs], [0] * len(seqs), lengths, width, self.device)
+            ids[i, : counts[i]] = torch.tensor(s.prompt_ids[starts[i]: starts[i] + counts[i]])
+        batch = Batch.make([s.slot for s in seqs], starts, counts, width, self.device)
         dflash = self.mode == "dflash"
         hidden, taps = self.target(ids.to(self.device), batch, self.target_cache, self.taps if dflash else ())
         self.target.commit(self.target_cache, batch, batch.num_tokens)
-        last = hidden[torch.arange(len(seqs), device=self.device), batch.num_tokens - 1]
         if dflash:
             self.drafter.append_context(taps, batch, self.draft_cache)
-        tokens = self._pick(self.target.lm_head.argmax(last), last, seqs)
-        for s in seqs:
-            s.num_cached = len(s.prompt_ids)
-        return [StepEvent(s, s.emit([t])) for s, t in zip(seqs, tokens)]
+        for s, n in zip(seqs, counts):
+            s.num_cached += n
+        done = [i for i, s in enumerate(seqs) if s.num_cached == len(s.prompt_ids)]
+        if not done:
+            return []
+        rows = torch.tensor(done, device=self.device)
+        last = hidden[rows, batch.num_tokens[rows] - 1]
+        finished = [seqs[i] for i in done]
+        tokens = self._pick(self.target.lm_head.argmax(last), last, finished)
+        for s in finished:
+            if s in self.prefilling:
+                self.prefilling.remove(s)
+        self.running += finished
+        return [StepEvent(s, s.emit([t])) for s, t in zip(finished, tokens)]
 
     def _decode(self, seqs: list[Sequence]) -> list[StepEvent]:
         if self.mode == "ar":
@@ -217,6 +261,8 @@ class Engine:
     def _release(self, seq: Sequence) -> None:
         if seq in self.running:
             self.running.remove(seq)
+        if seq in self.prefilling:
+            self.prefilling.remove(seq)
         if seq.slot >= 0:
             self.free_slots.append(seq.slot)
             seq.slot = -1
@@ -241,6 +287,11 @@ def check_draft_window(window: int, block_size: int) -> None:
     if window and window < block_size:
         raise ConfigError(f"draft_window_size = {window} must be 0 (no window) or at least the block size "
                           f"({block_size})")
+
+
+def check_prefill_chunk(chunk: int) -> None:
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 0:
+        raise ConfigError(f"prefill_chunk_size = {chunk!r} must be 0 (a prompt in one pass) or an int > 0")
 
 
 # -- memory -------------------------------------------------------------------------------

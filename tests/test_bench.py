@@ -109,6 +109,21 @@ def test_cli_rejects_bad_input(out, tmp_path):
     assert result.exit_code == 2 and "--concurrency" in result.output
 
 
+def test_cli_stall_prompt_prints_one_row_per_mode_and_chunk_setting(out, tmp_path):
+    report = tmp_path / "stall.json"
+    result = CliRunner().invoke(cli, ["bench", str(out), "--stall-prompt", "48", "--prefill-chunk-size", "16",
+                                      "--concurrency", "2", "--max-tokens", "64", "--json", str(report)])
+    assert result.exit_code == 0, result.output
+    table = result.stdout.strip().splitlines()
+    assert table[0].startswith("| Mode | Prefill chunk | Decoding requests | Long prompt |")
+    assert [line.split(" | ")[:2] for line in table[2:]] == [["| ar", "none"], ["| ar", "16"], ["| dflash", "none"],
+                                                            ["| dflash", "16"]]
+    rows = json.loads(report.read_text())["stall_rows"]
+    assert [r["deliveries"] for r in rows] == [2, 6, 2, 6]  # chunked: a gap per chunk step and request
+    result = CliRunner().invoke(cli, ["bench", str(out), "--stall-prompt", "48", "--concurrency", "2"])
+    assert result.exit_code == 1 and "--prefill-chunk-size N" in result.output
+
+
 # -- the transformers baseline (--compare-transformers) -----------------------------------------
 
 
@@ -154,6 +169,7 @@ def test_cli_compare_transformers_prints_the_transformers_row(out):
     (["--random-weights", "qwen3-70b"], "'qwen3-70b' is not one of 'qwen3-8b', "),
     (["--url", "localhost:1", "--compare-transformers"], "need an in-process engine"),
     (["--url", "localhost:1", "--oracle-tau", "4"], "need an in-process engine"),
+    (["OUT", "--stall-prompt", "9", "--oracle-tau", "4"], "--stall-prompt runs alone"),
 ])
 def test_cli_engine_source_errors_are_usage_errors(out, args, message):
     result = CliRunner().invoke(cli, ["bench", *[str(out) if a == "OUT" else a for a in args]])

@@ -73,15 +73,17 @@ def test_build_block_size_sets_the_engines_block_and_leaves_the_drafter_config_a
     assert result.token_ids == reference and max(result.stats.acceptance_lengths) == 4
 
 
-def test_build_records_the_draft_window_and_run_can_override_it(make_pair, tmp_path):
+def test_build_records_the_draft_window_and_prefill_chunk_and_run_can_override_the_window(make_pair, tmp_path):
     pair = make_pair()  # block size 8
     out = tmp_path / "window"
     assert invoke("build", "--target", pair.target, "--drafter", pair.drafter, "--dtype", "float32",
-                  "--draft-window-size", 16, "-o", out).exit_code == 0
+                  "--draft-window-size", 16, "--prefill-chunk-size", 4, "-o", out).exit_code == 0
     record = json.loads((out / "engine" / "engine.json").read_text())
     assert record["build_config"]["draft_window_size"] == 16
+    assert record["build_config"]["prefill_chunk_size"] == 4
     engine = load_engine(out / "engine").engine
     assert engine.draft_window == 16 and engine.draft_cache.k.shape[2] == 2 * (16 + 8 - 1)
+    assert engine.prefill_chunk == 4
     assert load_engine(out / "engine", draft_window=0).engine.draft_window == 0
     result = invoke("run", out, "Hello", "--max-tokens", 3, "--no-chat", "--draft-window-size", 5)
     assert result.exit_code == 1 and "draft_window_size = 5 must be 0 (no window) or at least the block size (8)" \

@@ -43,6 +43,7 @@ import torch
 from dflash_trt.benchmark import loadgen
 from dflash_trt.benchmark.datasets import dataset_label, load_prompts
 from dflash_trt.benchmark.loadgen import TritonRow, format_triton_table, percentile
+from dflash_trt.benchmark.prefill_stall import StallRow, format_stall_table, run_stall
 from dflash_trt.benchmark.transformers_baseline import generate_tok_s, to_transformers
 from dflash_trt.engine import Engine
 from dflash_trt.errors import ConfigError
@@ -139,7 +140,7 @@ def _drive(engine, prompt_ids: list[list[int]], params, concurrency: int,
             index, ids = pending.pop()
             seqs[index] = engine.add_request(ids, params)
             in_flight += 1
-        prefill = bool(engine.waiting and engine.free_slots)
+        prefill = engine.will_prefill()
         step_start = time.perf_counter()
         events = engine.step()
         _sync(engine.device)
@@ -159,10 +160,12 @@ def _drive(engine, prompt_ids: list[list[int]], params, concurrency: int,
 def run_bench(loaded_engine, prompts: Sequence[str], *, dataset: str = "custom",
               concurrencies: Sequence[int] = DEFAULT_CONCURRENCIES, max_tokens: int = 256, chat: bool = True,
               thinking: bool = False, oracle_tau: float | None = None, seed: int = 0,
-              progress: Progress | None = None, ar_outputs: dict | None = None) -> list[BenchRow]:
+              progress: Progress | None = None, ar_outputs: dict | None = None,
+              prefill_chunk: int | None = None) -> list[BenchRow]:
     """One BenchRow per concurrency: AR then DFlash over `prompts` (greedy, see the module doc).
 
-    `ar_outputs`, when given, is filled with {concurrency: AR output ids per prompt}."""
+    `ar_outputs`, when given, is filled with {concurrency: AR output ids per prompt};
+    `prefill_chunk`, when given, overrides the engine's."""
     base, tok = loaded_engine.engine, loaded_engine.tokenizer
     if base.drafter is None:
         raise ConfigError("the benchmark needs an engine with a drafter")
@@ -178,8 +181,10 @@ def run_bench(loaded_engine, prompts: Sequence[str], *, dataset: str = "custom",
         raise ConfigError(f"the longest prompt ({need - max_tokens} tokens) + max_tokens ({max_tokens}) exceeds the "
                           f"engine's max_seq_len = {base.max_seq_len}")
 
+    chunk = {} if prefill_chunk is None else {"prefill_chunk": prefill_chunk}
+
     def new_engine(c: int) -> Engine:
-        engine = base.sibling(max_batch_size=c, max_seq_len=need)
+        engine = base.sibling(max_batch_size=c, max_seq_len=need, **chunk)
         engine.warm_up()  # CUDA graph captures stay out of the timings
         return engine
 
@@ -316,15 +321,22 @@ class Report:
     rows: list[BenchRow] = field(default_factory=list)  # in-process
     transformers_rows: list[TransformersRow] = field(default_factory=list)
     triton_rows: list[TritonRow] = field(default_factory=list)
+    stall_rows: list[StallRow] = field(default_factory=list)
 
 
 def run_report(loaded_engine, datasets: Sequence[str], *, urls: Sequence[str] = (),
                concurrencies: Sequence[int] = DEFAULT_CONCURRENCIES, num_prompts: int = 32, max_tokens: int = 256,
                chat: bool = True, thinking: bool = False, oracle_tau: float | None = None,
-               compare_transformers: bool = False, progress: Progress | None = None) -> Report:
+               compare_transformers: bool = False, progress: Progress | None = None,
+               prefill_chunk: int | None = None, stall_prompt: int = 0) -> Report:
     """Per dataset: in-process rows (with an engine), the transformers row (if asked), and rows
     through each server URL (Triton's gRPC host:port, or the OpenAI API's http:// address), all
-    over the same prompts."""
+    over the same prompts. `stall_prompt` N > 0 runs prefill_stall.py's test instead (a prompt of
+    N tokens arriving while `concurrency` requests decode, in AR and DFlash mode, in one pass and
+    in chunks of `prefill_chunk`)."""
+    if stall_prompt:
+        return _stall_report(loaded_engine, datasets, concurrencies, num_prompts, max_tokens, chat, thinking,
+                             prefill_chunk, stall_prompt, progress)
     if loaded_engine is None and (not urls or compare_transformers or oracle_tau is not None):
         raise ConfigError("an in-process engine is needed for in-process rows, oracle τ and the transformers "
                           "baseline; only --url rows can run without one")
@@ -340,7 +352,7 @@ def run_report(loaded_engine, datasets: Sequence[str], *, urls: Sequence[str] = 
         if loaded_engine is not None:
             rows = run_bench(loaded_engine, prompts, dataset=label, concurrencies=concurrencies,
                              max_tokens=max_tokens, chat=chat, thinking=thinking, oracle_tau=oracle_tau,
-                             progress=progress, ar_outputs=ar_outputs)
+                             progress=progress, ar_outputs=ar_outputs, prefill_chunk=prefill_chunk)
             report.rows += rows
         if hf_model is not None:
             at_1 = next((r for r in rows if r.concurrency == 1), None)
@@ -351,6 +363,28 @@ def run_report(loaded_engine, datasets: Sequence[str], *, urls: Sequence[str] = 
             report.triton_rows += loadgen.run_triton_bench(url, prompts, dataset=label, concurrencies=concurrencies,
                                                            max_tokens=max_tokens, chat=chat, thinking=thinking,
                                                            progress=progress)
+    return report
+
+
+def _stall_report(loaded_engine, datasets, concurrencies, num_prompts, max_tokens, chat, thinking, prefill_chunk,
+                  stall_prompt, progress) -> Report:
+    if loaded_engine is None:
+        raise ConfigError("the stall test runs in-process: give OUTPUT_DIR or --random-weights")
+    if not prefill_chunk:
+        raise ConfigError("the stall test compares one-pass prefill with chunks: give the chunk size "
+                          "(--prefill-chunk-size N)")
+    report = Report()
+    for name in datasets:
+        prompt_ids = encode_prompts(loaded_engine.tokenizer, load_prompts(name, num_prompts), chat=chat,
+                                    thinking=thinking)
+        for c in concurrencies:
+            for mode in ("ar", "dflash"):
+                rows = run_stall(loaded_engine.engine, prompt_ids, long_tokens=stall_prompt, concurrency=int(c),
+                                 chunks=(0, prefill_chunk), max_tokens=max_tokens, mode=mode)
+                report.stall_rows += rows
+                if progress:
+                    for r in rows:
+                        progress(0, f"stall {mode} c={c} chunk={r.prefill_chunk}: gap p99 {r.gap_p99_s * 1e3:.1f} ms")
     return report
 
 
@@ -394,6 +428,7 @@ def format_report(report: Report) -> str:
     parts = [format_table(report.rows) if report.rows else "",
              format_transformers_table(report.transformers_rows) if report.transformers_rows else "",
              format_triton_table(report.triton_rows) if report.triton_rows else "",
+             format_stall_table(report.stall_rows) if report.stall_rows else "",
              format_overhead(serving_overhead(report))]
     return "\n\n".join(part for part in parts if part)
 
@@ -411,4 +446,5 @@ def report_to_json(report: Report, **meta) -> str:
                                  for r in report.transformers_rows]
     data["triton_rows"] = [asdict(r) for r in report.triton_rows]
     data["serving_overhead"] = serving_overhead(report)
+    data["stall_rows"] = [asdict(r) for r in report.stall_rows]
     return json.dumps(data, indent=2, ensure_ascii=False)

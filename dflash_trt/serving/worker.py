@@ -262,7 +262,9 @@ class EngineWorker:
         if self.metrics is None:
             return
         engine = self.engine
-        state = (len(engine.running), len(engine.waiting), engine.max_batch_size - len(engine.free_slots))
+        # a request whose prompt is still being prefilled in chunks is running: it holds a slot
+        state = (len(engine.running) + len(engine.prefilling), len(engine.waiting),
+                 engine.max_batch_size - len(engine.free_slots))
         if state != self._engine_state:  # the gauges change at admissions and ends, not every step
             self._engine_state = state
             self._outbox.put((None, lambda: self.metrics.engine_state(*state)))
