@@ -18,6 +18,9 @@
 #   bash bench/gpu_check.sh moe-bench  # MoE: Qwen3.6-35B-A3B AR vs DFlash, the 397B-A17B at 4 and 8 layers
 #   bash bench/gpu_check.sh moe-split  # MoE experts at TP2 per rank: tensor- vs expert-parallel
 #   bash bench/gpu_check.sh draft-vocab # Qwen3-8B's draft pass with the whole vocabulary and with 32k tokens
+#   bash bench/gpu_check.sh prefill    # one prefill's wall, kernel and host time: Qwen3.5-9B and Qwen3-8B
+#   bash bench/gpu_check.sh stall      # chunked prefill on the GPU (tests), then a 30k-token prompt arriving
+#                                      # while 8 Qwen3-8B requests decode: one pass vs 2048-token chunks
 #   bash bench/gpu_check.sh demo-target demo-drafter demo-eval
 #                                      # the shipped demo pair's recipe (bench/train_demo.py; its corpus
 #                                      # stage writes .gpu/demo first, on any machine)
@@ -40,7 +43,7 @@
 # The machine has no `unzip`: zips are opened with `python3 -m zipfile`, which drops the
 # executable bits, so they are set again.
 set -u
-usage="usage: gpu_check.sh STAGE... (tests hybrid benches roofline bench8b identity triton window flashinfer splits moe moe-models moe-bench moe-split draft-vocab demo-target demo-drafter demo-eval)"
+usage="usage: gpu_check.sh STAGE... (tests hybrid benches roofline bench8b identity triton window flashinfer splits moe moe-models moe-bench moe-split draft-vocab prefill stall demo-target demo-drafter demo-eval)"
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
@@ -89,6 +92,17 @@ roofline)
   step prof8b 120 python3 bench/profile_step.py --preset qwen3-8b --batch 1,4,32 --json "$OUT/prof8b.json"
   step prof8b-lt 120 python3 bench/profile_step.py --preset qwen3-8b --batch 1,4,32 --blas cublaslt \
     --json "$OUT/prof8b_lt.json"
+  ;;
+prefill)
+  step prefill9b 200 python3 bench/profile_step.py --preset qwen3.5-9b --batch 1 --prefill 128,512 \
+    --json "$OUT/prefill9b.json"
+  step prefill8b 150 python3 bench/profile_step.py --preset qwen3-8b --batch 1 --prefill 128,512 \
+    --json "$OUT/prefill8b.json"
+  ;;
+stall)
+  DFLASH_TEST_DEVICE=cuda step tests-chunked 300 python3 -m pytest -q -p no:cacheprovider tests/test_chunked_prefill.py
+  step stall8b 420 dflash-trt bench --random-weights qwen3-8b --stall-prompt 30000 --prefill-chunk-size 2048 \
+    --concurrency 8 --max-tokens 512 --json "$OUT/stall8b.json"
   ;;
 bench8b)
   step bench8b 300 dflash-trt bench --random-weights qwen3-8b --oracle-tau 6.5 --dataset gsm8k --num-prompts 32 \

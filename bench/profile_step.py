@@ -179,6 +179,34 @@ def profile(fn, steps=5, top=0) -> dict:
     return out
 
 
+def prefill_profile(engine, num_tokens: int, steps: int = 5) -> dict:
+    """One request's prefill step of num_tokens at batch 1 (engine.step, first token
+    included): wall ms, GPU kernel ms and launches, and the host ops that cost the most."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    prompt = [int(t) for t in torch.randint(0, engine.target.config.vocab_size, (num_tokens,))]
+
+    def prefill():
+        engine.add_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+        engine.step()
+
+    wall = wall_ms(prefill, reps=10)
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            prefill()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    kernels = [e for e in events if e.device_type.name == "CUDA" and e.device_time_total > 0]
+    host = sorted((e for e in events if e.device_type.name == "CPU"), key=lambda e: -e.self_cpu_time_total)
+    return {"wall_ms": wall, "gpu_kernel_ms": sum(e.device_time_total for e in kernels) / steps / 1e3,
+            "kernel_launches": sum(e.count for e in kernels) / steps,
+            "gpu_ms_by_family": profile(prefill, steps=2),
+            "top_host_ops": [dict(op=e.key[:100], self_ms=e.self_cpu_time_total / steps / 1e3, calls=e.count / steps)
+                             for e in host[:15]]}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="qwen3-8b")
@@ -189,6 +217,7 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-window-size", type=int, default=0, help="the drafter sees the last N rows only")
     ap.add_argument("--draft-vocab-size", type=int, default=0,
                     help="the drafter proposes from K tokens only (their choice does not change the time)")
+    ap.add_argument("--prefill", default="", help="also profile one prefill of each of these prompt lengths")
     ap.add_argument("--blas", choices=("cublas", "cublaslt"),
                     help="the BLAS library torch uses for the GEMMs (default: torch's choice)")
     args = ap.parse_args(argv)
@@ -249,6 +278,10 @@ def main(argv=None) -> int:
         block = random_block(DecodePasses.draft(passes, x), engine.target.config.vocab_size)
         result["profile_draft_ms"] = profile(lambda: DecodePasses.draft(passes, x))
         result["profile_verify_ms"] = profile(lambda: DecodePasses.verify(passes, x, block))
+        for n in [int(t) for t in args.prefill.split(",") if t]:
+            result[f"prefill{n}"] = row = prefill_profile(engine, n)
+            print(f"prefill of {n} tokens: {row['wall_ms']:.2f} ms wall, {row['gpu_kernel_ms']:.2f} ms of kernels "
+                  f"({row['kernel_launches']:.0f} launches)", file=sys.stderr)
     if 1 in batches:  # AR at batch 1: the bytes one token's step really reads, at copy bandwidth
         result["roofline_tok_s"] = bw / (result["batch1"]["ar_bytes_gb"] * 1e9)
         result["batch1_roofline_share"] = result["batch1"]["ar_roofline_share"]
