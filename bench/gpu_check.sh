@@ -94,8 +94,13 @@ roofline)
     --json "$OUT/prof8b_lt.json"
   ;;
 prefill)
-  step prefill9b 200 python3 bench/profile_step.py --preset qwen3.5-9b --batch 1 --prefill 128,512 \
+  step prefill9b 200 python3 bench/profile_step.py --preset qwen3.5-9b --batch 1 --prefill 128,256,512,1024 \
     --json "$OUT/prefill9b.json"
+  # the same prefills with the chunked form (fla) from 16 tokens on, and with the recurrent kernel up to 1024
+  step prefill9b-fla 200 python3 bench/profile_step.py --preset qwen3.5-9b --batch 1 --prefill 128,256,512,1024 \
+    --recurrent-prefill-tokens 0 --json "$OUT/prefill9b_fla.json"
+  step prefill9b-recurrent 200 python3 bench/profile_step.py --preset qwen3.5-9b --batch 1 --prefill 512,1024 \
+    --recurrent-prefill-tokens 1024 --json "$OUT/prefill9b_recurrent.json"
   step prefill8b 150 python3 bench/profile_step.py --preset qwen3-8b --batch 1 --prefill 128,512 \
     --json "$OUT/prefill8b.json"
   ;;

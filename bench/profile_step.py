@@ -32,6 +32,7 @@ from dflash_trt import ops
 from dflash_trt.benchmark.random_weights import random_engine
 from dflash_trt.engine import cache_bytes
 from dflash_trt.graphs import DecodePasses
+from dflash_trt.models import qwen3_5
 from dflash_trt.models.moe import SparseMoeBlock
 from dflash_trt.sampling import SamplingParams
 from dflash_trt.sequence import Sequence
@@ -218,12 +219,16 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-vocab-size", type=int, default=0,
                     help="the drafter proposes from K tokens only (their choice does not change the time)")
     ap.add_argument("--prefill", default="", help="also profile one prefill of each of these prompt lengths")
+    ap.add_argument("--recurrent-prefill-tokens", type=int,
+                    help="hybrids: the widest prefill that runs the recurrent kernel (default: the model's)")
     ap.add_argument("--blas", choices=("cublas", "cublaslt"),
                     help="the BLAS library torch uses for the GEMMs (default: torch's choice)")
     args = ap.parse_args(argv)
     if args.blas:
         torch.backends.cuda.preferred_blas_library(args.blas)
     batches = [int(b) for b in args.batch.split(",")]
+    if args.recurrent_prefill_tokens is not None:
+        qwen3_5.RECURRENT_PREFILL_TOKENS = args.recurrent_prefill_tokens
     loaded = random_engine(args.preset, max_batch_size=max(batches), max_seq_len=args.context + 512,
                            num_layers=args.layers, draft_window=args.draft_window_size)
     engine, passes = loaded.engine, loaded.engine.passes
@@ -231,7 +236,8 @@ def main(argv=None) -> int:
         engine.drafter.prune_vocab(torch.arange(args.draft_vocab_size))
     eager = DecodePasses(engine.target, engine.drafter, engine.target_cache, engine.draft_cache, engine.taps,
                          engine.block_size)
-    result = {"gpu": torch.cuda.get_device_name(), "preset": args.preset, "layers": args.layers, "context": args.context,
+    result = {"gpu": torch.cuda.get_device_name(), "preset": args.preset,
+              "recurrent_prefill_tokens": qwen3_5.RECURRENT_PREFILL_TOKENS, "layers": args.layers, "context": args.context,
               "passes": type(passes).__name__, "blas": str(torch.backends.cuda.preferred_blas_library()),
               "draft_window": engine.draft_window, "draft_vocab_size": args.draft_vocab_size,
               "draft_cache_gb": cache_bytes(engine.draft_cache) / 1e9, "target_cache_gb": cache_bytes(engine.target_cache) / 1e9}

@@ -151,3 +151,26 @@ def test_a_prefill_wider_than_the_replay_window_cannot_be_cut_back(make_pair):
         target(torch.arange(6)[None], batch, cache)
     with pytest.raises(AssertionError, match="a pass wider than 4 tokens .a prefill. commits all its tokens"):
         target.commit(cache, batch, torch.tensor([2]))
+
+
+@pytest.mark.parametrize("rows", [[40], [40, 23]])  # full rows (the conv kernel), ragged (the gathered form)
+def test_a_wide_prefill_through_the_recurrent_kernel_equals_the_chunked_form(make_pair, device, monkeypatch, rows):
+    """Prefills up to RECURRENT_PREFILL_TOKENS run decode's kernel in place; longer ones the
+    chunked form (fla on CUDA): both give the same outputs, states and conv windows."""
+    from dflash_trt.models import qwen3_5
+
+    pair = make_pair(**PAIRS["qwen3.5-like"], **HYBRID, block_size=4)
+    target = load_target(pair.target, device)
+    ids = torch.randint(0, 500, (len(rows), max(rows)), generator=torch.Generator().manual_seed(3)).to(device)
+    results = []
+    for limit in (qwen3_5.RECURRENT_PREFILL_TOKENS, 0):
+        assert max(rows) <= qwen3_5.RECURRENT_PREFILL_TOKENS
+        monkeypatch.setattr(qwen3_5, "RECURRENT_PREFILL_TOKENS", limit)
+        cache = target.new_cache(len(rows) + 1, 64, num_snapshots=4)
+        batch = Batch.make(list(range(1, len(rows) + 1)), [0] * len(rows), rows, max(rows), device)
+        with torch.no_grad():
+            hidden, _ = target(ids, batch, cache)
+        real = torch.arange(max(rows), device=device)[None] < torch.tensor(rows, device=device)[:, None]
+        results.append((hidden[real], cache.state[:, 1:], cache.conv[:, 1:]))
+    for recurrent, chunked in zip(*results):
+        torch.testing.assert_close(recurrent, chunked, atol=2e-4, rtol=2e-4)

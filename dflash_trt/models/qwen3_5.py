@@ -49,6 +49,11 @@ log = logging.getLogger(__name__)
 
 # How far a pass can be cut back at commit: B = 16 drafters need 16 snapshots.
 DEFAULT_SNAPSHOTS = 16
+# A prefill up to this many tokens wide runs the token-by-token kernel of decode passes (a
+# launch or two per layer) rather than the chunked form, whose many small launches cost
+# more host time than a short prompt's recurrence costs the GPU (BENCHMARKS.md, "Qwen3.5
+# hybrid").
+RECURRENT_PREFILL_TOKENS = 256
 
 
 class HybridCache(KVCache):
@@ -202,8 +207,8 @@ class GatedDeltaNet(nn.Module):
         layer, S = self.cache_layer, cache.num_snapshots
         weight = self.conv1d.weight[:, 0]
         snapshots = None if to_cache else cache.conv_snapshots[layer]
-        if batch.full_rows and batch.width <= S and (to_cache or S <= batch.width + 1):
-            slots, _, start, _ = lengths  # a decode pass: one kernel on CUDA
+        if batch.full_rows and (to_cache or batch.width <= S <= batch.width + 1):
+            slots, _, start, _ = lengths  # one kernel on CUDA: any width to the cache, S snapshots of a verify
             return ops.causal_conv(qkv, weight, cache.conv[layer], snapshots, slots, start)
         window = cache.conv[layer, batch.slots].masked_fill((batch.start == 0)[:, None, None], 0)
         qkv, windows = causal_conv1d(qkv, window, weight, batch.num_tokens, 1 if to_cache else S, batch.full_rows)
@@ -221,14 +226,14 @@ class GatedDeltaNet(nn.Module):
         # A one-token pass (an AR step) is never cut back: it steps the committed window and
         # state in place. A prefill (wider than S) commits all its tokens: its window and state
         # go straight to the cache. A verify keeps the window after each of its tokens.
-        in_place = batch.width == 1
-        to_cache = in_place or batch.width > S
-        qkv = self._conv(qkv, batch, cache, lengths, to_cache)
+        prefill = batch.width > S
+        in_place = batch.width == 1 or (prefill and batch.width <= RECURRENT_PREFILL_TOKENS)
+        qkv = self._conv(qkv, batch, cache, lengths, in_place or prefill)
         neg_a, dt_bias = self._decay_constants()
-        if batch.width <= S:
-            # Decode/verify: the recurrence's inputs in one kernel on CUDA (normalised q/k, v,
-            # gates, all fp32); the state is read from the cache in place, never gathered. An
-            # AR step writes the new state over it; a wider pass writes nothing and saves its
+        if not prefill or in_place:
+            # The recurrence's inputs in one kernel on CUDA (normalised q/k, v, gates, all fp32);
+            # the state is read from the cache in place, never gathered. An AR step or a short
+            # prefill writes the new state over it; a verify writes nothing and saves its
             # inputs, from which commit replays the accepted tokens.
             slots, _, start, num_tokens = lengths
             inputs = gated_delta_prepare(qkv, a, b, neg_a, dt_bias, lin.num_key_heads, lin.key_head_dim,
@@ -239,7 +244,7 @@ class GatedDeltaNet(nn.Module):
                 cache.save_replay_inputs(layer, inputs)
                 written = cache.no_snapshots
             out = gated_delta_recurrent(*inputs, cache.state[layer], written, slots, start, num_tokens).to(x.dtype)
-        else:  # prefill: all of it is committed, so only the final state is kept
+        else:  # a long prefill: the chunked form (fla on CUDA); only the final state is kept
             q, k, v = qkv.split([lin.key_size, lin.key_size, lin.value_size], dim=-1)
             q = q.unflatten(-1, (lin.num_key_heads, lin.key_head_dim))
             k = k.unflatten(-1, (lin.num_key_heads, lin.key_head_dim))
