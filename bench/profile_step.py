@@ -229,7 +229,8 @@ def main(argv=None) -> int:
     batches = [int(b) for b in args.batch.split(",")]
     if args.recurrent_prefill_tokens is not None:
         qwen3_5.RECURRENT_PREFILL_TOKENS = args.recurrent_prefill_tokens
-    loaded = random_engine(args.preset, max_batch_size=max(batches), max_seq_len=args.context + 512,
+    prefills = [int(t) for t in args.prefill.split(",") if t]
+    loaded = random_engine(args.preset, max_batch_size=max(batches), max_seq_len=max([args.context, *prefills]) + 512,
                            num_layers=args.layers, draft_window=args.draft_window_size)
     engine, passes = loaded.engine, loaded.engine.passes
     if args.draft_vocab_size:  # before the first pass: graphs are captured on first use
@@ -284,7 +285,7 @@ def main(argv=None) -> int:
         block = random_block(DecodePasses.draft(passes, x), engine.target.config.vocab_size)
         result["profile_draft_ms"] = profile(lambda: DecodePasses.draft(passes, x))
         result["profile_verify_ms"] = profile(lambda: DecodePasses.verify(passes, x, block))
-        for n in [int(t) for t in args.prefill.split(",") if t]:
+        for n in prefills:
             result[f"prefill{n}"] = row = prefill_profile(engine, n)
             print(f"prefill of {n} tokens: {row['wall_ms']:.2f} ms wall, {row['gpu_kernel_ms']:.2f} ms of kernels "
                   f"({row['kernel_launches']:.0f} launches)", file=sys.stderr)

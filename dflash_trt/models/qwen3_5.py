@@ -53,7 +53,7 @@ DEFAULT_SNAPSHOTS = 16
 # launch or two per layer) rather than the chunked form, whose many small launches cost
 # more host time than a short prompt's recurrence costs the GPU (BENCHMARKS.md, "Qwen3.5
 # hybrid").
-RECURRENT_PREFILL_TOKENS = 256
+RECURRENT_PREFILL_TOKENS = 512
 
 
 class HybridCache(KVCache):
