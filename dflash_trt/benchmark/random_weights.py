@@ -63,6 +63,17 @@ PRESETS: dict[str, TinyPairSpec] = {
         extra_draft_config={"num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
                             "dflash_config": {"mask_token_id": 248070, "target_layer_ids": [1, 8, 15, 22, 29]}}),
 }
+# Qwen3.5-27B's target as THUDM/slime's scripts/models/qwen3.5-27B.sh gives it (64 layers,
+# 3 linear : 1 full, 24/4 heads of 256), with 48 value heads in its linear layers (the
+# qwen3.5-27b-b16 preset's memory note); its drafter in the 9B drafter's layout (5 layers, 32/8
+# heads of 128) over the default formula's taps: shapes for timing, not a released checkpoint.
+PRESETS["qwen3.5-27b"] = TinyPairSpec(
+    target_type="qwen3_5", hidden_size=5120, intermediate_size=17408, num_layers=64, num_heads=24, num_kv_heads=4,
+    head_dim=256, linear_heads=(16, 48), linear_head_dims=(128, 128), conv_kernel_size=4, partial_rotary_factor=0.25,
+    multimodal=True, draft_layers=5, block_size=16, target_layer_ids=(1, 16, 31, 46, 61), rope_theta=1e7,
+    draft_rope_theta=1e7, tokenizer_tokens=248044, vocab_size=248320, dtype="bfloat16",
+    extra_draft_config={"num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                        "dflash_config": {"mask_token_id": 248070, "target_layer_ids": [1, 16, 31, 46, 61]}})
 _QWEN3_5_MOE = dict(target_type="qwen3_5", num_kv_heads=2, head_dim=256, linear_head_dims=(128, 128),
                     conv_kernel_size=4, partial_rotary_factor=0.25, multimodal=True, block_size=16, rope_theta=1e7,
                     draft_rope_theta=1e7, tokenizer_tokens=248044, vocab_size=248320, dtype="bfloat16")
