@@ -172,5 +172,9 @@ def test_a_wide_prefill_through_the_recurrent_kernel_equals_the_chunked_form(mak
             hidden, _ = target(ids, batch, cache)
         real = torch.arange(max(rows), device=device)[None] < torch.tensor(rows, device=device)[:, None]
         results.append((hidden[real], cache.state[:, 1:], cache.conv[:, 1:]))
+    from dflash_trt.models import gated_delta
+
+    # bounds relative to the values' scale: fla (the chunked form on CUDA) multiplies in tf32
+    tol = 2e-2 if torch.device(device).type == "cuda" and gated_delta._fla_chunk() is not None else 2e-4
     for recurrent, chunked in zip(*results):
-        torch.testing.assert_close(recurrent, chunked, atol=2e-4, rtol=2e-4)
+        assert (recurrent - chunked).abs().max() <= tol * chunked.abs().max()
