@@ -232,10 +232,11 @@ def followers_of(out) -> list[str]:
                           text=True).stdout.split()
 
 
-@pytest.mark.parametrize("oracle", [[], ["--oracle-tau", 3]], ids=["real", "oracle"])
+@pytest.mark.parametrize("oracle", [[], ["--oracle-tau", 3], ["--prefill-chunk-size", 5]],
+                         ids=["real", "oracle", "chunked-prefill"])
 def test_bench_of_a_two_rank_engine_measures_what_the_whole_engine_does(builds, tmp_path, oracle):
-    """Per concurrency bench makes an engine of its own and may set an oracle: the other rank
-    must follow both, or the collectives (and the drafts) part."""
+    """Per concurrency bench makes an engine of its own and may set an oracle or a prefill
+    chunk: the other rank must follow them, or the collectives (and the drafts) part."""
     args = ["--dataset", "mt_bench", "--num-prompts", 3, "--max-tokens", 12, "--concurrency", "1,2", *oracle]
     rows = {}
     for name in ("whole", "tp2"):
@@ -244,5 +245,5 @@ def test_bench_of_a_two_rank_engine_measures_what_the_whole_engine_does(builds, 
         rows[name] = json.loads((tmp_path / f"{name}.json").read_text())["rows"]
     for whole, tp2 in zip(rows["whole"], rows["tp2"], strict=True):
         assert (tp2["tau_steps"], tp2["identical_share"]) == (whole["tau_steps"], whole["identical_share"])
-    if not oracle:
+    if "--oracle-tau" not in oracle:
         assert all(r["identical_share"] == 1.0 for r in rows["tp2"])  # DFlash == AR through both ranks
