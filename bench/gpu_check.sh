@@ -11,6 +11,8 @@
 #   bash bench/gpu_check.sh triton     # Triton (gRPC and the OpenAI API) vs in-process, Qwen3-8B-shaped pair
 #   bash bench/gpu_check.sh window     # the draft window: draft pass time and cache at 8k and 32k context
 #   bash bench/gpu_check.sh flashinfer # the block attention table with its FlashInfer column
+#   bash bench/gpu_check.sh fa3        # the block attention table with its FlashAttention-3 column
+#                                      # (carry .gpu/fa3: fa3-fwd 0.0.3, FA3's forward for torch 2.10+)
 #   bash bench/gpu_check.sh splits     # the causal attention table per forced key-split count, uniform
 #                                      # and ragged batches
 #   bash bench/gpu_check.sh moe        # build the plugins, the MoE op's GPU tests, its microbenchmark
@@ -43,7 +45,7 @@
 # The machine has no `unzip`: zips are opened with `python3 -m zipfile`, which drops the
 # executable bits, so they are set again.
 set -u
-usage="usage: gpu_check.sh STAGE... (tests hybrid benches roofline bench8b identity triton window flashinfer splits moe moe-models moe-bench moe-split draft-vocab prefill stall demo-target demo-drafter demo-eval)"
+usage="usage: gpu_check.sh STAGE... (tests hybrid benches roofline bench8b identity triton window flashinfer splits moe moe-models moe-bench moe-split draft-vocab prefill stall fa3 demo-target demo-drafter demo-eval)"
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
@@ -92,6 +94,10 @@ roofline)
   step prof8b 120 python3 bench/profile_step.py --preset qwen3-8b --batch 1,4,32 --json "$OUT/prof8b.json"
   step prof8b-lt 120 python3 bench/profile_step.py --preset qwen3-8b --batch 1,4,32 --blas cublaslt \
     --json "$OUT/prof8b_lt.json"
+  ;;
+fa3)
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/fa3/*.whl
+  step fa3 500 python3 bench/kernels.py --json "$OUT/attention_fa3.json"
   ;;
 prefill)
   step prefill9b 200 python3 bench/profile_step.py --preset qwen3.5-9b --batch 1 --prefill 128,256,512,1024 \

