@@ -69,6 +69,9 @@ def cli():
 @click.option("--prefill-chunk-size", type=click.IntRange(min=0),
               help="Prefill prompts at most N tokens per engine step, between the running requests' steps, so a "
                    "long prompt does not stall them (0, the default: a prompt in one pass).")
+@click.option("--verify-width", type=click.Choice(["full", "adaptive"]),
+              help="full (the default): every verify checks the whole block; adaptive: per step, the width that "
+                   "maximises expected tokens/s from step times measured at warm-up (CUDA graphs only).")
 @click.option("--tensor-parallel", type=click.IntRange(min=1),
               help="Shard the engine over N GPUs (N processes on the CPU); run and serve start the ranks.")
 def build(target, drafter, preset, config_file, output, force, **overrides):
@@ -145,7 +148,8 @@ def run(output_dir, prompt, mode, device, draft_window_size, tensor_parallel, ma
         s = result.stats
         tau = f"{s.mean_acceptance_length:.2f}" if mode == "dflash" else "n/a (AR)"
         click.echo(f"[{mode}] {s.output_tokens} tokens in {elapsed:.2f}s = {s.output_tokens / elapsed:.1f} tok/s; "
-                   f"mean acceptance length {tau}; verify steps {s.verify_steps}", err=True)
+                   f"mean acceptance length {tau}; verify steps {s.verify_steps}"
+                   + (f" of {s.mean_verify_width:.2f} tokens" if s.verify_steps else ""), err=True)
 
 
 def _ints(ctx, param, value):
@@ -446,14 +450,19 @@ def _bench_engine(output_dir, random_weights, device, draft_window, tensor_paral
 @click.option("--json", "json_file", type=click.Path(dir_okay=False, path_type=Path), help="Also write rows here.")
 @click.option("--prefill-chunk-size", type=click.IntRange(min=0),
               help="Override the engine's prefill chunk (0: a prompt in one pass; see build --help).")
+@click.option("--verify-width", type=click.Choice(["full", "adaptive"]),
+              help="Override the engine's verify width (see build --help).")
+@click.option("--oracle-dist", type=click.Choice(["two-point", "geometric"]), default="two-point", show_default=True,
+              help="How --oracle-tau draws the correct drafts per step: the two integers around τ - 1, or i.i.d. "
+                   "per draft with the rate that gives τ (a long tail).")
 @click.option("--stall-prompt", type=click.IntRange(min=1), metavar="N",
               help="Instead of the throughput rows: a prompt of N tokens arrives while --concurrency requests "
                    "decode; their token gaps during its prefill, in one pass and in --prefill-chunk-size chunks.")
 @_DRAFT_WINDOW
 @_TENSOR_PARALLEL
 def bench(output_dir, random_weights, urls, compare_transformers, datasets, concurrency, num_prompts, max_tokens,
-          oracle_tau, chat, thinking, device, json_file, prefill_chunk_size, stall_prompt, draft_window_size,
-          tensor_parallel):
+          oracle_tau, chat, thinking, device, json_file, prefill_chunk_size, verify_width, oracle_dist, stall_prompt,
+          draft_window_size, tensor_parallel):
     """Benchmark AR vs DFlash per dataset and concurrency; markdown tables on stdout.
 
     \b
@@ -488,7 +497,8 @@ def bench(output_dir, random_weights, urls, compare_transformers, datasets, conc
         report = bench_lib.run_report(loaded, datasets, urls=urls, concurrencies=levels, num_prompts=num_prompts,
                                       max_tokens=max_tokens, chat=chat, thinking=thinking, oracle_tau=oracle_tau,
                                       compare_transformers=compare_transformers, progress=progress,
-                                      prefill_chunk=prefill_chunk_size, stall_prompt=stall_prompt or 0)
+                                      prefill_chunk=prefill_chunk_size, stall_prompt=stall_prompt or 0,
+                                      verify_width=verify_width, oracle_dist=oracle_dist)
     if bar:
         bar.render_finish()
     click.echo(bench_lib.format_report(report))

@@ -28,8 +28,10 @@ from dflash_trt.models.qwen3 import Qwen3ForCausalLM
 from dflash_trt.sampling import SamplingParams
 from dflash_trt.sequence import RequestStats, Sequence
 from dflash_trt.speculate import OracleDrafts, speculative_step
+from dflash_trt.verify_width import VerifyWidth, candidate_widths
 
 MODES = ("ar", "dflash")
+VERIFY_WIDTHS = ("full", "adaptive")  # the whole block every step, or verify_width.py's choice
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,7 @@ class Engine:
     def __init__(self, target: Qwen3ForCausalLM, drafter: DFlashDrafter | None = None, *,
                  max_batch_size: int = 8, max_seq_len: int = 4096, block_size: int = 0, mode: str | None = None,
                  oracle: OracleDrafts | None = None, cuda_graphs: bool = True, draft_window: int = 0,
-                 prefill_chunk: int = 0):
+                 prefill_chunk: int = 0, verify_width: str = "full"):
         self.target, self.drafter, self.oracle = target, drafter, oracle
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         # block_size 0: the drafter's trained block size (a build may choose another)
@@ -88,6 +90,11 @@ class Engine:
         passes = (self.target, self.drafter, self.target_cache, self.draft_cache, self.taps, self.block_size)
         use_graphs = cuda_graphs and graphs_supported(target, self.device)
         self.passes = GraphedPasses(*passes, max_batch_size=max_batch_size) if use_graphs else DecodePasses(*passes)
+        check_verify_width(verify_width, graphed=use_graphs)
+        self.verify_width = verify_width
+        # chooses each step's verify width from step times measured on the graphs (at warm-up
+        # or the first step); tests may set one with step times of their own
+        self.width_policy: VerifyWidth | None = None
         self.eos_token_ids = frozenset(target.config.eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -97,8 +104,15 @@ class Engine:
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Capture the CUDA graphs of every batch-size bucket (no-op on the eager path)."""
+        """Capture the CUDA graphs of every batch-size bucket (no-op on the eager path), and
+        time the verify widths an adaptive engine chooses from."""
         self.passes.capture_all()
+        self._start_width_policy()
+
+    def _start_width_policy(self) -> None:
+        if self.verify_width == "adaptive" and self.drafter is not None and self.width_policy is None:
+            widths = candidate_widths(self.block_size)
+            self.width_policy = VerifyWidth(self.block_size, self.passes.step_ms(widths))
 
     # -- requests -------------------------------------------------------------------------
 
@@ -139,7 +153,8 @@ class Engine:
         """A new engine of this kind over the same models and block, `changes` (e.g. another
         max_batch_size or max_seq_len) applied; caches of its own."""
         settings = dict(max_batch_size=self.max_batch_size, max_seq_len=self.max_seq_len, block_size=self.block_size,
-                        draft_window=self.draft_window, prefill_chunk=self.prefill_chunk)
+                        draft_window=self.draft_window, prefill_chunk=self.prefill_chunk,
+                        verify_width=self.verify_width)
         return type(self)(self.target, self.drafter, **{**settings, **changes})
 
     def set_oracle(self, oracle: OracleDrafts | None) -> None:
@@ -238,10 +253,15 @@ class Engine:
             tokens = [[t] for t in self._pick(greedy, hidden[:, 0], seqs)]
             self.passes.commit(inputs, 1, [1] * len(seqs))
         else:
-            out = speculative_step(self.passes, seqs, self.oracle)
+            self._start_width_policy()
+            width = self.width_policy.choose(len(seqs)) if self.width_policy else self.block_size
+            out = speculative_step(self.passes, seqs, self.oracle, width)
+            if self.width_policy:
+                self.width_policy.update(out.accepted, width)
             tokens = out.tokens
             for s, a in zip(seqs, out.accepted):
                 s.stats.verify_steps += 1
+                s.stats.verified_drafts += width - 1
                 s.stats.acceptance_lengths.append(a + 1)
         events = []
         for s, new in zip(seqs, tokens):
@@ -287,6 +307,15 @@ def check_draft_window(window: int, block_size: int) -> None:
     if window and window < block_size:
         raise ConfigError(f"draft_window_size = {window} must be 0 (no window) or at least the block size "
                           f"({block_size})")
+
+
+def check_verify_width(verify_width: str, graphed: bool | None = None) -> None:
+    """`graphed`: whether the engine's passes are CUDA graphs (None: not known yet, a build)."""
+    if verify_width not in VERIFY_WIDTHS:
+        raise ConfigError(f"verify_width must be one of {', '.join(VERIFY_WIDTHS)}, got {verify_width!r}")
+    if verify_width == "adaptive" and graphed is False:
+        raise ConfigError("verify_width = 'adaptive' needs CUDA graphs (a CUDA device with the plugins built): it "
+                          "chooses from step times measured on them")
 
 
 def check_prefill_chunk(chunk: int) -> None:

@@ -94,16 +94,20 @@ class DecodePasses:
         block[:, 1:] = self.drafter.propose(hidden[:, 1:])
         return block
 
-    def verify(self, x: StepInputs, block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One causal target pass over the block -> (hidden [bs, B, H], accepted [bs], bonus [bs]),
-        greedy; the drafter's context K/V of all B rows is cached on the way.
+    def verify(self, x: StepInputs, block: torch.Tensor,
+               width: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One causal target pass over the block's first `width` tokens (default: all B) ->
+        (hidden [bs, width, H], accepted [bs], bonus [bs]), greedy; the drafter's context K/V
+        of those rows is cached on the way.
 
         Rows past the accepted prefix land beyond the committed length in both caches and are
         overwritten by the next step before anything reads them (see kv_cache.py).
         """
-        batch = self._batch(x, self.block_size)
+        width = width or self.block_size
+        batch = self._batch(x, width)
         # a block of other rows (e.g. a draft graph's, padded to its bucket) would index past them
         assert block.shape == (batch.size, self.block_size), f"block {tuple(block.shape)} for {batch.size} rows"
+        block = block[:, :width].contiguous() if width < self.block_size else block
         hidden, tapped = self.target(block, batch, self.target_cache, self.taps)
         choice = self.target.lm_head.argmax(hidden)
         accepted = accepted_length(block[:, 1:], choice[:, :-1])
@@ -135,7 +139,8 @@ class GraphedPasses(DecodePasses):
         self.buckets = [b for b in (1, 2, 4, 8, 16, 24, 32, 48) if b < max_batch_size] + [max_batch_size]
         self.scratch_slot = self.target_cache.k.shape[1] - 1
         self._pool = torch.cuda.graph_pool_handle()
-        self._graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, StepInputs, object]] = {}
+        # (pass, bucket, verify width or 0) -> (graph, its static inputs, its outputs)
+        self._graphs: dict[tuple[str, int, int], tuple[torch.cuda.CUDAGraph, StepInputs, object]] = {}
         self._kept: dict[int, torch.Tensor] = {}  # per bucket: the commit graph's kept counts
 
     def bucket(self, n: int) -> int:
@@ -151,15 +156,37 @@ class GraphedPasses(DecodePasses):
         rows[1:, n:] = 0
         return rows
 
-    def capture_all(self) -> None:
+    def capture_all(self, widths: tuple[int, ...] = ()) -> None:
         """Capture every bucket's graphs now (a capture costs about one eager pass), so no
-        request waits for one later. Padding rows write only the scratch slot."""
+        request waits for one later: the verify (and a hybrid's commit) at the whole block
+        and at each of `widths`. Padding rows write only the scratch slot."""
         for size in self.buckets:
             x = StepInputs(self._pad(torch.empty((3, size), dtype=torch.long, device=self.device), 0), size)
             self.ar(x)
             if self.drafter is not None:
-                self.verify(x, self.draft(x))
-                self.commit(x, self.block_size, [1] * size)
+                block = self.draft(x)
+                for width in sorted({self.block_size, *widths}):
+                    self.verify(x, block, width)
+                    self.commit(x, width, [1] * size)
+
+    def step_ms(self, widths: tuple[int, ...], reps: int = 10) -> dict[int, dict[int, float]]:
+        """Per bucket and verify width: a DFlash step's pass time (draft + verify + commit) in
+        ms, from replays on padding rows (they write only the scratch slot)."""
+        self.capture_all(widths)
+        times: dict[int, dict[int, float]] = {}
+        for size in self.buckets:
+            x = StepInputs(self._pad(torch.empty((3, size), dtype=torch.long, device=self.device), 0), size)
+            times[size] = {}
+            for width in widths:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(reps):
+                    self.verify(x, self.draft(x), width)
+                    self.commit(x, width, [1] * size)
+                end.record()
+                end.synchronize()
+                times[size][width] = start.elapsed_time(end) / reps
+        return times
 
     def ar(self, x: StepInputs):
         hidden, token = self._replay("ar", x, lambda s: DecodePasses.ar(self, s))
@@ -168,31 +195,33 @@ class GraphedPasses(DecodePasses):
     def draft(self, x: StepInputs) -> torch.Tensor:
         return self._replay("draft", x, lambda s: DecodePasses.draft(self, s))[: x.size]
 
-    def verify(self, x: StepInputs, block: torch.Tensor):
+    def verify(self, x: StepInputs, block: torch.Tensor, width: int | None = None):
         # The block is the draft graph's output buffer: verify reads it in place.
+        width = width or self.block_size
         b = self.bucket(x.size)
-        static_block = self._graphs[("draft", b)][2]
+        static_block = self._graphs[("draft", b, 0)][2]
         assert block.data_ptr() == static_block.data_ptr(), "verify expects the draft graph's block"
-        hidden, accepted, bonus = self._replay("verify", x, lambda s: DecodePasses.verify(self, s, static_block))
+        hidden, accepted, bonus = self._replay("verify", x, lambda s: DecodePasses.verify(self, s, static_block, width),
+                                               width)
         return hidden[: x.size], accepted[: x.size], bonus[: x.size]
 
     def commit(self, x: StepInputs, width: int, num_committed: list[int]) -> None:
         """A hybrid target's commit after a verify (a replay of the kept tokens, one kernel per
-        linear layer) runs as a graph too: eagerly, launching it cost more than its work at
-        batch 1. The kept counts go to a static buffer; padding rows (on the scratch slot)
-        keep whatever valid count it holds. Everything else commits eagerly (nothing, or an
-        in-place AR step)."""
-        if not self.target.stateful or width != self.block_size:
+        linear layer) runs as a graph too, one per verify width: eagerly, launching it cost
+        more than its work at batch 1. The kept counts go to a static buffer; padding rows (on
+        the scratch slot) keep whatever valid count it holds. Everything else commits eagerly
+        (nothing, or an in-place AR step)."""
+        if not self.target.stateful or width == 1:
             return super().commit(x, width, num_committed)
         b = self.bucket(x.size)
         if b not in self._kept:
             self._kept[b] = torch.ones(b, dtype=torch.long, device=self.device)
         kept = self._kept[b]
         kept[: x.size].copy_(torch.tensor(num_committed))
-        self._replay("commit", x, lambda s: self.target.commit(self.target_cache, self._batch(s, width), kept))
+        self._replay("commit", x, lambda s: self.target.commit(self.target_cache, self._batch(s, width), kept), width)
 
-    def _replay(self, name: str, x: StepInputs, fn):
-        key = (name, self.bucket(x.size))
+    def _replay(self, name: str, x: StepInputs, fn, width: int = 0):
+        key = (name, self.bucket(x.size), width)
         if key not in self._graphs:
             self._graphs[key] = self._capture(key[1], fn)
         graph, static_in, outputs = self._graphs[key]

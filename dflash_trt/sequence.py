@@ -15,6 +15,7 @@ class RequestStats:
     prompt_tokens: int
     output_tokens: int = 0
     verify_steps: int = 0
+    verified_drafts: int = 0  # drafts the target verified: block - 1 per step, fewer at a narrower width
     # Per verify step: accepted drafts + 1 bonus (1..B), counted before any stop cut-off.
     acceptance_lengths: list[int] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.perf_counter)
@@ -25,6 +26,11 @@ class RequestStats:
     def mean_acceptance_length(self) -> float:
         """τ: tokens produced per verify step (0 when no verify step ran, e.g. in AR mode)."""
         return sum(self.acceptance_lengths) / len(self.acceptance_lengths) if self.acceptance_lengths else 0.0
+
+    @property
+    def mean_verify_width(self) -> float:
+        """Tokens per verify (the bonus and the drafts verified; 0 without verify steps)."""
+        return 1 + self.verified_drafts / self.verify_steps if self.verify_steps else 0.0
 
     def acceptance_histogram(self, block_size: int) -> list[int]:
         """counts[k - 1] = number of verify steps that produced k tokens, k = 1..block_size."""

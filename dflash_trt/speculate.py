@@ -59,9 +59,9 @@ class OracleDrafts:
                  forced: bool = False):
         self.references, self.num_correct, self.forced = references, num_correct, forced
 
-    def apply(self, seqs: list[Sequence], drafts: torch.Tensor) -> list[tuple[int, int | None]]:
+    def apply(self, seqs: list[Sequence], drafts: torch.Tensor) -> list[tuple[int, list[int]]]:
         """drafts [bs, B-1], edited in place (one copy to the device); draft j of a row fills
-        output index len(output)-1+j. Returns per row (k, the reference token after them)."""
+        output index len(output)-1+j. Returns per row (k, the reference from there on)."""
         values = torch.zeros(drafts.shape, dtype=drafts.dtype)
         replace = torch.zeros(drafts.shape, dtype=torch.bool)
         plans = []
@@ -73,18 +73,20 @@ class OracleDrafts:
             k = max(k, 0)
             values[row, :k] = torch.tensor(known[:k], dtype=drafts.dtype)
             replace[row, :k] = True
-            plans.append((k, known[k] if k < len(known) else None))
+            plans.append((k, known[: drafts.shape[1] + 1]))
         dev = drafts.device
         drafts.copy_(torch.where(replace.to(dev, non_blocking=True), values.to(dev, non_blocking=True), drafts))
         return plans
 
-    def settle(self, seqs: list[Sequence], plans, accepted: list[int], bonus: list[int]) -> None:
-        """Forced mode: greedy rows take the planned outcome (in place)."""
+    def settle(self, seqs: list[Sequence], plans, accepted: list[int], bonus: list[int], width: int) -> None:
+        """Forced mode: greedy rows take the planned outcome (in place), cut to the drafts a
+        verify of `width` tokens could accept."""
         if not self.forced:
             return
-        for i, (seq, (k, next_token)) in enumerate(zip(seqs, plans)):
-            if seq.params.greedy and next_token is not None:
-                accepted[i], bonus[i] = k, next_token
+        for i, (seq, (k, known)) in enumerate(zip(seqs, plans)):
+            k = min(k, width - 1)
+            if seq.params.greedy and k < len(known):
+                accepted[i], bonus[i] = k, known[k]
 
 
 @dataclass(frozen=True)
@@ -93,8 +95,14 @@ class StepOutput:
     accepted: list[int]  # drafts accepted per row (the acceptance length is this + 1)
 
 
-def speculative_step(passes, seqs: list[Sequence], oracle: OracleDrafts | None = None) -> StepOutput:
-    """draft -> verify -> accept -> commit for the running sequences (`passes`: graphs.DecodePasses)."""
+def speculative_step(passes, seqs: list[Sequence], oracle: OracleDrafts | None = None,
+                     width: int | None = None) -> StepOutput:
+    """draft -> verify -> accept -> commit for the running sequences (`passes`: graphs.DecodePasses).
+
+    `width` (default: the block): how many tokens of the block the target verifies, the
+    bonus token and width - 1 drafts. Fewer drafts can only be accepted less far, and every
+    acceptance rule still holds, so any width is lossless (verify_width.py chooses it)."""
+    width = width or passes.block_size
     inputs = passes.inputs(seqs)
 
     # draft
@@ -102,19 +110,19 @@ def speculative_step(passes, seqs: list[Sequence], oracle: OracleDrafts | None =
     plans = oracle.apply(seqs, block[:, 1:]) if oracle is not None else None
 
     # verify
-    hidden, accepted, bonus = passes.verify(inputs, block)
+    hidden, accepted, bonus = passes.verify(inputs, block, width)
 
     # accept: the step's one host sync; sampled rows redo acceptance with the lossless rule
-    rows = torch.cat([block[:, 1:], accepted[:, None], bonus[:, None]], dim=1).tolist()
+    rows = torch.cat([block[:, 1:width], accepted[:, None], bonus[:, None]], dim=1).tolist()
     drafts, accepted, bonus = [r[:-2] for r in rows], [r[-2] for r in rows], [r[-1] for r in rows]
     for i, seq in enumerate(seqs):
         if not seq.params.greedy:
             dist = passes.target.lm_head.distribution(hidden[i], seq.params)
-            accepted[i], bonus[i] = speculative_sample(dist, block[i, 1:], seq.generator)
+            accepted[i], bonus[i] = speculative_sample(dist, block[i, 1:width], seq.generator)
     if plans is not None:
-        oracle.settle(seqs, plans, accepted, bonus)
+        oracle.settle(seqs, plans, accepted, bonus, width)
 
     # commit: the target keeps the accepted prefix + bonus row (by length; a target with
     # recurrent state also restores that state); the engine advances num_cached
-    passes.commit(inputs, block.shape[1], [a + 1 for a in accepted])
+    passes.commit(inputs, width, [a + 1 for a in accepted])
     return StepOutput([drafts[i][:a] + [bonus[i]] for i, a in enumerate(accepted)], accepted)

@@ -44,11 +44,17 @@ def test_oracle_edits_only_the_first_k_drafts():
     drafts = torch.full((2, 4), -1)
     plans = oracle.apply(seqs, drafts)
     assert drafts.tolist() == [[20, 21, 22, -1], [30, -1, -1, -1]]
-    assert plans == [(3, 23), (1, None)]
+    assert plans == [(3, [20, 21, 22, 23]), (1, [30])]  # k, and the reference from the first draft on
     forced = OracleDrafts(oracle.references, lambda seq: 3, forced=True)
     drafts = torch.full((2, 4), -1)
-    assert forced.apply(seqs, drafts) == [(3, 23), (0, 30)]  # the reference's last token is the bonus
+    plans = forced.apply(seqs, drafts)
+    assert plans == [(3, [20, 21, 22, 23]), (0, [30])]  # the reference's last token is the bonus
     assert drafts.tolist() == [[20, 21, 22, -1], [-1, -1, -1, -1]]
+    accepted, bonus = [0, 0], [0, 0]
+    forced.settle(seqs, plans, accepted, bonus, width=5)
+    assert (accepted, bonus) == ([3, 0], [23, 30])
+    forced.settle(seqs, plans, accepted, bonus, width=3)  # a narrower verify accepts at most 2
+    assert (accepted, bonus) == ([2, 0], [22, 30])
 
 
 def test_forced_oracle_ends_with_a_short_reference_s_stop_token(make_pair, no_tokenizer):

@@ -103,11 +103,13 @@ def test_word_lists_round_trip_through_the_tensorrt_llm_format(words):
 
 
 def test_perf_metrics_count_drafted_and_accepted_tokens():
-    stats = RequestStats(prompt_tokens=5, verify_steps=3, acceptance_lengths=[1, 4, 8])
+    # three verify steps of 8, 4 and 8 tokens (an adaptive width): 7 + 3 + 7 drafts verified
+    stats = RequestStats(prompt_tokens=5, verify_steps=3, verified_drafts=17, acceptance_lengths=[1, 4, 8])
     assert perf_metrics(stats, block_size=8, num_output_tokens=13) == {
-        p.ACCEPTANCE_RATE: 10 / 21, p.TOTAL_ACCEPTED_DRAFT_TOKENS: 10, p.TOTAL_DRAFT_TOKENS: 21,
+        p.ACCEPTANCE_RATE: 10 / 17, p.TOTAL_ACCEPTED_DRAFT_TOKENS: 10, p.TOTAL_DRAFT_TOKENS: 17,
         p.NUM_INPUT_TOKENS: 5, p.NUM_OUTPUT_TOKENS: 13, p.MEAN_ACCEPTANCE_LENGTH: 13 / 3,
     }
+    assert stats.mean_verify_width == 1 + 17 / 3
 
 
 def test_postprocess_maps_text_and_present_metrics_onto_its_outputs():

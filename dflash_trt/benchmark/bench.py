@@ -72,6 +72,7 @@ class BenchRow:
     ttft_p99_s: float
     identical_share: float | None  # requests whose DFlash output equals AR's (None: forced oracle)
     num_prompts: int
+    verify_width: float = 0.0  # tokens per verify, the mean over steps (the block unless adaptive)
 
     @property
     def decode_speedup(self) -> float:
@@ -95,23 +96,42 @@ class _Run:
         return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
 
 
-def mode_label(oracle_tau: float | None) -> str:
-    return "real acceptance" if oracle_tau is None else f"oracle τ={oracle_tau:g}"
+def mode_label(oracle_tau: float | None, oracle_dist: str = "two-point") -> str:
+    if oracle_tau is None:
+        return "real acceptance"
+    return f"oracle τ={oracle_tau:g}" + ("" if oracle_dist == "two-point" else f" ({oracle_dist})")
+
+
+ORACLE_DISTS = ("two-point", "geometric")
 
 
 class OracleNumCorrect:
-    """Draw k (correct drafts per verify step) with mean oracle_tau - 1, k in 0..block_size-1.
-    A class, not a closure: a tensor-parallel leader sends it to the other ranks (pickled)."""
+    """Draw k (correct drafts per verify step) with mean oracle_tau - 1, k in 0..block_size-1:
+    "two-point", the integers around the mean; "geometric", each draft correct with one rate
+    r (independently, until the first wrong one), r solved so that 1 + E[k] = τ: the long
+    tail of real acceptance, which a narrower verify gives up. A class, not a closure: a
+    tensor-parallel leader sends it to the other ranks (pickled)."""
 
-    def __init__(self, oracle_tau: float, block_size: int, seed: int = 0):
+    def __init__(self, oracle_tau: float, block_size: int, seed: int = 0, dist: str = "two-point"):
         if not 1 <= oracle_tau <= block_size:
             raise ConfigError(f"oracle τ must be between 1 and the block size {block_size}, got {oracle_tau:g}")
-        mean = oracle_tau - 1
+        if dist not in ORACLE_DISTS:
+            raise ConfigError(f"oracle distribution must be one of {', '.join(ORACLE_DISTS)}, got {dist!r}")
+        mean, self.dist, self.block_size = oracle_tau - 1, dist, block_size
         self.low = min(math.floor(mean), block_size - 1)
         self.p_high = mean - self.low  # P(k = low + 1)
+        lo, hi = 0.0, 1.0  # E[k] = sum of r^j, j = 1..B-1, rises with r: bisect
+        for _ in range(60):
+            self.rate = (lo + hi) / 2
+            lo, hi = (self.rate, hi) if sum(self.rate**j for j in range(1, block_size)) < mean else (lo, self.rate)
         self.rng = random.Random(seed)
 
     def __call__(self, seq) -> int:
+        if self.dist == "geometric":
+            k = 0
+            while k < self.block_size - 1 and self.rng.random() < self.rate:
+                k += 1
+            return k
         return self.low + 1 if self.rng.random() < self.p_high else self.low
 
 
@@ -161,11 +181,12 @@ def run_bench(loaded_engine, prompts: Sequence[str], *, dataset: str = "custom",
               concurrencies: Sequence[int] = DEFAULT_CONCURRENCIES, max_tokens: int = 256, chat: bool = True,
               thinking: bool = False, oracle_tau: float | None = None, seed: int = 0,
               progress: Progress | None = None, ar_outputs: dict | None = None,
-              prefill_chunk: int | None = None) -> list[BenchRow]:
+              prefill_chunk: int | None = None, verify_width: str | None = None,
+              oracle_dist: str = "two-point") -> list[BenchRow]:
     """One BenchRow per concurrency: AR then DFlash over `prompts` (greedy, see the module doc).
 
     `ar_outputs`, when given, is filled with {concurrency: AR output ids per prompt};
-    `prefill_chunk`, when given, overrides the engine's."""
+    `prefill_chunk` and `verify_width`, when given, override the engine's."""
     base, tok = loaded_engine.engine, loaded_engine.tokenizer
     if base.drafter is None:
         raise ConfigError("the benchmark needs an engine with a drafter")
@@ -173,7 +194,7 @@ def run_bench(loaded_engine, prompts: Sequence[str], *, dataset: str = "custom",
         raise ConfigError("no prompts to benchmark")
     if not concurrencies or any(int(c) < 1 for c in concurrencies):
         raise ConfigError(f"concurrencies must be ints >= 1, got {list(concurrencies)}")
-    num_correct = OracleNumCorrect(oracle_tau, base.block_size, seed) if oracle_tau is not None else None
+    num_correct = OracleNumCorrect(oracle_tau, base.block_size, seed, oracle_dist) if oracle_tau is not None else None
     prompt_ids = encode_prompts(tok, prompts, chat=chat, thinking=thinking)
     params = SamplingParams(max_tokens=max_tokens, stop_token_ids=tuple(tok.stop_token_ids))
     need = max(len(p) for p in prompt_ids) + max_tokens
@@ -181,10 +202,10 @@ def run_bench(loaded_engine, prompts: Sequence[str], *, dataset: str = "custom",
         raise ConfigError(f"the longest prompt ({need - max_tokens} tokens) + max_tokens ({max_tokens}) exceeds the "
                           f"engine's max_seq_len = {base.max_seq_len}")
 
-    chunk = {} if prefill_chunk is None else {"prefill_chunk": prefill_chunk}
+    overrides = {k: v for k, v in (("prefill_chunk", prefill_chunk), ("verify_width", verify_width)) if v is not None}
 
     def new_engine(c: int) -> Engine:
-        engine = base.sibling(max_batch_size=c, max_seq_len=need, **chunk)
+        engine = base.sibling(max_batch_size=c, max_seq_len=need, **overrides)
         engine.warm_up()  # CUDA graph captures stay out of the timings
         return engine
 
@@ -193,7 +214,7 @@ def run_bench(loaded_engine, prompts: Sequence[str], *, dataset: str = "custom",
         warm.generate(prompt_ids[:1], SamplingParams(max_tokens=min(8, max_tokens), ignore_eos=True), mode=mode)
     del warm
 
-    label, rows = mode_label(oracle_tau), []
+    label, rows = mode_label(oracle_tau, oracle_dist), []
     for c in concurrencies:
         c = int(c)
         engine = new_engine(c)
@@ -224,9 +245,11 @@ def run_bench(loaded_engine, prompts: Sequence[str], *, dataset: str = "custom",
             identical_share=(sum(a == d for a, d in zip(ar.outputs, df.outputs)) / len(prompt_ids)
                              if num_correct is None else None),
             num_prompts=len(prompt_ids),
+            verify_width=(sum(s.verified_drafts + s.verify_steps for s in df.stats) / steps if steps else 0.0),
         ))
         if progress:
-            progress(0, f"{dataset} c={c} DFlash: {df.tok_s:.1f} tok/s, τ {tau_steps:.2f} ({label})")
+            progress(0, f"{dataset} c={c} DFlash: {df.tok_s:.1f} tok/s, τ {tau_steps:.2f}, verify width "
+                        f"{rows[-1].verify_width:.2f} ({label})")
     return rows
 
 
@@ -234,14 +257,14 @@ def format_table(rows: Sequence[BenchRow]) -> str:
     """A markdown table shaped like the DFlash model cards' (end-to-end first, then decode-only)."""
     header = ["Dataset", "Concurrency", "AR tok/s", "DFlash tok/s", "Speedup", "τ",
               "AR decode tok/s", "DFlash decode tok/s", "Decode speedup", "TTFT p50 / p99 (ms)",
-              "Identical", "Prompts", "Mode"]
+              "Identical", "Prompts", "Verify width", "Mode"]
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     for r in rows:
         cells = [r.dataset, str(r.concurrency), f"{r.ar_tok_s:.1f}", f"{r.dflash_tok_s:.1f}", f"{r.speedup:.2f}x",
                  f"{r.tau_steps:.2f}", f"{r.ar_decode_tok_s:.1f}", f"{r.dflash_decode_tok_s:.1f}",
                  f"{r.decode_speedup:.2f}x", f"{r.ttft_p50_s * 1e3:.1f} / {r.ttft_p99_s * 1e3:.1f}",
                  "n/a" if r.identical_share is None else f"{r.identical_share:.0%}", str(r.num_prompts),
-                 r.mode_label]
+                 f"{r.verify_width:.2f}", r.mode_label]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -328,7 +351,8 @@ def run_report(loaded_engine, datasets: Sequence[str], *, urls: Sequence[str] = 
                concurrencies: Sequence[int] = DEFAULT_CONCURRENCIES, num_prompts: int = 32, max_tokens: int = 256,
                chat: bool = True, thinking: bool = False, oracle_tau: float | None = None,
                compare_transformers: bool = False, progress: Progress | None = None,
-               prefill_chunk: int | None = None, stall_prompt: int = 0) -> Report:
+               prefill_chunk: int | None = None, stall_prompt: int = 0, verify_width: str | None = None,
+               oracle_dist: str = "two-point") -> Report:
     """Per dataset: in-process rows (with an engine), the transformers row (if asked), and rows
     through each server URL (Triton's gRPC host:port, or the OpenAI API's http:// address), all
     over the same prompts. `stall_prompt` N > 0 runs prefill_stall.py's test instead (a prompt of
@@ -352,7 +376,8 @@ def run_report(loaded_engine, datasets: Sequence[str], *, urls: Sequence[str] = 
         if loaded_engine is not None:
             rows = run_bench(loaded_engine, prompts, dataset=label, concurrencies=concurrencies,
                              max_tokens=max_tokens, chat=chat, thinking=thinking, oracle_tau=oracle_tau,
-                             progress=progress, ar_outputs=ar_outputs, prefill_chunk=prefill_chunk)
+                             progress=progress, ar_outputs=ar_outputs, prefill_chunk=prefill_chunk,
+                             verify_width=verify_width, oracle_dist=oracle_dist)
             report.rows += rows
         if hf_model is not None:
             at_1 = next((r for r in rows if r.concurrency == 1), None)

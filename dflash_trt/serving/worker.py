@@ -65,9 +65,10 @@ def stop_cut(output: list[int], new: list[int], stop_words: tuple[tuple[int, ...
 def perf_metrics(stats, block_size: int, num_output_tokens: int) -> dict[str, float | int]:
     """Speculation statistics of one request, under the ensemble's output names.
 
-    Each verify step drafts block_size - 1 tokens; acceptance_lengths holds accepted + 1."""
+    A verify step checks block_size - 1 drafts (fewer at an adaptive width: verified_drafts);
+    acceptance_lengths holds accepted + 1."""
     accepted = sum(length - 1 for length in stats.acceptance_lengths)
-    drafted = stats.verify_steps * (block_size - 1)
+    drafted = stats.verified_drafts
     return {
         p.ACCEPTANCE_RATE: accepted / drafted if drafted else 0.0,
         p.TOTAL_ACCEPTED_DRAFT_TOKENS: accepted,
