@@ -19,8 +19,6 @@ the traffic.
 
 from __future__ import annotations
 
-import torch
-
 EXPLORE = 16  # every this many steps, the whole block (rates past the chosen width stay fresh)
 DECAY = 0.995  # per step, on the acceptance counts
 PRIOR = 1.0  # pseudo-counts of one acceptance per position: unseen positions look promising
@@ -40,17 +38,25 @@ class VerifyWidth:
         for bucket, times in step_ms.items():
             missing = set(self.widths) - set(times)
             assert not missing, f"bucket {bucket} has no step time for widths {sorted(missing)}"
-        self.reached = torch.zeros(block_size, dtype=torch.float64)  # [j]: rows whose draft j was accepted
-        self.at_risk = torch.zeros(block_size, dtype=torch.float64)  # [j]: rows that could show draft j
+        # Plain floats, not tensors: this runs on the host every step, between graph replays.
+        self.reached = [0.0] * block_size  # [j]: rows whose draft j was accepted (decayed)
+        self.at_risk = [0.0] * block_size  # [j]: rows that could show draft j
         self.steps = 0
+        self._tokens = self._expected_tokens()
 
-    def survival(self) -> torch.Tensor:
+    def survival(self) -> list[float]:
         """S[j] for j = 0..B-1: the estimated probability that drafts 1..j are all accepted."""
-        rate = (self.reached[1:] + PRIOR) / (self.at_risk[1:] + PRIOR)
-        return torch.cat([torch.ones(1, dtype=torch.float64), torch.cumprod(rate, 0)])
+        out = [1.0]
+        for j in range(1, self.block_size):
+            out.append(out[-1] * (self.reached[j] + PRIOR) / (self.at_risk[j] + PRIOR))
+        return out
+
+    def _expected_tokens(self) -> dict[int, float]:
+        s = self.survival()
+        return {w: sum(s[:w]) for w in self.widths}
 
     def expected_tokens(self, width: int) -> float:
-        return float(self.survival()[:width].sum())
+        return self._tokens[width]
 
     def choose(self, num_rows: int) -> int:
         """The width for a step of num_rows rows (timed as the smallest measured batch that
@@ -60,14 +66,18 @@ class VerifyWidth:
             return self.block_size
         bucket = min((b for b in self.step_ms if b >= num_rows), default=max(self.step_ms))
         times = self.step_ms[bucket]
-        return max(self.widths, key=lambda w: self.expected_tokens(w) / times[w])
+        return max(self.widths, key=lambda w: self._tokens[w] / times[w])
 
     def update(self, accepted: list[int], width: int) -> None:
-        """A step's accepted drafts per row, verified at `width`."""
-        self.reached *= DECAY
-        self.at_risk *= DECAY
-        positions = torch.arange(self.block_size, dtype=torch.float64)
+        """A step's accepted drafts per row, verified at `width`: a row shows drafts 1..a
+        accepted and, if it was verified, draft a + 1 rejected."""
+        risk_ends, reach_ends = [0] * self.block_size, [0] * self.block_size
         for a in accepted:
-            seen = min(a + 1, width - 1)  # drafts 1..a accepted; draft a + 1 rejected, if verified
-            self.at_risk += (positions >= 1) & (positions <= seen)
-            self.reached += (positions >= 1) & (positions <= min(a, seen))
+            risk_ends[min(a + 1, width - 1)] += 1
+            reach_ends[min(a, width - 1)] += 1
+        risk = reach = 0  # rows whose run reaches position j, from the top down
+        for j in range(self.block_size - 1, 0, -1):
+            risk, reach = risk + risk_ends[j], reach + reach_ends[j]
+            self.at_risk[j] = self.at_risk[j] * DECAY + risk
+            self.reached[j] = self.reached[j] * DECAY + reach
+        self._tokens = self._expected_tokens()

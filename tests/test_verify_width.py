@@ -51,7 +51,7 @@ def test_every_explore_th_step_verifies_the_whole_block():
 def test_a_narrow_verify_informs_only_the_positions_it_shows():
     policy = VerifyWidth(16, TIMES)
     policy.update([7, 1], width=4)  # all 3 verified drafts accepted; draft 2 rejected
-    assert policy.at_risk[1:5].tolist() == [2, 2, 1, 0] and policy.reached[1:5].tolist() == [2, 1, 1, 0]
+    assert policy.at_risk[1:5] == [2, 2, 1, 0] and policy.reached[1:5] == [2, 1, 1, 0]
 
 
 class CycledWidths:
