@@ -69,9 +69,10 @@ def cli():
 @click.option("--prefill-chunk-size", type=click.IntRange(min=0),
               help="Prefill prompts at most N tokens per engine step, between the running requests' steps, so a "
                    "long prompt does not stall them (0, the default: a prompt in one pass).")
-@click.option("--verify-width", type=click.Choice(["full", "adaptive"]),
-              help="full (the default): every verify checks the whole block; adaptive: per step, the width that "
-                   "maximises expected tokens/s from step times measured at warm-up (CUDA graphs only).")
+@click.option("--verify-width", type=click.Choice(["auto", "full", "adaptive"]),
+              help="full: every verify checks the whole block; adaptive: per step, the width that maximises expected "
+                   "tokens/s from step times measured at warm-up (CUDA graphs only); auto (the default): adaptive "
+                   "where the engine runs CUDA graphs on one rank, else full.")
 @click.option("--tensor-parallel", type=click.IntRange(min=1),
               help="Shard the engine over N GPUs (N processes on the CPU); run and serve start the ranks.")
 def build(target, drafter, preset, config_file, output, force, **overrides):
@@ -450,7 +451,7 @@ def _bench_engine(output_dir, random_weights, device, draft_window, tensor_paral
 @click.option("--json", "json_file", type=click.Path(dir_okay=False, path_type=Path), help="Also write rows here.")
 @click.option("--prefill-chunk-size", type=click.IntRange(min=0),
               help="Override the engine's prefill chunk (0: a prompt in one pass; see build --help).")
-@click.option("--verify-width", type=click.Choice(["full", "adaptive"]),
+@click.option("--verify-width", type=click.Choice(["auto", "full", "adaptive"]),
               help="Override the engine's verify width (see build --help).")
 @click.option("--oracle-dist", type=click.Choice(["two-point", "geometric"]), default="two-point", show_default=True,
               help="How --oracle-tau draws the correct drafts per step: the two integers around τ - 1, or i.i.d. "

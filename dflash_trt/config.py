@@ -602,8 +602,9 @@ class BuildConfig:
     # running requests' steps (0: a prompt in one pass); see engine.py
     prefill_chunk_size: int = 0
     # "full": every verify checks the whole block; "adaptive": per step, the width that
-    # maximises expected tokens per second (verify_width.py; needs CUDA graphs)
-    verify_width: str = "full"
+    # maximises expected tokens per second (verify_width.py; needs CUDA graphs); "auto":
+    # adaptive where the engine runs CUDA graphs on one rank, else full
+    verify_width: str = "auto"
     tensor_parallel: int = 1  # ranks (GPUs, or CPU processes) the engine is sharded over
     # text_input bytes preprocessing accepts before tokenizing; 0: what max_input_len tokens
     # can be at most (serving.text.max_text_bytes)
@@ -627,8 +628,8 @@ class BuildConfig:
         if not isinstance(self.prefill_chunk_size, int) or self.prefill_chunk_size < 0:
             problems.append(f"prefill_chunk_size must be 0 (a prompt in one pass) or an int > 0, got "
                             f"{self.prefill_chunk_size!r}")
-        if self.verify_width not in ("full", "adaptive"):
-            problems.append(f"verify_width must be full or adaptive, got {self.verify_width!r}")
+        if self.verify_width not in ("full", "adaptive", "auto"):
+            problems.append(f"verify_width must be full, adaptive or auto, got {self.verify_width!r}")
         elif self.verify_width == "adaptive" and self.tensor_parallel > 1:
             problems.append("verify_width = adaptive with tensor_parallel > 1 is not supported yet (every rank would "
                             "have to choose the same width)")

@@ -31,7 +31,8 @@ from dflash_trt.speculate import OracleDrafts, speculative_step
 from dflash_trt.verify_width import VerifyWidth, candidate_widths
 
 MODES = ("ar", "dflash")
-VERIFY_WIDTHS = ("full", "adaptive")  # the whole block every step, or verify_width.py's choice
+# the whole block every step; verify_width.py's choice; adaptive where CUDA graphs run, else full
+VERIFY_WIDTHS = ("full", "adaptive", "auto")
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,7 @@ class Engine:
         use_graphs = cuda_graphs and graphs_supported(target, self.device)
         self.passes = GraphedPasses(*passes, max_batch_size=max_batch_size) if use_graphs else DecodePasses(*passes)
         check_verify_width(verify_width, graphed=use_graphs)
-        self.verify_width = verify_width
+        self.verify_width = ("adaptive" if use_graphs else "full") if verify_width == "auto" else verify_width
         # chooses each step's verify width from step times measured on the graphs (at warm-up
         # or the first step); tests may set one with step times of their own
         self.width_policy: VerifyWidth | None = None

@@ -114,8 +114,9 @@ def test_adaptive_width_needs_graphs_and_one_rank_and_says_so(make_pair):
     engine = load_pair(pair.target, pair.drafter, max_seq_len=32)
     with pytest.raises(ConfigError, match="verify_width = 'adaptive' needs CUDA graphs"):
         engine.sibling(verify_width="adaptive")
-    with pytest.raises(ConfigError, match="verify_width must be one of full, adaptive, got 'wide'"):
+    with pytest.raises(ConfigError, match="verify_width must be one of full, adaptive, auto, got 'wide'"):
         engine.sibling(verify_width="wide")
+    assert engine.sibling(verify_width="auto").verify_width == "full"  # auto: adaptive only on graphs
     with pytest.raises(ConfigError, match="verify_width = adaptive with tensor_parallel > 1 is not supported yet"):
         resolve_config(verify_width="adaptive", tensor_parallel=2)
 

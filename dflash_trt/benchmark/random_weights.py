@@ -161,7 +161,8 @@ def random_engine(preset: str, device: str = "cuda", dtype: torch.dtype = torch.
         sources = write_configs(Path(tmp), preset, dtype, num_layers)
         target, drafter = random_pair(sources, device, dtype, seed)
         tokenizer = Tokenizer.from_dir(sources.target)
-    engine = Engine(target, drafter, max_batch_size=max_batch_size, max_seq_len=max_seq_len, draft_window=draft_window)
+    engine = Engine(target, drafter, max_batch_size=max_batch_size, max_seq_len=max_seq_len, draft_window=draft_window,
+                    verify_width=BuildConfig.verify_width)  # a build's default
     config = BuildConfig(device=str(torch.device(device).type), dtype=str(dtype).removeprefix("torch."),
                          max_batch_size=max_batch_size, max_input_len=max(1, max_seq_len // 2),
                          draft_window_size=draft_window,
