@@ -86,16 +86,21 @@ def test_oracle_num_correct_mean_and_bounds():
         bench.OracleNumCorrect(9, 8)
 
 
-def test_cli_prints_a_table_and_writes_json(out, tmp_path):
-    report = tmp_path / "bench.json"
-    result = CliRunner().invoke(cli, ["bench", str(out), "--dataset", "humaneval", "--concurrency", "1,2",
-                                      "--num-prompts", "2", "--max-tokens", "6", "--json", str(report)])
+def bench_cli(out, report, *args) -> tuple[list[str], dict, str]:
+    """`dflash-trt bench OUT ARGS --json REPORT` that must succeed -> (its table's lines, the
+    JSON it wrote, its stderr)."""
+    result = CliRunner().invoke(cli, ["bench", str(out), *map(str, args), "--json", str(report)])
     assert result.exit_code == 0, result.output
-    table = result.stdout.strip().splitlines()
+    return result.stdout.strip().splitlines(), json.loads(report.read_text()), result.stderr
+
+
+def test_cli_prints_a_table_and_writes_json(out, tmp_path):
+    table, report, stderr = bench_cli(out, tmp_path / "bench.json", "--dataset", "humaneval", "--concurrency", "1,2",
+                                      "--num-prompts", 2, "--max-tokens", 6)
     assert table[0].startswith("| Dataset | Concurrency | AR tok/s | DFlash tok/s | Speedup | τ |")
     assert len(table) == 4 and "| humaneval | 2 |" in table[3] and "real acceptance" in table[3]
-    assert "humaneval c=1 AR" in result.stderr
-    rows = json.loads(report.read_text())["rows"]
+    assert "humaneval c=1 AR" in stderr
+    rows = report["rows"]
     assert [r["concurrency"] for r in rows] == [1, 2]
     assert all(r["ar_tok_s"] > 0 and r["dflash_tok_s"] > 0 and r["identical_share"] == 1.0 for r in rows)
 
@@ -110,15 +115,12 @@ def test_cli_rejects_bad_input(out, tmp_path):
 
 
 def test_cli_stall_prompt_prints_one_row_per_mode_and_chunk_setting(out, tmp_path):
-    report = tmp_path / "stall.json"
-    result = CliRunner().invoke(cli, ["bench", str(out), "--stall-prompt", "48", "--prefill-chunk-size", "16",
-                                      "--concurrency", "2", "--max-tokens", "64", "--json", str(report)])
-    assert result.exit_code == 0, result.output
-    table = result.stdout.strip().splitlines()
+    table, report, _ = bench_cli(out, tmp_path / "stall.json", "--stall-prompt", 48, "--prefill-chunk-size", 16,
+                                 "--concurrency", 2, "--max-tokens", 64)
     assert table[0].startswith("| Mode | Prefill chunk | Decoding requests | Long prompt |")
     assert [line.split(" | ")[:2] for line in table[2:]] == [["| ar", "none"], ["| ar", "16"], ["| dflash", "none"],
                                                             ["| dflash", "16"]]
-    rows = json.loads(report.read_text())["stall_rows"]
+    rows = report["stall_rows"]
     assert [r["deliveries"] for r in rows] == [2, 6, 2, 6]  # chunked: a gap per chunk step and request
     result = CliRunner().invoke(cli, ["bench", str(out), "--stall-prompt", "48", "--concurrency", "2"])
     assert result.exit_code == 1 and "--prefill-chunk-size N" in result.output
