@@ -229,6 +229,8 @@ def _build_into(config: BuildConfig, work: Path) -> None:
     _save_model(drafter, engine_dir / "drafter", drafter_src)
     if config.draft_vocab_size:
         _write_draft_vocab(config, target, tokenizer, engine_dir / "drafter")
+    elif drafter.vocab_ids is not None:  # the source drafter's own pruning (validated while loading it)
+        draft_vocab.write(engine_dir / "drafter", drafter.vocab_ids.tolist())
     _copy_tokenizer(target_src, engine_dir / TOKENIZER_DIR)
     _compile_plugins(config)
     record = {

@@ -75,3 +75,15 @@ def test_bad_draft_vocabularies_fail_by_name(tmp_path, make_pair, no_tokenizer):
             load_drafter(pair.drafter, load_target(pair.target))
     finally:
         (pair.drafter / "draft_vocab.json").unlink()
+
+
+def test_a_source_drafter_s_own_draft_vocabulary_is_carried_into_the_engine(make_pair, tmp_path):
+    from dflash_trt.build import run
+    from dflash_trt.config import resolve_config
+
+    pair = make_pair(seed=11)  # a pair of its own: its drafter directory gets the file
+    ids = sorted({*range(40), *load_target(pair.target).config.eos_token_ids})
+    (pair.drafter / "draft_vocab.json").write_text(json.dumps({"ids": ids}))
+    out = run(resolve_config(target=str(pair.target), drafter=str(pair.drafter), dtype="float32"), tmp_path / "o")
+    assert json.loads((out / "engine" / "drafter" / "draft_vocab.json").read_text())["ids"] == ids
+    assert load_engine(out / "engine").engine.drafter.vocab_ids.tolist() == ids
