@@ -34,9 +34,11 @@ and a watchdog that ends the leader's process, with a log line, when one of them
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import dataclasses
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -432,7 +434,10 @@ def launch_followers(engine_dir: Path, size: int, device: str, draft_window: int
     """Start ranks 1..size-1 for `engine_dir` and a watchdog over them; returns the rendezvous
     file rank 0 joins with (init). A follower that dies ends this process (exit 1); a follower
     whose leader dies gets SIGTERM (Linux parent-death signal)."""
-    rendezvous = os.path.join(tempfile.mkdtemp(prefix="dflash-trt-tp-"), "rendezvous")
+    folder = tempfile.mkdtemp(prefix="dflash-trt-tp-")
+    # the group's file store lives as long as the group: the leader removes it when it exits
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    rendezvous = os.path.join(folder, "rendezvous")
     # in a Triton stub sys.executable is the stub; its PATH starts with the serving venv's bin
     python = sys.executable if Path(sys.executable).name.startswith("python") else "python3"
     args = [str(engine_dir), str(size), rendezvous, device, "" if draft_window is None else str(draft_window)]

@@ -167,9 +167,11 @@ def builds(tmp_path_factory):
     return root
 
 
-def test_run_on_a_two_rank_engine_prints_what_the_whole_engine_prints(builds):
+def test_run_on_a_two_rank_engine_prints_what_the_whole_engine_prints(builds, tmp_path):
     args = ["Write a quicksort in Python.", "--max-tokens", 24, "--stats"]
-    whole, tp2 = dflash_trt("run", builds / "whole", *args), dflash_trt("run", builds / "tp2", *args)
+    env = {**os.environ, "TMPDIR": str(tmp_path)}  # where the ranks' rendezvous folder goes
+    whole, tp2 = dflash_trt("run", builds / "whole", *args), dflash_trt("run", builds / "tp2", *args, env=env)
+    assert list(tmp_path.glob("dflash-trt-tp-*")) == []  # removed when the leader exits
     assert whole.returncode == 0 and tp2.returncode == 0, tp2.stderr
     assert tp2.stdout == whole.stdout and tp2.stdout.strip()
     # the build's rank count is a default: the directory holds whole weights
