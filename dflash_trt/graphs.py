@@ -1,8 +1,9 @@
 """The decode-time passes (AR step, draft, verify), eager or replayed as CUDA graphs.
 
 Prefill has a new shape every time and runs eagerly. The decode passes have a fixed shape
-per batch size, so on CUDA each is captured once per batch-size bucket and replayed: a
-replay is one launch instead of thousands, which is most of the step time at small batch.
+per batch size (and verify width), so on CUDA each is captured once per batch-size bucket
+(and width) and replayed: a replay is one launch instead of thousands, which is most of the
+step time at small batch.
 Rows past the real batch size are padding: they point at a scratch cache slot (the last
 one, never given to a request) at position 0.
 
