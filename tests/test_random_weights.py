@@ -86,6 +86,12 @@ def test_a_reduced_depth_preset_keeps_its_layer_shapes_and_taps_in_range(tmp_pat
         rw.preset_spec("qwen3.5-397b-a17b", 61)
 
 
+def test_a_reduced_depth_copy_of_a_preset_with_default_taps_clamps_the_full_models_taps(tmp_path):
+    sources = rw.write_configs(tmp_path, "qwen3-8b", num_layers=4)  # taps by the formula: 1, 9, 17, 25, 33
+    config = load_target_config(sources.target)
+    assert DraftConfig.from_dir(sources.drafter, config.dims.num_hidden_layers).target_layer_ids == (1, 3)
+
+
 def test_unknown_preset_is_named():
     with pytest.raises(ConfigError, match="'qwen3-9b'.*qwen3-8b"):
         rw.preset_spec("qwen3-9b")

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from dflash_trt.config import BuildConfig, DraftConfig, check_pair
+from dflash_trt.config import BuildConfig, DraftConfig, check_pair, default_target_layer_ids
 from dflash_trt.engine import Engine
 from dflash_trt.errors import ConfigError
 from dflash_trt.fixtures.pair import PairPaths, TinyPairSpec, write_tiny_pair
@@ -105,7 +105,8 @@ def preset_spec(name: str, num_layers: int | None = None) -> TinyPairSpec:
         return spec
     if not 1 <= num_layers <= spec.num_layers:
         raise ConfigError(f"num_layers = {num_layers}: preset {name!r} has 1 to {spec.num_layers} layers")
-    taps = tuple(sorted({min(t, num_layers - 1) for t in spec.target_layer_ids}))
+    full_taps = spec.target_layer_ids or default_target_layer_ids(spec.draft_layers, spec.num_layers)
+    taps = tuple(sorted({min(t, num_layers - 1) for t in full_taps}))
     extra = dict(spec.extra_draft_config)
     if "dflash_config" in extra:
         extra["dflash_config"] = {**extra["dflash_config"], "target_layer_ids": list(taps)}
