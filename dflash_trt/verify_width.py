@@ -3,18 +3,17 @@
 A verify of w tokens (the bonus and w - 1 drafts) emits at most w tokens per row, and under
 load it costs more the wider it is: at concurrency 32 a 16-token verify is a compute-bound
 512-token pass. Any width is lossless (speculate.speculative_step), so the width is a pure
-throughput choice. Per step this picks the width w of WIDTHS that maximises
+throughput choice. Per step this picks the width w of candidate_widths that maximises
 
-    rows x E[tokens | w] / (draft + verify(w) + commit(w) time),
+    E[tokens per row | w] / (draft + verify(w) + commit(w) time of the step's batch),
 
 with the pass times measured per batch-size bucket at warm-up (graphs.GraphedPasses.step_ms)
-and E[tokens | w]
-= 1 + sum over j < w of S(j), S(j) the probability that drafts 1..j are all accepted. S is
-estimated from the running steps as a product of per-position acceptance rates: a row
-verified at width w reports on positions up to min(accepted + 1, w - 1), so narrower steps
-still inform the rates they can see; every EXPLORE-th step verifies the whole block, so the
-rates past the current width stay current. Counts decay (DECAY per step): acceptance follows
-the traffic.
+and E[tokens | w] = 1 + the sum over j < w of S(j), S(j) the probability that drafts 1..j are
+all accepted. S is estimated from the running steps as a product of per-position acceptance
+rates: a row verified at width w reports on positions up to min(accepted + 1, w - 1), so
+narrower steps still inform the rates they can see; every EXPLORE-th step verifies the whole
+block, so the rates past the current width stay current. Counts decay (DECAY per step):
+acceptance follows the traffic.
 """
 
 from __future__ import annotations
