@@ -129,3 +129,14 @@ def test_the_geometric_oracle_has_the_asked_mean_and_a_long_tail(tau):
     assert max(ks) >= min(15, round(tau) + 4)  # unlike the two-point draw, far past the mean
     two_point = OracleNumCorrect(tau, 16, seed=1)
     assert max(two_point(None) for _ in range(1000)) <= int(tau)
+
+
+def test_a_tensor_parallel_bench_refuses_an_adaptive_width(make_pair):
+    from dflash_trt.benchmark.bench import run_bench
+    from dflash_trt.config import BuildConfig
+    from dflash_trt.loading import LoadedEngine
+
+    pair = make_pair(tokenizer_tokens=None, vocab_size=512)
+    loaded = LoadedEngine(load_pair(pair.target, pair.drafter, max_seq_len=32), None, BuildConfig(tensor_parallel=2))
+    with pytest.raises(ConfigError, match="verify_width = adaptive with tensor parallelism is not supported yet"):
+        run_bench(loaded, ["a prompt"], verify_width="adaptive")

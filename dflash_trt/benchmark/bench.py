@@ -194,6 +194,11 @@ def run_bench(loaded_engine, prompts: Sequence[str], *, dataset: str = "custom",
         raise ConfigError("no prompts to benchmark")
     if not concurrencies or any(int(c) < 1 for c in concurrencies):
         raise ConfigError(f"concurrencies must be ints >= 1, got {list(concurrencies)}")
+    if verify_width and verify_width != "full" and loaded_engine.config.tensor_parallel > 1:
+        # ranks would time their own steps and choose apart (loading.load_engine does the same)
+        if verify_width == "adaptive":
+            raise ConfigError("verify_width = adaptive with tensor parallelism is not supported yet")
+        verify_width = "full"
     num_correct = OracleNumCorrect(oracle_tau, base.block_size, seed, oracle_dist) if oracle_tau is not None else None
     prompt_ids = encode_prompts(tok, prompts, chat=chat, thinking=thinking)
     params = SamplingParams(max_tokens=max_tokens, stop_token_ids=tuple(tok.stop_token_ids))
