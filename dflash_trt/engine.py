@@ -91,8 +91,11 @@ class Engine:
         passes = (self.target, self.drafter, self.target_cache, self.draft_cache, self.taps, self.block_size)
         use_graphs = cuda_graphs and graphs_supported(target, self.device)
         self.passes = GraphedPasses(*passes, max_batch_size=max_batch_size) if use_graphs else DecodePasses(*passes)
-        check_verify_width(verify_width, graphed=use_graphs)
-        self.verify_width = ("adaptive" if use_graphs else "full") if verify_width == "auto" else verify_width
+        # ranks of a tensor-parallel target would time their own steps and choose apart
+        one_rank = getattr(target, "tensor_parallel", 1) == 1
+        check_verify_width(verify_width, graphed=use_graphs, one_rank=one_rank)
+        auto = "adaptive" if use_graphs and one_rank else "full"
+        self.verify_width = auto if verify_width == "auto" else verify_width
         # chooses each step's verify width from step times measured on the graphs (at warm-up
         # or the first step); tests may set one with step times of their own
         self.width_policy: VerifyWidth | None = None
@@ -310,10 +313,13 @@ def check_draft_window(window: int, block_size: int) -> None:
                           f"({block_size})")
 
 
-def check_verify_width(verify_width: str, graphed: bool | None = None) -> None:
+def check_verify_width(verify_width: str, graphed: bool | None = None, one_rank: bool = True) -> None:
     """`graphed`: whether the engine's passes are CUDA graphs (None: not known yet, a build)."""
     if verify_width not in VERIFY_WIDTHS:
         raise ConfigError(f"verify_width must be one of {', '.join(VERIFY_WIDTHS)}, got {verify_width!r}")
+    if verify_width == "adaptive" and not one_rank:
+        raise ConfigError("verify_width = adaptive with tensor parallelism is not supported yet (every rank would "
+                          "have to choose the same width)")
     if verify_width == "adaptive" and graphed is False:
         raise ConfigError("verify_width = 'adaptive' needs CUDA graphs (a CUDA device with the plugins built): it "
                           "chooses from step times measured on them")

@@ -158,7 +158,5 @@ def load_engine(engine_dir: Path, device: str | None = None, draft_window: int |
     drafter = load_drafter(engine_dir / "drafter", target, device, torch_dtype(config), group)
     engine = engine_class(target, drafter, max_batch_size=config.max_batch_size, max_seq_len=config.max_seq_len,
                           block_size=record["block_size"], draft_window=config.draft_window_size,
-                          prefill_chunk=config.prefill_chunk_size,
-                          # ranks would time their own steps and choose apart: one width for all
-                          verify_width=config.verify_width if config.tensor_parallel == 1 else "full")
+                          prefill_chunk=config.prefill_chunk_size, verify_width=config.verify_width)
     return LoadedEngine(engine, Tokenizer.from_dir(engine_dir / TOKENIZER_DIR), config)

@@ -100,6 +100,7 @@ def plan(model: nn.Module, g: Group) -> dict[str, Cut]:
         cuts["model.embed_tokens.weight"] = model.model.embed_tokens.cut
         cuts["lm_head.weight"] = _plan_lm_head(model.lm_head, g)
     model.config = dataclasses.replace(model.config, **local)
+    model.tensor_parallel = g.size  # what an engine over it may not do alone (engine.check_verify_width)
     return cuts
 
 

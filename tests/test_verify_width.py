@@ -134,9 +134,16 @@ def test_the_geometric_oracle_has_the_asked_mean_and_a_long_tail(tau):
 def test_a_tensor_parallel_bench_refuses_an_adaptive_width(make_pair):
     from dflash_trt.benchmark.bench import run_bench
     from dflash_trt.config import BuildConfig
-    from dflash_trt.loading import LoadedEngine
+    from dflash_trt.engine import Engine
+    from dflash_trt.loading import LoadedEngine, load_drafter, load_target
+    from dflash_trt.parallel import Group
+    from dflash_trt.tokenizer import Tokenizer
 
-    pair = make_pair(tokenizer_tokens=None, vocab_size=512)
-    loaded = LoadedEngine(load_pair(pair.target, pair.drafter, max_seq_len=32), None, BuildConfig(tensor_parallel=2))
+    pair = make_pair()
+    shard = Group(0, 2)  # rank 0's shard of a two-rank pair, loaded (nothing runs, so no group is joined)
+    target = load_target(pair.target, group=shard)
+    engine = Engine(target, load_drafter(pair.drafter, target, group=shard), max_seq_len=300, verify_width="auto")
+    assert engine.verify_width == "full"  # auto: one width for every rank
+    loaded = LoadedEngine(engine, Tokenizer.from_dir(pair.target), BuildConfig(tensor_parallel=2))
     with pytest.raises(ConfigError, match="verify_width = adaptive with tensor parallelism is not supported yet"):
         run_bench(loaded, ["a prompt"], verify_width="adaptive")

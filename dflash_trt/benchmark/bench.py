@@ -120,8 +120,8 @@ class OracleNumCorrect:
         mean, self.dist, self.block_size = oracle_tau - 1, dist, block_size
         self.low = min(math.floor(mean), block_size - 1)
         self.p_high = mean - self.low  # P(k = low + 1)
-        lo, hi = 0.0, 1.0  # E[k] = sum of r^j, j = 1..B-1, rises with r: bisect
-        for _ in range(60):
+        self.rate, lo, hi = 0.0, 0.0, 1.0
+        for _ in range(60 if dist == "geometric" else 0):  # E[k] = sum of r^j, j < B, rises with r: bisect
             self.rate = (lo + hi) / 2
             lo, hi = (self.rate, hi) if sum(self.rate**j for j in range(1, block_size)) < mean else (lo, self.rate)
         self.rng = random.Random(seed)
@@ -194,11 +194,6 @@ def run_bench(loaded_engine, prompts: Sequence[str], *, dataset: str = "custom",
         raise ConfigError("no prompts to benchmark")
     if not concurrencies or any(int(c) < 1 for c in concurrencies):
         raise ConfigError(f"concurrencies must be ints >= 1, got {list(concurrencies)}")
-    if verify_width and verify_width != "full" and loaded_engine.config.tensor_parallel > 1:
-        # ranks would time their own steps and choose apart (loading.load_engine does the same)
-        if verify_width == "adaptive":
-            raise ConfigError("verify_width = adaptive with tensor parallelism is not supported yet")
-        verify_width = "full"
     num_correct = OracleNumCorrect(oracle_tau, base.block_size, seed, oracle_dist) if oracle_tau is not None else None
     prompt_ids = encode_prompts(tok, prompts, chat=chat, thinking=thinking)
     params = SamplingParams(max_tokens=max_tokens, stop_token_ids=tuple(tok.stop_token_ids))
