@@ -176,8 +176,8 @@ def hybrid_layer_cases(n: int, rand, eps: float) -> dict:
 
 
 def gemv_rows() -> list[dict]:
-    """Qwen3-8B's linear layers (bf16 weights) at M = 1, 4, 16 and 32 rows: our gemv kernel (up
-    to 4 rows) and F.linear under each BLAS library torch can pick. GPU time, and weight
+    """Qwen3-8B's linear layers (bf16 weights) at M = 1 to 32 rows: our gemv kernel (CUDA cores
+    for one row, tensor cores beyond) and F.linear under each BLAS library torch can pick. GPU time, and weight
     bytes read per second as a share of the copy bandwidth. At batch 1 an AR step is these
     matrices streamed once each, so this is where the step's distance to the roofline sits.
     Each timed call walks over enough copies of the weight to overflow the 50 MB L2, as the
@@ -195,7 +195,7 @@ def gemv_rows() -> list[dict]:
         for name, (n, k) in shapes.items():
             nbytes = n * k * 2
             weights = [torch.randn(n, k, device="cuda").to(torch.bfloat16) for _ in range(-(-(256 << 20) // nbytes))]
-            for m in (1, 4, 16, 32):
+            for m in (1, 2, 4, 8, 16, 32):
                 x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
                 for lib in ("gemv kernel", "cublas", "cublaslt")[0 if m <= ops.GEMV_MAX_ROWS else 1:]:
                     if lib == "gemv kernel":

@@ -286,7 +286,7 @@ def qk_norm_rope(qkv, num_q_heads: int, num_kv_heads: int, q_weight, k_weight, e
                                   v_cache, slots, positions)
 
 
-GEMV_MAX_ROWS = 4  # plugins/gemv.h kGemvMaxRows: more rows of x go to cuBLAS
+GEMV_MAX_ROWS = 16  # plugins/gemv.h kGemvMaxRows: more rows of x go to cuBLAS
 
 
 def gemv_reference(x, weight, bias=None):
@@ -299,7 +299,7 @@ def gemv_reference(x, weight, bias=None):
 
 
 def gemv(x, weight, bias=None):
-    """The skinny-matmul kernel: x [M <= 4, K] bf16/fp16 on CUDA, weight [N, K], bias [N] or
+    """The skinny-matmul kernel: x [M <= 16, K] bf16/fp16 on CUDA, weight [N, K], bias [N] or
     None, one dtype, contiguous, K a multiple of 8 -> [M, N]; gemv_reference elsewhere."""
     assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1], \
         f"x must be [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}"
@@ -319,13 +319,14 @@ def _gemv_kernel_fits(x, weight, bias) -> bool:
 
 
 def linear(x, weight, bias=None):
-    """nn.Linear's forward, x [..., K]. One row on CUDA (an AR step at batch 1: the weights
-    streamed once) goes to the gemv kernel, which is faster than cuBLAS there but not at a few
-    rows (BENCHMARKS.md, "GEMV"); everything else, and the CPU, is F.linear."""
-    if x.numel() == x.shape[-1] and x.dtype == weight.dtype:
-        x1 = x.reshape(1, x.shape[-1])
-        if _gemv_kernel_fits(x1, weight, bias):
-            return torch.ops.dflash.gemv(x1, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
+    """nn.Linear's forward, x [..., K]. Up to GEMV_MAX_ROWS rows on CUDA (an AR step at a small
+    batch, a verify or draft block at batch 1: the weights streamed once) go to the gemv
+    kernel, which reads them faster than cuBLAS there (BENCHMARKS.md, "GEMV"); everything else,
+    and the CPU, is F.linear."""
+    if x.dtype == weight.dtype and x.is_contiguous() and x.numel() <= GEMV_MAX_ROWS * x.shape[-1]:
+        x2 = x.reshape(-1, x.shape[-1])
+        if _gemv_kernel_fits(x2, weight, bias):
+            return torch.ops.dflash.gemv(x2, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
 
 

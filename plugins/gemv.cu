@@ -1,13 +1,21 @@
-// Skinny matmul for decode (semantics in gemv.h).
+// Skinny matmul for decode and verify (semantics in gemv.h).
 //
-// Work split. A warp owns R consecutive output features (rows of W) and all M rows of x:
-// each lane reads 16-byte chunks c = lane, lane + 32, ... of the R weight rows, U = 8 / R
-// chunks per row per iteration, so every lane has eight independent 16-byte loads in flight
-// whatever R is (a decode step is bound by how many bytes are in flight per SM). The weight
-// is read once, streaming (__ldcs: it will not be reused); x is small and read by every
-// warp, through L1 (__ldg). fp32 partial sums per (row, x row), a warp sum at the end.
-// R is 4 when that still leaves four CTAs per SM, else 2, else 1: few output features
-// (o_proj, down_proj) need more CTAs to keep every SM's loads in flight.
+// One row of x (an AR step at batch 1) runs on CUDA cores. A warp owns R consecutive output
+// features (rows of W): each lane reads 16-byte chunks c = lane, lane + 32, ... of the R weight
+// rows, U = 8 / R chunks per row per iteration, so every lane has eight independent 16-byte
+// loads in flight whatever R is (a decode step is bound by how many bytes are in flight per SM).
+// The weight is read once, streaming (__ldcs: it will not be reused); x is small and read by
+// every warp, through L1 (__ldg). fp32 partial sums per row, a warp sum at the end. R is 4 when
+// that still leaves four CTAs per SM, else 2, else 1: few output features (o_proj, down_proj)
+// need more CTAs to keep every SM's loads in flight.
+//
+// Two to 16 rows (a verify or draft block at batch 1, a small batch) run on the tensor cores: a
+// CTA owns 16 output features and every row of x, its 8 warps split K, and each warp applies
+// the 16 weight rows to the x rows in 8-row tiles (mma_tile.h), the weight streamed once as
+// above. Each extra 8 rows of x cost one MMA per weight chunk, not another read of the weight;
+// but also another 16-byte load of x per weight chunk, which beyond 16 rows costs more than
+// cuBLAS's shared-memory tiles. Of the layouts tried (BENCHMARKS.md, "GEMV"), 16 features per
+// CTA of 8 warps was the fastest or within a few percent on every shape.
 //
 // This file has no torch dependency: it compiles alone with
 //   nvcc -std=c++17 -arch=sm_90 -c gemv.cu
@@ -15,6 +23,7 @@
 #include "gemv.h"
 
 #include "float_convert.h"
+#include "mma_tile.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -104,30 +113,71 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(GemvParams p) {
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-template <typename T, int M>
-cudaError_t launch_rows(const GemvParams& p, cudaStream_t stream) {
+int sm_count() {
   int device = 0, sms = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
     (void)cudaGetLastError();  // our own failed query; the launch reports its own errors
     sms = 132;
   }
+  return sms;
+}
+
+template <typename T>
+cudaError_t launch_one_row(const GemvParams& p, int sms, cudaStream_t stream) {
   const int64_t N = p.out_features;
   const auto ctas = [&](int r) { return ceil_div(N, static_cast<int64_t>(kWarps) * r); };
-  if (ctas(4) >= 4 * sms) gemv_kernel<T, M, 4><<<static_cast<unsigned>(ctas(4)), kThreads, 0, stream>>>(p);
-  else if (ctas(2) >= 2 * sms) gemv_kernel<T, M, 2><<<static_cast<unsigned>(ctas(2)), kThreads, 0, stream>>>(p);
-  else gemv_kernel<T, M, 1><<<static_cast<unsigned>(ctas(1)), kThreads, 0, stream>>>(p);
+  if (ctas(4) >= 4 * sms) gemv_kernel<T, 1, 4><<<static_cast<unsigned>(ctas(4)), kThreads, 0, stream>>>(p);
+  else if (ctas(2) >= 2 * sms) gemv_kernel<T, 1, 2><<<static_cast<unsigned>(ctas(2)), kThreads, 0, stream>>>(p);
+  else gemv_kernel<T, 1, 1><<<static_cast<unsigned>(ctas(1)), kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+// y[m, n] for the 16 features n of tile blockIdx.x and every row m of x (NT tiles of 8); the
+// CTA's warps split K.
+template <typename T, int NT>
+__global__ void __launch_bounds__(kThreads) gemm_tile_kernel(GemvParams p) {
+  __shared__ float part[kWarps - 1][1][NT][4][32];
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int64_t N = p.out_features, row0 = static_cast<int64_t>(blockIdx.x) * 16;
+  const int64_t chunks = p.in_features / 8;
+  const uint4* w = static_cast<const uint4*>(p.weight);
+  const uint4* a[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h)  // past the last feature: read the last row again, never written
+    a[h] = w + (row0 + g + 8 * h < N ? row0 + g + 8 * h : N - 1) * chunks;
+  const uint4* b[NT];
+#pragma unroll
+  for (int n = 0; n < NT; ++n) b[n] = 8 * n + g < p.rows ? static_cast<const uint4*>(p.x) + (8 * n + g) * chunks : nullptr;
+  float acc[1][NT][4] = {};
+  mma_tile::warp_tile<T, kWarps, 1, NT, true>(a, b, chunks, threadIdx.x / 32, acc);
+  if (!mma_tile::sum_warps<kWarps, 1, NT>(acc, part)) return;
+
+  T* y = static_cast<T*>(p.y);
+  const T* bias = static_cast<const T*>(p.bias);
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int64_t row = row0 + g + 8 * (i / 2);
+      const int col = 8 * n + 2 * t + i % 2;
+      if (row >= N || col >= p.rows) continue;
+      const float b = bias != nullptr ? to_float(bias[row]) : 0.0f;
+      y[col * N + row] = from_float<T>(acc[0][n][i] + b);
+    }
+  }
+}
+
+template <typename T, int NT>
+cudaError_t launch_tiles(const GemvParams& p, cudaStream_t stream) {
+  gemm_tile_kernel<T, NT><<<static_cast<unsigned>(ceil_div(p.out_features, 16)), kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
 template <typename T>
 cudaError_t launch_typed(const GemvParams& p, cudaStream_t stream) {
-  switch (p.rows) {
-    case 1: return launch_rows<T, 1>(p, stream);
-    case 2: return launch_rows<T, 2>(p, stream);
-    case 3: return launch_rows<T, 3>(p, stream);
-    default: return launch_rows<T, 4>(p, stream);
-  }
+  if (p.rows == 1) return launch_one_row<T>(p, sm_count(), stream);
+  return p.rows <= 8 ? launch_tiles<T, 1>(p, stream) : launch_tiles<T, 2>(p, stream);
 }
 
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
@@ -136,7 +186,7 @@ bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 =
 
 const char* gemv_check(const GemvParams& p) {
   if (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16) return "dtype must be bf16 or fp16";
-  if (p.rows < 1 || p.rows > kGemvMaxRows) return "rows must be in [1, 4]";
+  if (p.rows < 1 || p.rows > kGemvMaxRows) return "rows must be in [1, 16]";
   if (p.out_features < 1 || p.out_features > (int64_t{1} << 34)) return "out_features must be in [1, 2^34]";
   if (p.in_features < 8 || p.in_features % 8 != 0) return "in_features must be a positive multiple of 8";
   if (!p.x || !p.weight || !p.y) return "null pointer";

@@ -1,9 +1,10 @@
 // Skinny matmul for decode: y = x W^T (+ bias) with few rows of x, the plain C++ launcher API
 // (no torch types), so a torch op (ops.cpp) and a TensorRT IPluginV3 can both wrap it.
 //
-// At batch 1 an AR step is every weight matrix streamed from memory once: the matmuls are
-// the step, and what decides it is how close they read at the copy bandwidth. This kernel
-// keeps eight 16-byte weight loads in flight per lane, reads x through L1, and sums in fp32.
+// At batch 1 an AR step is every weight matrix streamed from memory once, and so is a verify
+// or draft pass of one block: the matmuls are the pass, and what decides it is how close they
+// read at the copy bandwidth. The kernel keeps eight 16-byte weight loads in flight per lane,
+// reads x through L1, and sums in fp32 (CUDA cores for one row, tensor cores for 2 to 16).
 //
 // The Python reference with these semantics is dflash_trt.ops.gemv_reference:
 //   y[m, n] = round(sum_k float(x[m, k]) * float(W[n, k]) (+ float(bias[n])))   (fp32 sum)
@@ -19,7 +20,7 @@
 
 namespace dflash {
 
-constexpr int kGemvMaxRows = 4;  // rows of x (M) the kernel takes; more go to a GEMM
+constexpr int kGemvMaxRows = 16;  // rows of x (M) the kernel takes; more go to a GEMM
 
 struct GemvParams {
   DType dtype = DType::kBFloat16;  // of x, W, bias and y (bf16 or fp16)

@@ -309,7 +309,7 @@ at::Tensor silu_mul_cuda(const at::Tensor& gate_up) {
   return out;
 }
 
-// x [M, K] (M <= 4), weight [N, K], bias [N] or None, all one dtype, contiguous -> [M, N].
+// x [M, K] (M <= 16), weight [N, K], bias [N] or None, all one dtype, contiguous -> [M, N].
 at::Tensor gemv_cuda(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.is_cuda() && weight.is_cuda() && weight.device() == x.device(), "x and weight must be on one GPU");
   const dflash::DType dtype = model_dtype(x, "x");

@@ -29,7 +29,7 @@ class DFlashAttention(AttentionProjections):
         draft cache at every token's slot and row (`rows`: cache.write_rows)."""
         d = self.dims
         bias = None if self.qkv_proj.bias is None else self.qkv_proj.bias[d.q_size:]
-        kv = nn.functional.linear(c, self.qkv_proj.weight[d.q_size:], bias).flatten(0, 1)  # one GEMM for K and V
+        kv = ops.linear(c, self.qkv_proj.weight[d.q_size:], bias).flatten(0, 1)  # one GEMM for K and V
         for where in rows:  # a draft window stores each row twice
             ops.qk_norm_rope(kv, 0, d.num_key_value_heads, None, self.k_norm.weight, d.rms_norm_eps,
                              cos.flatten(0, 1), sin.flatten(0, 1), *cache.layer(self.layer_idx, where))
