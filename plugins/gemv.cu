@@ -10,12 +10,11 @@
 // need more CTAs to keep every SM's loads in flight.
 //
 // Two to 16 rows (a verify or draft block at batch 1, a small batch) run on the tensor cores: a
-// CTA owns 16 output features and every row of x, its 8 warps split K, and each warp applies
-// the 16 weight rows to the x rows in 8-row tiles (mma_tile.h), the weight streamed once as
-// above. Each extra 8 rows of x cost one MMA per weight chunk, not another read of the weight;
-// but also another 16-byte load of x per weight chunk, which beyond 16 rows costs more than
-// cuBLAS's shared-memory tiles. Of the layouts tried (BENCHMARKS.md, "GEMV"), 16 features per
-// CTA of 8 warps was the fastest or within a few percent on every shape.
+// CTA owns 16 MT output features and every row of x, its warps split K, and each warp applies
+// its 16-row weight tiles to the x rows in 8-row tiles (mma_tile.h), the weight streamed once
+// as above. Each extra 8 rows of x cost one MMA per weight chunk, not another read of the
+// weight; but also another 16-byte load of x per weight chunk, which beyond 16 rows costs more
+// than cuBLAS's shared-memory tiles. launch_rows picks the CTA layout per row count and size.
 //
 // This file has no torch dependency: it compiles alone with
 //   nvcc -std=c++17 -arch=sm_90 -c gemv.cu
@@ -133,51 +132,65 @@ cudaError_t launch_one_row(const GemvParams& p, int sms, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// y[m, n] for the 16 features n of tile blockIdx.x and every row m of x (NT tiles of 8); the
-// CTA's warps split K.
-template <typename T, int NT>
-__global__ void __launch_bounds__(kThreads) gemm_tile_kernel(GemvParams p) {
-  __shared__ float part[kWarps - 1][1][NT][4][32];
+// y[m, n] for the 16 MT features n of tile blockIdx.x and every row m of x (NT tiles of 8); the
+// W warps split K.
+template <typename T, int W, int MT, int NT>
+__global__ void __launch_bounds__(W * 32, 2) gemm_tile_kernel(GemvParams p) {
+  __shared__ float part[W - 1][MT][NT][4][32];
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int64_t N = p.out_features, row0 = static_cast<int64_t>(blockIdx.x) * 16;
+  const int64_t N = p.out_features, row0 = static_cast<int64_t>(blockIdx.x) * 16 * MT;
   const int64_t chunks = p.in_features / 8;
   const uint4* w = static_cast<const uint4*>(p.weight);
-  const uint4* a[2];
+  const uint4* a[2 * MT];
 #pragma unroll
-  for (int h = 0; h < 2; ++h)  // past the last feature: read the last row again, never written
-    a[h] = w + (row0 + g + 8 * h < N ? row0 + g + 8 * h : N - 1) * chunks;
+  for (int r = 0; r < 2 * MT; ++r)  // past the last feature: read the last row again, never written
+    a[r] = w + (row0 + g + 8 * r < N ? row0 + g + 8 * r : N - 1) * chunks;
   const uint4* b[NT];
 #pragma unroll
   for (int n = 0; n < NT; ++n) b[n] = 8 * n + g < p.rows ? static_cast<const uint4*>(p.x) + (8 * n + g) * chunks : nullptr;
-  float acc[1][NT][4] = {};
-  mma_tile::warp_tile<T, kWarps, 1, NT, true>(a, b, chunks, threadIdx.x / 32, acc);
-  if (!mma_tile::sum_warps<kWarps, 1, NT>(acc, part)) return;
+  float acc[MT][NT][4] = {};
+  mma_tile::warp_tile<T, W, MT, NT, true>(a, b, chunks, threadIdx.x / 32, acc);
+  if (!mma_tile::sum_warps<W, MT, NT>(acc, part)) return;
 
   T* y = static_cast<T*>(p.y);
   const T* bias = static_cast<const T*>(p.bias);
 #pragma unroll
-  for (int n = 0; n < NT; ++n) {
+  for (int m = 0; m < MT; ++m) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int64_t row = row0 + g + 8 * (i / 2);
-      const int col = 8 * n + 2 * t + i % 2;
-      if (row >= N || col >= p.rows) continue;
-      const float b = bias != nullptr ? to_float(bias[row]) : 0.0f;
-      y[col * N + row] = from_float<T>(acc[0][n][i] + b);
+    for (int n = 0; n < NT; ++n) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int64_t row = row0 + 16 * m + g + 8 * (i / 2);
+        const int col = 8 * n + 2 * t + i % 2;
+        if (row >= N || col >= p.rows) continue;
+        const float b = bias != nullptr ? to_float(bias[row]) : 0.0f;
+        y[col * N + row] = from_float<T>(acc[m][n][i] + b);
+      }
     }
   }
 }
 
-template <typename T, int NT>
+template <typename T, int W, int MT, int NT>
 cudaError_t launch_tiles(const GemvParams& p, cudaStream_t stream) {
-  gemm_tile_kernel<T, NT><<<static_cast<unsigned>(ceil_div(p.out_features, 16)), kThreads, 0, stream>>>(p);
+  const auto ctas = static_cast<unsigned>(ceil_div(p.out_features, 16 * MT));
+  gemm_tile_kernel<T, W, MT, NT><<<ctas, W * 32, 0, stream>>>(p);
   return cudaGetLastError();
+}
+
+// Up to 8 rows: 16 features per CTA of 8 warps. 9 to 16 (twice the x loads per weight chunk):
+// two 16-feature tiles per CTA of 8 warps where that leaves two CTAs per SM, else one per CTA
+// of 16 warps. The layouts that won in the model's passes (BENCHMARKS.md, "GEMV").
+template <typename T>
+cudaError_t launch_rows(const GemvParams& p, int sms, cudaStream_t stream) {
+  if (p.rows <= 8) return launch_tiles<T, 8, 1, 1>(p, stream);
+  if (ceil_div(p.out_features, 32) >= 2 * sms) return launch_tiles<T, 8, 2, 2>(p, stream);
+  return launch_tiles<T, 16, 1, 2>(p, stream);
 }
 
 template <typename T>
 cudaError_t launch_typed(const GemvParams& p, cudaStream_t stream) {
-  if (p.rows == 1) return launch_one_row<T>(p, sm_count(), stream);
-  return p.rows <= 8 ? launch_tiles<T, 1>(p, stream) : launch_tiles<T, 2>(p, stream);
+  const int sms = sm_count();
+  return p.rows == 1 ? launch_one_row<T>(p, sms, stream) : launch_rows<T>(p, sms, stream);
 }
 
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
