@@ -33,6 +33,8 @@
 
 #include "block_attention.h"
 
+#include "pdl.h"
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -514,6 +516,7 @@ template <typename T, int NC>
 __global__ void __launch_bounds__(kThreads)
     block_attention_combine_kernel(int64_t num_rows, int head_dim, int num_splits, const float* __restrict__ o_part,
                                    const float* __restrict__ lse_part, T* __restrict__ out) {
+  pdl_allow_dependents();  // o_proj reads this output next (pdl.h)
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= num_rows) return;  // whole warps: the shuffles below see all 32 lanes

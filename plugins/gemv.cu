@@ -5,7 +5,9 @@
 // rows, U = 8 / R chunks per row per iteration, so every lane has eight independent 16-byte
 // loads in flight whatever R is (a decode step is bound by how many bytes are in flight per SM).
 // The weight is read once, streaming (__ldcs: it will not be reused); x is small and read by
-// every warp, through L1 (__ldg). fp32 partial sums per row, a warp sum at the end. R is 4 when
+// every warp, through L1 (__ldg). fp32 partial sums per row, a warp sum at the end. The launch
+// may overlap the kernel before it (pdl.h): the CTAs that start early pull their first weight
+// lines into L2 while the input is being computed. R is 4 when
 // that still leaves four CTAs per SM, else 2, else 1: few output features (o_proj, down_proj)
 // need more CTAs to keep every SM's loads in flight.
 //
@@ -23,6 +25,7 @@
 
 #include "float_convert.h"
 #include "mma_tile.h"
+#include "pdl.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -63,6 +66,15 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(GemvParams p) {
 #pragma unroll
   for (int r = 0; r < R; ++r)  // past the last feature: read the last row again, never written
     rows[r] = w + (n0 + r < p.out_features ? n0 + r : p.out_features - 1) * chunks;
+
+#pragma unroll
+  for (int u = 0; u < U; ++u) {  // the first iteration's weight lines, while the input is computed
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+      if (lane + 32 * u < chunks) prefetch_l2(rows[r] + lane + 32 * u);
+  }
+  pdl_wait();
+  pdl_allow_dependents();
 
   float acc[R][M] = {};
   for (int64_t c0 = lane; c0 < chunks; c0 += 32 * U) {
@@ -126,10 +138,10 @@ template <typename T>
 cudaError_t launch_one_row(const GemvParams& p, int sms, cudaStream_t stream) {
   const int64_t N = p.out_features;
   const auto ctas = [&](int r) { return ceil_div(N, static_cast<int64_t>(kWarps) * r); };
-  if (ctas(4) >= 4 * sms) gemv_kernel<T, 1, 4><<<static_cast<unsigned>(ctas(4)), kThreads, 0, stream>>>(p);
-  else if (ctas(2) >= 2 * sms) gemv_kernel<T, 1, 2><<<static_cast<unsigned>(ctas(2)), kThreads, 0, stream>>>(p);
-  else gemv_kernel<T, 1, 1><<<static_cast<unsigned>(ctas(1)), kThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+  const auto grid = [&](int r) { return dim3(static_cast<unsigned>(ctas(r))); };
+  if (ctas(4) >= 4 * sms) return pdl_launch(gemv_kernel<T, 1, 4>, grid(4), dim3(kThreads), stream, p);
+  if (ctas(2) >= 2 * sms) return pdl_launch(gemv_kernel<T, 1, 2>, grid(2), dim3(kThreads), stream, p);
+  return pdl_launch(gemv_kernel<T, 1, 1>, grid(1), dim3(kThreads), stream, p);
 }
 
 // y[m, n] for the 16 MT features n of tile blockIdx.x and every row m of x (NT tiles of 8); the
@@ -173,6 +185,8 @@ __global__ void __launch_bounds__(W * 32, 2) gemm_tile_kernel(GemvParams p) {
 template <typename T, int W, int MT, int NT>
 cudaError_t launch_tiles(const GemvParams& p, cudaStream_t stream) {
   const auto ctas = static_cast<unsigned>(ceil_div(p.out_features, 16 * MT));
+  // launched plainly: overlapping the kernel before it (as the one-row kernel does) made the
+  // model's verify and draft passes slower (BENCHMARKS.md, "GEMV")
   gemm_tile_kernel<T, W, MT, NT><<<ctas, W * 32, 0, stream>>>(p);
   return cudaGetLastError();
 }

@@ -15,6 +15,7 @@
 #include "layer_ops.h"
 
 #include "float_convert.h"
+#include "pdl.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -108,6 +109,7 @@ constexpr int kNormMaxIters = 8;
 
 template <typename T, typename X, bool kDelta, int V, int kIters>
 __global__ void __launch_bounds__(kNormMaxThreads) rms_norm_kernel(RmsNormParams p) {
+  pdl_allow_dependents();  // a matmul reads this output next: it may fetch its weights meanwhile
   __shared__ float warp_sums[kNormMaxThreads / 32];
   const int H = p.hidden;
   const int64_t base = static_cast<int64_t>(blockIdx.x) * H;
@@ -252,6 +254,7 @@ constexpr int kSiluMaxBlocks = 8192;
 
 template <typename T, int V>
 __global__ void __launch_bounds__(kSiluThreads) silu_mul_kernel(SiluMulParams p) {
+  pdl_allow_dependents();  // as rms_norm_kernel
   const int64_t per_row = p.inter / V;
   const int64_t total = p.rows * per_row;
   const T* gate_up = static_cast<const T*>(p.gate_up);

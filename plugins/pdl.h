@@ -1,0 +1,50 @@
+// Programmatic dependent launch (Hopper): a kernel launched with pdl_launch may start while the
+// kernel before it in the stream still runs, up to its pdl_wait, which returns once that kernel
+// has finished and its writes are visible. Before the wait a kernel may only read what no
+// earlier kernel of the pass writes (weights) and write nothing; a matmul uses the time to pull
+// its first weight lines into L2, so that its loads are in flight when the input is ready
+// instead of starting from nothing after every small kernel.
+//
+// The kernel before it decides how early that can be: pdl_allow_dependents lets the next
+// kernel's CTAs be scheduled on whatever the SMs have free from then on (without it, when this
+// kernel's CTAs have all exited). Both are no-ops where the launch did not ask for overlap,
+// and before sm_90.
+
+#pragma once
+
+#include <cuda_runtime.h>
+
+namespace dflash {
+
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_allow_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void prefetch_l2(const void* ptr) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(ptr));
+}
+
+// kernel<<<grid, block, 0, stream>>>(args...), allowed to overlap the kernel before it.
+template <typename... Params, typename... Args>
+cudaError_t pdl_launch(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream, Args... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.stream = stream;
+  cudaLaunchAttribute overlap;
+  overlap.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  overlap.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &overlap;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, kernel, args...);
+}
+
+}  // namespace dflash
