@@ -5,11 +5,11 @@
 // rows, U = 8 / R chunks per row per iteration, so every lane has eight independent 16-byte
 // loads in flight whatever R is (a decode step is bound by how many bytes are in flight per SM).
 // The weight is read once, streaming (__ldcs: it will not be reused); x is small and read by
-// every warp, through L1 (__ldg). fp32 partial sums per row, a warp sum at the end. The launch
-// may overlap the kernel before it (pdl.h): the CTAs that start early pull their first weight
-// lines into L2 while the input is being computed. R is 4 when
+// every warp, through L1 (__ldg). fp32 partial sums per row, a warp sum at the end. R is 4 when
 // that still leaves four CTAs per SM, else 2, else 1: few output features (o_proj, down_proj)
-// need more CTAs to keep every SM's loads in flight.
+// need more CTAs to keep every SM's loads in flight. The launch may overlap the kernel before
+// it (pdl.h): the CTAs that start early pull their first weight lines into L2 while the input
+// is being computed.
 //
 // Two to 16 rows (a verify or draft block at batch 1, a small batch) run on the tensor cores: a
 // CTA owns 16 MT output features and every row of x, its warps split K, and each warp applies
