@@ -90,7 +90,7 @@ benches)
   ;;
 roofline)
   step gemv 150 python3 bench/kernels.py --gemv --json "$OUT/gemv.json"
-  # the engine as it runs (the gemv kernel for single rows, cuBLAS beyond), then cuBLASLt for all
+  # the engine as it runs (the gemv kernel up to 16 rows, cuBLAS beyond), then cuBLASLt for all
   step prof8b 120 python3 bench/profile_step.py --preset qwen3-8b --batch 1,4,32 --json "$OUT/prof8b.json"
   step prof8b-lt 120 python3 bench/profile_step.py --preset qwen3-8b --batch 1,4,32 --blas cublaslt \
     --json "$OUT/prof8b_lt.json"

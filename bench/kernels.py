@@ -177,9 +177,10 @@ def hybrid_layer_cases(n: int, rand, eps: float) -> dict:
 
 def gemv_rows() -> list[dict]:
     """Qwen3-8B's linear layers (bf16 weights) at M = 1 to 32 rows: our gemv kernel (CUDA cores
-    for one row, tensor cores beyond) and F.linear under each BLAS library torch can pick. GPU time, and weight
-    bytes read per second as a share of the copy bandwidth. At batch 1 an AR step is these
-    matrices streamed once each, so this is where the step's distance to the roofline sits.
+    for one row, tensor cores up to 16) and F.linear under each BLAS library torch can pick. GPU
+    time, and weight bytes read per second as a share of the copy bandwidth. At batch 1 an AR
+    step is these matrices streamed once each, and so is a verify or draft block: this is where
+    the pass's distance to the roofline sits.
     Each timed call walks over enough copies of the weight to overflow the 50 MB L2, as the
     model's layers do."""
     import torch.nn.functional as F
