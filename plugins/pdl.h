@@ -32,7 +32,19 @@ __device__ __forceinline__ void prefetch_l2(const void* ptr) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(ptr));
 }
 
-// kernel<<<grid, block, 0, stream>>>(args...), allowed to overlap the kernel before it.
+// Whether the current device takes programmatic dependent launches (sm_90 on).
+inline bool pdl_supported() {
+  int device = 0, major = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
+    (void)cudaGetLastError();  // our own failed query: launch plainly
+    return false;
+  }
+  return major >= 9;
+}
+
+// kernel<<<grid, block, 0, stream>>>(args...), allowed to overlap the kernel before it where the
+// device supports that.
 template <typename... Params, typename... Args>
 cudaError_t pdl_launch(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream, Args... args) {
   cudaLaunchConfig_t config = {};
@@ -43,7 +55,7 @@ cudaError_t pdl_launch(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStr
   overlap.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   overlap.val.programmaticStreamSerializationAllowed = 1;
   config.attrs = &overlap;
-  config.numAttrs = 1;
+  config.numAttrs = pdl_supported() ? 1 : 0;
   return cudaLaunchKernelEx(&config, kernel, args...);
 }
 
