@@ -323,7 +323,7 @@ def linear(x, weight, bias=None):
     batch, a verify or draft block at batch 1: the weights streamed once) go to the gemv
     kernel, which reads them faster than cuBLAS there (BENCHMARKS.md, "GEMV"); everything else,
     and the CPU, is F.linear."""
-    if x.dtype == weight.dtype and x.is_contiguous() and x.numel() <= GEMV_MAX_ROWS * x.shape[-1]:
+    if x.dtype == weight.dtype and x.is_contiguous() and 0 < x.numel() <= GEMV_MAX_ROWS * x.shape[-1]:
         x2 = x.reshape(-1, x.shape[-1])
         if _gemv_kernel_fits(x2, weight, bias):
             return torch.ops.dflash.gemv(x2, weight, bias).reshape(*x.shape[:-1], weight.shape[0])

@@ -29,22 +29,6 @@ namespace mma_tile {
 
 constexpr int kTileUnroll = 4;  // 64-byte k blocks per warp per iteration: 4 (2 MT + NT) loads in flight
 
-__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                         uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ void mma_f16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                        uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 __device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
   asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%0,%1,%2,%3};"
@@ -85,18 +69,31 @@ __device__ __forceinline__ void mma_3xtf32(float (&d)[4], uint32_t a0, uint32_t 
   for (int i = 0; i < 4; ++i) d[i] += t[i];
 }
 
+// D(16x8 fp32) += A(16x16) * B(16x8) in T's MMA (fp32: three TF32 ones), A row-major, B
+// column-major, fragments as registers of two 16-bit values (fp32: one value).
+template <typename T>
+__device__ __forceinline__ void mma_step(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else if constexpr (std::is_same_v<T, __half>) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else {
+    mma_3xtf32(d, a0, a1, a2, a3, b0, b1);
+  }
+}
+
+// The two MMAs of a lane's 16-byte chunks: rows g (lo) and g + 8 (hi) of A, column g of B.
 template <typename T>
 __device__ __forceinline__ void mma_chunk(float (&acc)[4], const uint4& lo, const uint4& hi, const uint4& b) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    mma_bf16(acc, lo.x, hi.x, lo.y, hi.y, b.x, b.y);
-    mma_bf16(acc, lo.z, hi.z, lo.w, hi.w, b.z, b.w);
-  } else if constexpr (std::is_same_v<T, __half>) {
-    mma_f16(acc, lo.x, hi.x, lo.y, hi.y, b.x, b.y);
-    mma_f16(acc, lo.z, hi.z, lo.w, hi.w, b.z, b.w);
-  } else {
-    mma_3xtf32(acc, lo.x, hi.x, lo.y, hi.y, b.x, b.y);
-    mma_3xtf32(acc, lo.z, hi.z, lo.w, hi.w, b.z, b.w);
-  }
+  mma_step<T>(acc, lo.x, hi.x, lo.y, hi.y, b.x, b.y);
+  mma_step<T>(acc, lo.z, hi.z, lo.w, hi.w, b.z, b.w);
 }
 
 // One warp's share of a CTA tile: acc[m][n] += (16 rows of m-tile m: a[2m] is row g's pointer,

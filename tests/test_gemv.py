@@ -34,6 +34,11 @@ def test_linear_layers_compute_what_nn_linear_does_on_the_cpu():
     assert torch.equal(mlp(x), F.linear(ops.silu_mul(F.linear(x, mlp.gate_up_proj.weight)), mlp.down_proj.weight))
 
 
+def test_linear_takes_empty_inputs_as_nn_linear_does():
+    for x, w in ((torch.ones(2, 0), torch.ones(3, 0)), (torch.ones(0, 4), torch.ones(3, 4))):
+        assert torch.equal(ops.linear(x, w), F.linear(x, w))
+
+
 @pytest.mark.parametrize("args, message", [
     ((torch.ones(2, 8), torch.ones(3, 16)), "x must be \\[M, K\\] and weight \\[N, K\\]"),
     ((torch.ones(8), torch.ones(3, 8)), "x must be \\[M, K\\]"),
