@@ -73,13 +73,8 @@ class KVCache:
         self.capacity = capacity
 
     def layer(self, layer: int, rows: tuple[torch.Tensor, torch.Tensor]):
-        """(k_cache, v_cache, slot, position): what AttentionProjections.qkv writes through."""
+        """(k_cache, v_cache, slot, position): what ops.qk_norm_rope writes through."""
         return self.k[layer], self.v[layer], *rows
-
-    def write(self, layer: int, batch: Batch, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k/v [bs, width, Hkv, d] at their positions, every row (see the module doc)."""
-        self.k[layer, batch.slots[:, None], batch.positions] = k
-        self.v[layer, batch.slots[:, None], batch.positions] = v
 
     # The drafter reads and writes its cache through the three methods below, so that a
     # DraftWindowCache can stand in for this one.

@@ -132,8 +132,9 @@ def paged_block_attention(q, k_cache, v_cache, slots, ctx_len, q_start, k_blk=No
 
 # ----------------------------------------------------------------------------------------------
 # Per-layer fused ops (plugins/layer_ops.cu). Each reference repeats the model code's torch ops
-# one for one (layers.RMSNorm, AttentionProjections.qkv + apply_rope, MLP), so the CPU path
-# rounds exactly as the model did; the kernels keep that rounding order too.
+# one for one (layers.RMSNorm, AttentionProjections.qkv + apply_rope, qwen3_5.GatedAttention's
+# norms + apply_partial_rope, MLP), so the CPU path rounds exactly as the model did; the kernels
+# keep that rounding order too.
 
 
 def _layer_kernel_ready(t: torch.Tensor) -> bool:
@@ -162,27 +163,38 @@ def gated_rms_norm_reference(x, gate, weight, eps):
 
 
 def _rope_reference(x, cos, sin):
-    """layers.apply_rope on x [N, heads, d] with cos/sin [N, 1, d]."""
+    """layers.apply_rope on x [N, heads, d] with cos/sin [N, 1, r]; r < d is
+    qwen3_5.apply_partial_rope: the first r channels turn, the rest pass unchanged."""
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        return torch.cat([_rope_reference(x[..., :r], cos, sin), x[..., r:]], dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
 
 
 def qk_norm_rope_reference(qkv, num_q_heads, num_kv_heads, q_weight, k_weight, eps, cos, sin, k_cache=None,
-                           v_cache=None, slots=None, positions=None):
+                           v_cache=None, slots=None, positions=None, *, zero_centered=False, rotary_dim=0,
+                           q_gate=False):
     """AttentionProjections.qkv after the projection, on qkv [N, (Hq + 2 Hkv) d] and cos/sin [N, d].
 
     Returns (q [N, Hq, d] or None when Hq == 0, k, v [N, Hkv, d]); with the caches, k and v
     of row r go to cache[slots[r], positions[r]] instead and come back as None.
+    Qwen3.5's GatedAttention: zero_centered norms (ZeroCenteredRMSNorm), RoPE on the first
+    rotary_dim channels only (apply_partial_rope, cos/sin [N, rotary_dim]), and with q_gate
+    qkv [N, (2 Hq + 2 Hkv) d], each query head followed by its gate (not returned).
     """
-    d = cos.shape[-1]
-    q, k, v = qkv.split([num_q_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)
+    d = k_weight.shape[0]
+    assert cos.shape[-1] == (rotary_dim or d), (cos.shape, rotary_dim, d)
+    q, k, v = qkv.split([num_q_heads * d * (2 if q_gate else 1), num_kv_heads * d, num_kv_heads * d], dim=-1)
     cos, sin = cos[:, None], sin[:, None]
     if num_q_heads:
-        q = _rope_reference(rms_norm_reference(q.unflatten(-1, (num_q_heads, d)), q_weight, eps), cos, sin)
+        q = q.unflatten(-1, (num_q_heads, -1))[..., :d]
+        q = _rope_reference(rms_norm_reference(q, q_weight, eps, zero_centered), cos, sin)
     else:
         q = None
-    k = _rope_reference(rms_norm_reference(k.unflatten(-1, (num_kv_heads, d)), k_weight, eps), cos, sin)
+    k = _rope_reference(rms_norm_reference(k.unflatten(-1, (num_kv_heads, d)), k_weight, eps, zero_centered), cos,
+                        sin)
     v = v.unflatten(-1, (num_kv_heads, d)).clone(memory_format=torch.contiguous_format)
     if k_cache is None:
         return q, k, v
@@ -241,22 +253,31 @@ def add_rms_norm(x, delta, weight, eps: float, zero_centered: bool = False):
 
 
 def qk_norm_rope(qkv, num_q_heads: int, num_kv_heads: int, q_weight, k_weight, eps: float, cos, sin, k_cache=None,
-                 v_cache=None, slots=None, positions=None):
+                 v_cache=None, slots=None, positions=None, *, zero_centered: bool = False, rotary_dim: int = 0,
+                 q_gate: bool = False):
     """Per-head q/k RMSNorm + RoPE of the packed qkv [N, (Hq + 2 Hkv) d] -> (q, k, v).
 
     Semantics of qk_norm_rope_reference. cos/sin [N, d] in qkv's dtype. With k_cache/v_cache
     [num_slots, capacity, Hkv, d] (a layer view is fine) and slots/positions [N] int32, k and v
     are written to cache[slots[r], positions[r]] for every row (positions must be below the
-    capacity) and returned as None. Runs the CUDA kernel (one launch) for bf16/fp16 with
-    head_dim 64 or 128 once the plugins are built, else the reference.
+    capacity) and returned as None. Qwen3.5's gated attention: zero_centered norms, RoPE on the
+    first rotary_dim channels (even, 0: all; cos/sin [N, rotary_dim]) and, with q_gate, qkv
+    [N, (2 Hq + 2 Hkv) d] with each query head followed by its gate, which the caller keeps.
+    Runs the CUDA kernel (one launch) for bf16/fp16 with head_dim 64, 128 or 256 and a
+    rotary_dim that is a multiple of 64 once the plugins are built, else the reference.
     """
     assert qkv.dim() == 2 and qkv.stride(-1) == 1, f"qkv must be [N, W] with a contiguous last dim, got {qkv.shape}"
-    assert cos.dim() == 2 and cos.shape == sin.shape, f"cos/sin must be [N, d], got {cos.shape}, {sin.shape}"
-    N, d = cos.shape
     assert num_q_heads >= 0 and num_kv_heads >= 1, (num_q_heads, num_kv_heads)
-    assert qkv.shape == (N, (num_q_heads + 2 * num_kv_heads) * d), \
-        f"qkv must be [{N}, (Hq + 2 Hkv) * {d}] = [{N}, {(num_q_heads + 2 * num_kv_heads) * d}], got {qkv.shape}"
-    assert d % 2 == 0, f"head_dim must be even, got {d}"
+    heads = (2 if q_gate else 1) * num_q_heads + 2 * num_kv_heads  # d wide each, gates included
+    N, d = qkv.shape[0], qkv.shape[1] // heads
+    assert d > 0 and qkv.shape[1] == heads * d, \
+        f"qkv must be [N, ({'2 ' if q_gate else ''}Hq + 2 Hkv) d] with Hq = {num_q_heads}, Hkv = {num_kv_heads}, " \
+        f"got {tuple(qkv.shape)}"
+    rotary = rotary_dim or d
+    assert 0 < rotary <= d and rotary % 2 == 0, \
+        f"rotary_dim must be even and at most head_dim {d} (0: all of it), got {rotary_dim}"
+    assert cos.shape == sin.shape == (N, rotary), \
+        f"cos/sin must be [{N}, {rotary}] (rotary_dim, or head_dim {d}), got {tuple(cos.shape)}, {tuple(sin.shape)}"
     for name, t in (("cos", cos), ("sin", sin), ("k_weight", k_weight), ("q_weight", q_weight)):
         if t is not None:
             assert t.dtype == qkv.dtype and t.device == qkv.device, f"{name}: {t.dtype} on {t.device}, qkv: {qkv.dtype}"
@@ -276,14 +297,16 @@ def qk_norm_rope(qkv, num_q_heads: int, num_kv_heads: int, q_weight, k_weight, e
         for name, t in (("slots", slots), ("positions", positions)):
             assert t.dtype == torch.int32 and t.shape == (N,) and t.device == qkv.device and t.is_contiguous(), \
                 f"{name} must be contiguous int32 [{N}] on qkv's device, got {t.dtype} {tuple(t.shape)} {t.device}"
-    if d in (64, 128) and _layer_kernel_ready(qkv):
+    if d in (64, 128, 256) and rotary % 64 == 0 and _layer_kernel_ready(qkv):
         q, k, v = torch.ops.dflash.qk_norm_rope(qkv, num_q_heads, num_kv_heads, q_weight, k_weight, float(eps), cos,
-                                                sin, k_cache, v_cache, slots, positions)
+                                                sin, k_cache, v_cache, slots, positions, bool(zero_centered),
+                                                int(rotary_dim), bool(q_gate))
         q = q if num_q_heads else None
         return (q, None, None) if k_cache is not None else (q, k, v)
     _log_fallback("qk_norm_rope", qkv)
     return qk_norm_rope_reference(qkv, num_q_heads, num_kv_heads, q_weight, k_weight, eps, cos, sin, k_cache,
-                                  v_cache, slots, positions)
+                                  v_cache, slots, positions, zero_centered=zero_centered, rotary_dim=rotary_dim,
+                                  q_gate=q_gate)
 
 
 GEMV_MAX_ROWS = 16  # plugins/gemv.h kGemvMaxRows: more rows of x go to cuBLAS

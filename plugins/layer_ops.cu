@@ -181,22 +181,26 @@ int norm_vec(const RmsNormParams& p) {
 // ---------------------------------------------------------------------------------------------
 // qk_norm_rope: one warp per (row, head) of the packed qkv output. Lane l owns elements
 // l + 32 j (j < D / 32): each warp load is 64 contiguous bytes, no alignment beyond the
-// element's is needed, and the RoPE partner of element i (i +- D/2) is chunk j ^ (D / 64)
-// of the same lane, so the rotation needs no shuffle.
+// element's is needed, and the RoPE partner of element i < R (i +- R/2) is chunk j +- R / 64
+// of the same lane, so the rotation needs no shuffle. R is a template argument so that the
+// partner's register is known at compile time.
 
 constexpr int kQkWarps = 8;
 
-template <typename T, int D>
+template <typename T, int D, int R>
 __global__ void __launch_bounds__(kQkWarps * 32) qk_norm_rope_kernel(QkNormRopeParams p) {
   constexpr int kChunks = D / 32;
-  constexpr int kHalf = kChunks / 2;  // chunks [0, kHalf) are the first half of the head
+  constexpr int kRotChunks = R / 32;    // chunks [kRotChunks, kChunks) pass through unrotated
+  constexpr int kHalf = kRotChunks / 2;  // chunks [0, kHalf) are the first half of the rotated part
   const int heads = p.num_q_heads + 2 * p.num_kv_heads;
   const int64_t item = static_cast<int64_t>(blockIdx.x) * kQkWarps + threadIdx.x / 32;
   if (item >= p.rows * heads) return;  // whole warps: the shuffles below see all 32 lanes
   const int64_t r = item / heads;
   const int head = static_cast<int>(item % heads);
   const int lane = threadIdx.x % 32;
-  const T* src = static_cast<const T*>(p.qkv) + r * p.qkv_stride + static_cast<int64_t>(head) * D + lane;
+  // With q_gate, query head h sits at head slot 2h (its gate in 2h + 1) and k/v after all gates.
+  const int col = head + (p.q_gate ? min(head, p.num_q_heads) : 0);
+  const T* src = static_cast<const T*>(p.qkv) + r * p.qkv_stride + static_cast<int64_t>(col) * D + lane;
   const bool to_cache = p.k_cache != nullptr;
   const int64_t slot = to_cache ? p.slots[r] : 0, pos = to_cache ? p.positions[r] : 0;
 
@@ -222,8 +226,11 @@ __global__ void __launch_bounds__(kQkWarps * 32) qk_norm_rope_kernel(QkNormRopeP
   const T* weight = static_cast<const T*>(is_q ? p.q_weight : p.k_weight) + lane;
   float h[kChunks];
 #pragma unroll
-  for (int j = 0; j < kChunks; ++j)
-    h[j] = rounded<T>(__fmul_rn(to_float(weight[32 * j]), rounded<T>(__fmul_rn(x[j], inv))));
+  for (int j = 0; j < kChunks; ++j) {
+    const float n = __fmul_rn(x[j], inv), w = to_float(weight[32 * j]);
+    // as rms_norm_kernel: Qwen3 rounds n and scales in the dtype, Qwen3.5 scales by 1 + w in fp32
+    h[j] = rounded<T>(p.zero_centered ? __fmul_rn(n, __fadd_rn(1.0f, w)) : __fmul_rn(w, rounded<T>(n)));
+  }
 
   const T* cos = static_cast<const T*>(p.cos) + r * p.cos_stride + lane;
   const T* sin = static_cast<const T*>(p.sin) + r * p.sin_stride + lane;
@@ -238,12 +245,26 @@ __global__ void __launch_bounds__(kQkWarps * 32) qk_norm_rope_kernel(QkNormRopeP
   }
 #pragma unroll
   for (int j = 0; j < kChunks; ++j) {
-    // rotated = cat(-h[D/2:], h[:D/2]); out = round(round(h * cos) + round(rotated * sin))
-    const float rot = j < kHalf ? -h[j ^ kHalf] : h[j ^ kHalf];
+    if (j >= kRotChunks) {  // past the rotary part: h as it is (already rounded)
+      dst[lane + 32 * j] = from_float<T>(h[j]);
+      continue;
+    }
+    // rotated = cat(-h[R/2:R], h[:R/2]); out = round(round(h * cos) + round(rotated * sin))
+    const float rot = j < kHalf ? -h[j + kHalf] : h[j - kHalf];
     const float a = rounded<T>(__fmul_rn(h[j], to_float(cos[32 * j])));
     const float b = rounded<T>(__fmul_rn(rot, to_float(sin[32 * j])));
     dst[lane + 32 * j] = from_float<T>(__fadd_rn(a, b));
   }
+}
+
+// The instantiation for rotary_dim `rotary` (a multiple of 64 up to D, checked before).
+template <typename T, int D, int R = 64>
+cudaError_t launch_qk_norm_rope(const QkNormRopeParams& p, int rotary, dim3 grid, cudaStream_t stream) {
+  if constexpr (R < D) {
+    if (rotary != R) return launch_qk_norm_rope<T, D, R + 64>(p, rotary, grid, stream);
+  }
+  qk_norm_rope_kernel<T, D, R><<<grid, kQkWarps * 32, 0, stream>>>(p);
+  return cudaGetLastError();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -378,7 +399,9 @@ cudaError_t rms_norm_launch(const RmsNormParams& p, cudaStream_t stream) {
 }
 
 const char* qk_norm_rope_check(const QkNormRopeParams& p) {
-  if (p.head_dim != 64 && p.head_dim != 128) return "head_dim must be 64 or 128";
+  if (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256) return "head_dim must be 64, 128 or 256";
+  if (p.rotary_dim < 0 || p.rotary_dim % 64 != 0 || p.rotary_dim > p.head_dim)
+    return "rotary_dim must be 0 (all of head_dim) or a multiple of 64 up to head_dim";
   if (p.rows < 0 || p.num_q_heads < 0 || p.num_kv_heads < 1) return "bad rows or head counts";
   if ((p.rows * (p.num_q_heads + 2 * p.num_kv_heads) + kQkWarps - 1) / kQkWarps > 0x7fffffff)
     return "too many rows";
@@ -396,11 +419,12 @@ cudaError_t qk_norm_rope_launch(const QkNormRopeParams& p, cudaStream_t stream) 
   if (p.rows == 0) return cudaSuccess;
   const int64_t items = p.rows * (p.num_q_heads + 2 * p.num_kv_heads);
   const dim3 grid(static_cast<unsigned>((items + kQkWarps - 1) / kQkWarps));
+  const int rotary = p.rotary_dim == 0 ? p.head_dim : p.rotary_dim;
   return by_dtype(p.dtype, [&](auto t) {
     using T = typename decltype(t)::type;
-    if (p.head_dim == 64) qk_norm_rope_kernel<T, 64><<<grid, kQkWarps * 32, 0, stream>>>(p);
-    else qk_norm_rope_kernel<T, 128><<<grid, kQkWarps * 32, 0, stream>>>(p);
-    return cudaGetLastError();
+    if (p.head_dim == 64) return launch_qk_norm_rope<T, 64>(p, rotary, grid, stream);
+    if (p.head_dim == 128) return launch_qk_norm_rope<T, 128>(p, rotary, grid, stream);
+    return launch_qk_norm_rope<T, 256>(p, rotary, grid, stream);
   });
 }
 

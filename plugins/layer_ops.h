@@ -4,7 +4,8 @@
 //   rms_norm / add_rms_norm  RMSNorm of a row, optionally after adding a residual delta
 //                            (Qwen3's, or the zero-centred or gated ones of Qwen3.5/3.6)
 //   qk_norm_rope             per-head q/k RMSNorm + neox RoPE on the packed qkv output, and
-//                            optionally the K/V cache write, in one launch
+//                            optionally the K/V cache write, in one launch (also Qwen3.5/3.6's
+//                            gated attention: zero-centred norms, RoPE on part of each head)
 //   silu_mul                 silu(gate) * up of the packed gate_up output
 //   causal_conv              the Gated DeltaNet conv + SiLU of a decode pass, with its window
 //
@@ -53,28 +54,34 @@ struct RmsNormParams {
 const char* rms_norm_check(const RmsNormParams& p);
 cudaError_t rms_norm_launch(const RmsNormParams& p, cudaStream_t stream);
 
-// Row r of qkv holds Hq query heads, then Hkv key heads, then Hkv value heads of d elements.
-// Each q (k) head: h = RMSNorm over d with q_weight (k_weight), rounded as above; then
-//   rotated = cat(-h[d/2:], h[:d/2]);  out = round(round(h * cos[r]) + round(rotated * sin[r])).
-// v heads are copied unchanged. q goes to q_out [rows, Hq, d]. With k_cache/v_cache, k and v
-// of row r go to cache[slots[r], positions[r]] (every row; the caller keeps positions below
-// the capacity) and k_out/v_out are unused; without, to k_out/v_out [rows, Hkv, d].
+// Row r of qkv holds Hq query heads, then Hkv key heads, then Hkv value heads of d elements;
+// with q_gate (Qwen3.5/3.6's gated attention) each query head is followed by d gate elements,
+// which are left for the caller. Each q (k) head: h = RMSNorm over d with q_weight (k_weight),
+// rounded as above (zero_centered: as that one); then on its first R = rotary_dim channels
+//   rotated = cat(-h[R/2:R], h[:R/2]);  out = round(round(h * cos[r]) + round(rotated * sin[r]))
+// and out = h on the other d - R. v heads are copied unchanged. q goes to q_out [rows, Hq, d].
+// With k_cache/v_cache, k and v of row r go to cache[slots[r], positions[r]] (every row; the
+// caller keeps positions below the capacity) and k_out/v_out are unused; without, to
+// k_out/v_out [rows, Hkv, d].
 struct QkNormRopeParams {
   DType dtype = DType::kBFloat16;  // of everything but slots/positions
   int64_t rows = 0;
   int num_q_heads = 0;             // Hq; 0: no queries (the drafter's context K/V)
   int num_kv_heads = 0;            // Hkv >= 1
-  int head_dim = 0;                // d: 64 or 128
+  int head_dim = 0;                // d: 64, 128 or 256
+  int rotary_dim = 0;              // R: a multiple of 64 up to d; 0: d
+  bool zero_centered = false;      // the q/k norms scale by 1 + weight, as in RmsNormParams
+  bool q_gate = false;             // each query head's d elements are followed by its gate's
   float eps = 1e-6f;
 
   // Strides are in elements; the last dimension is contiguous everywhere.
-  const void* qkv = nullptr;       // [rows, (Hq + 2 Hkv) d]
+  const void* qkv = nullptr;       // [rows, (Hq + 2 Hkv) d], with q_gate [rows, (2 Hq + 2 Hkv) d]
   int64_t qkv_stride = 0;          //   row
   const void* q_weight = nullptr;  // [d]; null when Hq == 0
   const void* k_weight = nullptr;  // [d]
-  const void* cos = nullptr;       // [rows, d]
+  const void* cos = nullptr;       // [rows, R]
   int64_t cos_stride = 0;
-  const void* sin = nullptr;       // [rows, d]
+  const void* sin = nullptr;       // [rows, R]
   int64_t sin_stride = 0;
 
   void* q_out = nullptr;           // [rows, Hq, d] contiguous

@@ -211,24 +211,27 @@ void check_weight(const at::Tensor& t, const char* name, const at::Tensor& qkv, 
   TORCH_CHECK(t.dim() == 1 && t.size(0) == d && t.is_contiguous(), name, " must be a contiguous [", d, "] tensor");
 }
 
-// qkv [N, (Hq + 2 Hkv) d]; cos/sin [N, d]; caches [num_slots, capacity, Hkv, d] with slots and
-// positions [N] int32, or none. Returns (q [N, Hq, d], k, v [N, Hkv, d]); k and v are empty
-// ([0, Hkv, d]) when they went to the cache.
+// qkv [N, (Hq + 2 Hkv) d] (q_gate: [N, (2 Hq + 2 Hkv) d], each query head followed by its
+// gate); cos/sin [N, R] (R = rotary_dim, 0: d); caches [num_slots, capacity, Hkv, d] with slots
+// and positions [N] int32, or none. Returns (q [N, Hq, d], k, v [N, Hkv, d]); k and v are
+// empty ([0, Hkv, d]) when they went to the cache.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> qk_norm_rope_cuda(
     const at::Tensor& qkv, int64_t num_q_heads, int64_t num_kv_heads, const std::optional<at::Tensor>& q_weight,
     const at::Tensor& k_weight, double eps, const at::Tensor& cos, const at::Tensor& sin,
     const std::optional<at::Tensor>& k_cache, const std::optional<at::Tensor>& v_cache,
-    const std::optional<at::Tensor>& slots, const std::optional<at::Tensor>& positions) {
+    const std::optional<at::Tensor>& slots, const std::optional<at::Tensor>& positions, bool zero_centered,
+    int64_t rotary_dim, bool q_gate) {
   TORCH_CHECK(qkv.is_cuda(), "qkv must be a CUDA tensor");
   const dflash::DType dtype = model_dtype(qkv, "qkv");
   TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "qkv must be [N, (Hq + 2 Hkv) d] with a contiguous last dim");
   TORCH_CHECK(num_q_heads >= 0 && num_kv_heads >= 1, "need num_q_heads >= 0 and num_kv_heads >= 1");
-  TORCH_CHECK(cos.dim() == 2, "cos must be [N, d]");
-  const int64_t N = qkv.size(0), d = cos.size(1), Hq = num_q_heads, Hkv = num_kv_heads;
-  TORCH_CHECK(qkv.size(1) == (Hq + 2 * Hkv) * d, "qkv width ", qkv.size(1), " != (Hq + 2 Hkv) d = ",
-              (Hq + 2 * Hkv) * d);
-  check_rows(cos, "cos", qkv, d);
-  check_rows(sin, "sin", qkv, d);
+  TORCH_CHECK(k_weight.dim() == 1, "k_weight must be [d]");
+  const int64_t N = qkv.size(0), d = k_weight.size(0), Hq = num_q_heads, Hkv = num_kv_heads;
+  const int64_t q_heads = q_gate ? 2 * Hq : Hq, R = rotary_dim == 0 ? d : rotary_dim;
+  TORCH_CHECK(qkv.size(1) == (q_heads + 2 * Hkv) * d, "qkv width ", qkv.size(1), " != (", q_gate ? "2 " : "",
+              "Hq + 2 Hkv) d = ", (q_heads + 2 * Hkv) * d);
+  check_rows(cos, "cos", qkv, R);
+  check_rows(sin, "sin", qkv, R);
   check_weight(k_weight, "k_weight", qkv, d);
   TORCH_CHECK(q_weight.has_value() == (Hq > 0), "q_weight must be given exactly when num_q_heads > 0");
   if (q_weight) check_weight(*q_weight, "q_weight", qkv, d);
@@ -261,6 +264,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> qk_norm_rope_cuda(
   p.num_q_heads = static_cast<int>(Hq);
   p.num_kv_heads = static_cast<int>(Hkv);
   p.head_dim = static_cast<int>(d);
+  p.rotary_dim = static_cast<int>(rotary_dim);
+  p.zero_centered = zero_centered;
+  p.q_gate = q_gate;
   p.eps = static_cast<float>(eps);
   p.qkv = qkv.data_ptr();
   p.qkv_stride = qkv.stride(0);
@@ -356,9 +362,10 @@ at::Tensor gated_rms_norm_meta(const at::Tensor& x, const at::Tensor&, const at:
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> qk_norm_rope_meta(
     const at::Tensor& qkv, int64_t num_q_heads, int64_t num_kv_heads, const std::optional<at::Tensor>&,
-    const at::Tensor&, double, const at::Tensor& cos, const at::Tensor&, const std::optional<at::Tensor>& k_cache,
-    const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&) {
-  const int64_t N = qkv.size(0), d = cos.size(1), rows = k_cache ? 0 : N;
+    const at::Tensor& k_weight, double, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>& k_cache,
+    const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, bool,
+    int64_t, bool) {
+  const int64_t N = qkv.size(0), d = k_weight.size(0), rows = k_cache ? 0 : N;
   return {at::empty({N, num_q_heads, d}, qkv.options()), at::empty({rows, num_kv_heads, d}, qkv.options()),
           at::empty({rows, num_kv_heads, d}, qkv.options())};
 }
@@ -752,7 +759,8 @@ TORCH_LIBRARY(dflash, m) {
   m.def(
       "qk_norm_rope(Tensor qkv, int num_q_heads, int num_kv_heads, Tensor? q_weight, Tensor k_weight, float eps, "
       "Tensor cos, Tensor sin, Tensor(a!)? k_cache=None, Tensor(b!)? v_cache=None, Tensor? slots=None, "
-      "Tensor? positions=None) -> (Tensor, Tensor, Tensor)");
+      "Tensor? positions=None, bool zero_centered=False, int rotary_dim=0, bool q_gate=False) "
+      "-> (Tensor, Tensor, Tensor)");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("gemv(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
   m.def(

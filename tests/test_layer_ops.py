@@ -7,9 +7,10 @@ import torch
 from conftest import write_report
 
 from dflash_trt import plugins
-from dflash_trt.config import LayerDims
+from dflash_trt.config import HybridTargetConfig, LayerDims, LinearAttentionDims
+from dflash_trt.kv_cache import Batch, KVCache
 from dflash_trt.models.layers import MLP, AttentionProjections, RMSNorm, Rotary, apply_rope
-from dflash_trt.models.qwen3_5 import GatedRMSNorm, ZeroCenteredRMSNorm
+from dflash_trt.models.qwen3_5 import GatedAttention, GatedRMSNorm, ZeroCenteredRMSNorm, apply_partial_rope
 from dflash_trt.ops import (
     add_rms_norm,
     add_rms_norm_reference,
@@ -18,6 +19,7 @@ from dflash_trt.ops import (
     causal_conv_reference,
     gated_rms_norm,
     gated_rms_norm_reference,
+    paged_block_attention,
     qk_norm_rope,
     qk_norm_rope_reference,
     rms_norm,
@@ -255,6 +257,101 @@ def test_qk_norm_rope_writes_exactly_the_addressed_cache_rows(dtype):
     assert torch.equal(k_all, k_before) and torch.equal(v_all, v_before)
 
 
+def gated_attention_case(Hq, Hkv, d, rotary, dtype, bs=2, T=5, seed=0):
+    """A random Qwen3.5 GatedAttention (cache layer 1), its input x [bs, T, H] and cos/sin
+    [bs, T, rotary] at ragged positions."""
+    config = HybridTargetConfig(dims=dims_for(Hq, Hkv, d), linear=LinearAttentionDims(1, 1, 16, 16, 4),
+                                layer_types=("full_attention",), partial_rotary_factor=rotary / d, vocab_size=16,
+                                tie_word_embeddings=False, eos_token_ids=(0,), has_vision=False)
+    attn = randomise(GatedAttention(config, cache_layer=1).to(dtype), seed)
+    x = rand(bs, T, 64, dtype=dtype, seed=seed + 1)
+    positions = torch.tensor([3, 1000])[:bs, None] + torch.arange(T)
+    cos, sin = Rotary(config.rotary_dim, 1e6)(positions, dtype)
+    return attn, x, cos, sin
+
+
+def old_gated_qkv(attn, x, cos, sin):
+    """GatedAttention's q/k/v before the fused op: gate split, ZeroCenteredRMSNorm, apply_partial_rope."""
+    d = attn.dims
+    q_gate, k, v = attn.qkv_proj(x).split([2 * d.q_size, d.kv_size, d.kv_size], dim=-1)
+    q, gate = q_gate.unflatten(-1, (d.num_attention_heads, 2 * d.head_dim)).chunk(2, dim=-1)
+    q = apply_partial_rope(attn.q_norm(q), cos, sin)
+    k = apply_partial_rope(attn.k_norm(k.unflatten(-1, (d.num_key_value_heads, d.head_dim))), cos, sin)
+    return q, k, v.unflatten(-1, (d.num_key_value_heads, d.head_dim)), gate
+
+
+# (Hq, Hkv, head_dim, rotary_dim)
+GATED_SHAPES = {"d=256 rope 64": (4, 2, 256, 64), "d=256 full rope": (4, 2, 256, 256), "MHA d=32 rope 8": (3, 3, 32, 8)}
+
+
+@pytest.mark.parametrize("to_cache", [False, True], ids=["returned", "cache write"])
+@pytest.mark.parametrize("shape", GATED_SHAPES.values(), ids=GATED_SHAPES.keys())
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@torch.no_grad()
+def test_qk_norm_rope_reference_is_the_gated_attention_qkv(dtype, shape, to_cache):
+    Hq, Hkv, d, r = shape
+    attn, x, cos, sin = gated_attention_case(Hq, Hkv, d, r, dtype)
+    q_old, k_old, v_old = (t.flatten(0, 1) for t in old_gated_qkv(attn, x, cos, sin)[:3])
+    qkv = attn.qkv_proj(x).flatten(0, 1)
+    args = (qkv, Hq, Hkv, attn.q_norm.weight, attn.k_norm.weight, EPS, cos.flatten(0, 1), sin.flatten(0, 1))
+    gated = dict(zero_centered=True, rotary_dim=r, q_gate=True)
+    for op in (qk_norm_rope, qk_norm_rope_reference):
+        if not to_cache:
+            q, k, v = op(*args, **gated)
+            for got, ref in ((q, q_old), (k, k_old), (v, v_old)):
+                assert got.dtype == dtype and got.is_contiguous() and torch.equal(got, ref)
+            continue
+        k_all = rand(3, 4, 7, Hkv, d, dtype=dtype, seed=5)
+        v_all = rand(3, 4, 7, Hkv, d, dtype=dtype, seed=6)
+        k_expected, v_expected = k_all.clone(), v_all.clone()
+        slots, positions = ragged_rows(q_old.shape[0], 4, 7)
+        q, k, v = op(*args, k_all[1], v_all[1], slots, positions, **gated)
+        assert k is None and v is None and q.is_contiguous() and torch.equal(q, q_old)
+        k_expected[1, slots.long(), positions.long()] = k_old
+        v_expected[1, slots.long(), positions.long()] = v_old
+        assert torch.equal(k_all, k_expected) and torch.equal(v_all, v_expected)
+
+
+def old_gated_attention(attn, x, cos, sin, batch, cache):
+    """GatedAttention.forward before the fused op, K/V written as its KVCache.write did."""
+    q, k, v, gate = old_gated_qkv(attn, x, cos, sin)
+    cache.k[attn.cache_layer, batch.slots[:, None], batch.positions] = k
+    cache.v[attn.cache_layer, batch.slots[:, None], batch.positions] = v
+    out = paged_block_attention(q, cache.k[attn.cache_layer], cache.v[attn.cache_layer], batch.slots.int(),
+                                (batch.start + batch.num_tokens).int(), batch.start.int(), causal=True,
+                                scale=attn.scale, max_keys=batch.max_end)
+    return attn.o_proj(out.flatten(2) * torch.sigmoid(gate.flatten(2)))
+
+
+# (slots, start, num_tokens, width)
+GATED_PASSES = {"ragged prefill": ([2, 0], [0, 6], [5, 3], 5), "verify": ([1, 3], [7, 2], [4, 4], 4),
+                "AR step": ([0, 3], [9, 1], [1, 1], 1)}
+
+
+@pytest.mark.parametrize("rotary", [64, 256])
+@pytest.mark.parametrize("rows", GATED_PASSES.values(), ids=GATED_PASSES.keys())
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@torch.no_grad()
+def test_gated_attention_outputs_and_writes_what_it_did_before_the_fused_op(dtype, rows, rotary):
+    """Same output, and exactly the cache rows KVCache.write wrote (a prefill's padding included)."""
+    slots, start, num_tokens, width = rows
+    batch = Batch.make(slots, start, num_tokens, width, "cpu")
+    attn, x, _, _ = gated_attention_case(4, 2, 256, rotary, dtype, T=width)
+    cos, sin = Rotary(rotary, 1e6)(batch.positions, dtype)
+    caches = []
+    for _ in range(2):  # the same garbage in both, so that untouched rows compare too
+        cache = KVCache(2, 4, 16, 2, 256, dtype, "cpu")
+        cache.k.copy_(rand(*cache.k.shape, dtype=dtype, seed=7))
+        cache.v.copy_(rand(*cache.v.shape, dtype=dtype, seed=8))
+        caches.append(cache)
+    old = old_gated_attention(attn, x, cos, sin, batch, caches[0])
+    lengths = (batch.slots.int(), (batch.start + batch.num_tokens).int(), batch.start.int(), batch.num_tokens.int(),
+               batch.token_rows())  # as Qwen3_5Model.forward makes them
+    new = attn(x, cos, sin, lengths, batch, caches[1])
+    assert torch.equal(new, old)
+    assert torch.equal(caches[1].k, caches[0].k) and torch.equal(caches[1].v, caches[0].v)
+
+
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @torch.no_grad()
 def test_silu_mul_reference_is_the_model_mlp(dtype):
@@ -301,6 +398,14 @@ def bad_calls():
                                                                          i32, i32.long())),
         "qk cache heads": ("k_cache must be", lambda: qk_norm_rope(qkv, 2, 1, w8, w8, EPS, cs, cs, cache[..., None, :],
                                                                    cache, i32, i32)),
+        "qk odd rotary_dim": ("rotary_dim must be", lambda: qk_norm_rope(qkv, 2, 1, w8, w8, EPS, cs[:, :3], cs[:, :3],
+                                                                         rotary_dim=3)),
+        "qk rotary_dim over head_dim": ("rotary_dim must be",
+                                        lambda: qk_norm_rope(qkv, 2, 1, w8, w8, EPS, x, x, rotary_dim=16)),
+        "qk cos not rotary_dim wide": ("cos/sin must be", lambda: qk_norm_rope(qkv, 2, 1, w8, w8, EPS, cs, cs,
+                                                                               rotary_dim=4)),
+        "qk q_gate without gate rows": ("qkv must be", lambda: qk_norm_rope(qkv, 2, 1, w8, w8, EPS, cs, cs,
+                                                                            q_gate=True)),
         "silu_mul odd width": ("gate_up must be", lambda: silu_mul(torch.randn(3, 7))),
         "silu_mul strided": ("gate_up must be contiguous", lambda: silu_mul(torch.randn(8, 3).t())),
     }
@@ -328,8 +433,10 @@ def test_layer_ops_are_part_of_the_plugin_library():
 # last bits, and so rsqrt's, may differ, which flips the rounding of n = s * rsqrt(.) to the
 # dtype where n sits next to a rounding boundary (about 2^-16 of bf16 elements, 2^-13 of
 # fp16). One flip moves n by ulp(n), so y = round(w * n) by |w| ulp(n) plus its own rounding:
-# at most 2 ulp(y). RoPE mixes two normalised values h_i, h_j (|cos|, |sin| <= 1) and rounds
-# three times, so there a flip moves the output by at most 4 ulp of the head's largest |h|.
+# at most 2 ulp(y) (a zero-centred norm rounds only y = round(n (1 + w)): at most 1 ulp(y)).
+# RoPE mixes two normalised values h_i, h_j (|cos|, |sin| <= 1) and rounds three times, so
+# there a flip moves the output by at most 4 ulp of the head's largest |h|; channels past
+# rotary_dim are h itself.
 # Besides that bound, flips must stay rare: a wrong rounding order would change a large share
 # of the elements, so at most 1e-3 of them may differ at all. silu_mul has no reduction and
 # must be within 1 ulp. The totals (elements that differ, the worst error in ulps) are printed
@@ -455,28 +562,39 @@ def test_cuda_rms_norm_reads_rows_that_are_not_16_byte_aligned():
     check_close("add_rms_norm", y, y_ref, 2 * ulp(y_ref, dtype))
 
 
-def qkv_case(N, Hq, Hkv, d, dtype, seed=0):
-    qkv = rand(N, (Hq + 2 * Hkv) * d, dtype=dtype, device="cuda", seed=seed, scale=2.0)
-    q_w = cuda_norm_weight(d, dtype, seed=seed + 1) if Hq else None
-    k_w = cuda_norm_weight(d, dtype, seed=seed + 2)
+def qkv_case(N, Hq, Hkv, d, dtype, seed=0, zero_centered=False, rotary_dim=0, q_gate=False):
+    """qkv [N, W] (with q_gate, each query head followed by a gate head), norm weights (a
+    zero-centred one an offset from 1), cos/sin [N, rotary_dim or d] at random positions."""
+    qkv = rand(N, ((2 if q_gate else 1) * Hq + 2 * Hkv) * d, dtype=dtype, device="cuda", seed=seed, scale=2.0)
+    offset = 1 if zero_centered else 0
+    q_w = cuda_norm_weight(d, dtype, seed=seed + 1) - offset if Hq else None
+    k_w = cuda_norm_weight(d, dtype, seed=seed + 2) - offset
     positions = torch.randint(0, 40000, (N,), generator=torch.Generator().manual_seed(seed)).cuda()
-    cos, sin = Rotary(d, 1e6)(positions, dtype)
+    cos, sin = Rotary(rotary_dim or d, 1e6)(positions, dtype)
     return qkv, q_w, k_w, cos, sin
 
 
-def rope_bound(qkv, first_head, heads, weight, ref, d):
+def rope_bound(qkv, first_head, heads, weight, ref, d, zero_centered=False):
     """4 ulp of the largest normalised |h| of each head (see the note above), at least 1 ulp(ref)."""
-    h = rms_norm_reference(qkv[:, first_head * d:(first_head + heads) * d].unflatten(-1, (heads, d)), weight, EPS)
+    h = rms_norm_reference(qkv[:, first_head * d:(first_head + heads) * d].unflatten(-1, (heads, d)), weight, EPS,
+                           zero_centered)
     scale = h.float().abs().amax(-1, keepdim=True)
     return torch.maximum(4 * ulp(scale, ref.dtype), ulp(ref, ref.dtype))
 
 
-def check_qk(N, Hq, Hkv, d, qkv, q_w, k_w, q, k, q_ref, k_ref):
+def without_gates(qkv, Hq, d):
+    """A q_gate layout's qkv without the gate after each query head: [N, (Hq + 2 Hkv) d]."""
+    heads = qkv.unflatten(-1, (-1, d))
+    return torch.cat([heads[:, :2 * Hq:2], heads[:, 2 * Hq:]], dim=1).flatten(1)
+
+
+def check_qk(N, Hq, Hkv, d, qkv, q_w, k_w, q, k, q_ref, k_ref, zero_centered=False, q_gate=False):
+    qkv = without_gates(qkv, Hq, d) if q_gate else qkv
     if Hq:
-        check_close("qk_norm_rope q", q, q_ref, rope_bound(qkv, 0, Hq, q_w, q_ref, d))
+        check_close("qk_norm_rope q", q, q_ref, rope_bound(qkv, 0, Hq, q_w, q_ref, d, zero_centered))
     else:
         assert q is None and q_ref is None
-    check_close("qk_norm_rope k", k, k_ref, rope_bound(qkv, Hq, Hkv, k_w, k_ref, d))
+    check_close("qk_norm_rope k", k, k_ref, rope_bound(qkv, Hq, Hkv, k_w, k_ref, d, zero_centered))
 
 
 @pytest.mark.cuda
@@ -486,15 +604,45 @@ def check_qk(N, Hq, Hkv, d, qkv, q_w, k_w, q, k, q_ref, k_ref):
 @pytest.mark.parametrize("N", ROWS)
 @pytest.mark.parametrize("dtype", CUDA_DTYPES.values(), ids=CUDA_DTYPES.keys())
 def test_cuda_qk_norm_rope_matches_the_reference(dtype, N, d, heads, to_cache):
+    check_qk_norm_rope_case(dtype, N, *heads, d, to_cache)
+
+
+# (head_dim, rotary_dim, zero_centered, q_gate): Qwen3.5/3.6's gated attention (head_dim 256,
+# rotary_dim 64), and each extension apart; rotary_dim 192 turns chunks whose partner is not j ^ 3.
+QK_VARIANTS = {
+    "d256": (256, 0, False, False),
+    "qwen3.5 rope64": (256, 64, True, True),
+    "qwen3.5 full rope": (256, 256, True, True),
+    "d256 rope192 gated": (256, 192, False, True),
+    "d256 rope128 zero-centred": (256, 128, True, False),
+    "d128 rope64 gated zero-centred": (128, 64, True, True),
+}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("to_cache", [False, True], ids=["returned", "cache write"])
+@pytest.mark.parametrize("heads", [(0, 2), (16, 4), (4, 2)], ids=lambda h: f"Hq{h[0]}-Hkv{h[1]}")
+@pytest.mark.parametrize("variant", QK_VARIANTS.values(), ids=QK_VARIANTS.keys())
+@pytest.mark.parametrize("N", ROWS)
+@pytest.mark.parametrize("dtype", CUDA_DTYPES.values(), ids=CUDA_DTYPES.keys())
+def test_cuda_gated_partial_qk_norm_rope_matches_the_reference(dtype, N, variant, heads, to_cache):
+    d, rotary_dim, zero_centered, q_gate = variant
+    check_qk_norm_rope_case(dtype, N, *heads, d, to_cache, zero_centered=zero_centered, rotary_dim=rotary_dim,
+                            q_gate=q_gate)
+
+
+def check_qk_norm_rope_case(dtype, N, Hq, Hkv, d, to_cache, zero_centered=False, rotary_dim=0, q_gate=False):
+    """The kernel against the reference on the same inputs, k and v returned or written to a cache."""
     assert plugins.load() is not None
-    Hq, Hkv = heads
-    qkv, q_w, k_w, cos, sin = qkv_case(N, Hq, Hkv, d, dtype, seed=N + d)
+    variant = dict(zero_centered=zero_centered, rotary_dim=rotary_dim, q_gate=q_gate)
+    qkv, q_w, k_w, cos, sin = qkv_case(N, Hq, Hkv, d, dtype, seed=N + d, **variant)
+    bound = dict(zero_centered=zero_centered, q_gate=q_gate)
     if not to_cache:
-        q, k, v = qk_norm_rope(qkv, Hq, Hkv, q_w, k_w, EPS, cos, sin)
-        q_ref, k_ref, v_ref = qk_norm_rope_reference(qkv, Hq, Hkv, q_w, k_w, EPS, cos, sin)
+        q, k, v = qk_norm_rope(qkv, Hq, Hkv, q_w, k_w, EPS, cos, sin, **variant)
+        q_ref, k_ref, v_ref = qk_norm_rope_reference(qkv, Hq, Hkv, q_w, k_w, EPS, cos, sin, **variant)
         assert k.is_contiguous() and v.is_contiguous() and (q is None or q.is_contiguous())
         assert torch.equal(v, v_ref)
-        check_qk(N, Hq, Hkv, d, qkv, q_w, k_w, q, k, q_ref, k_ref)
+        check_qk(N, Hq, Hkv, d, qkv, q_w, k_w, q, k, q_ref, k_ref, **bound)
         return
     # A layer view of 5-D caches; rows of other layers, slots and positions must stay as they are.
     num_slots, capacity = 6, 100
@@ -502,15 +650,15 @@ def test_cuda_qk_norm_rope_matches_the_reference(dtype, N, d, heads, to_cache):
     v_all = rand(3, num_slots, capacity, Hkv, d, dtype=dtype, device="cuda", seed=8)
     k_ref_all, v_ref_all = k_all.clone(), v_all.clone()
     slots, positions = (t.cuda() for t in ragged_rows(N, num_slots, capacity, seed=N))
-    q, k, v = qk_norm_rope(qkv, Hq, Hkv, q_w, k_w, EPS, cos, sin, k_all[1], v_all[1], slots, positions)
+    q, k, v = qk_norm_rope(qkv, Hq, Hkv, q_w, k_w, EPS, cos, sin, k_all[1], v_all[1], slots, positions, **variant)
     assert k is None and v is None
     q_ref, _, _ = qk_norm_rope_reference(qkv, Hq, Hkv, q_w, k_w, EPS, cos, sin, k_ref_all[1], v_ref_all[1], slots,
-                                         positions)
+                                         positions, **variant)
     written = torch.zeros(3, num_slots, capacity, dtype=torch.bool, device="cuda")
     written[1, slots.long(), positions.long()] = True
     assert torch.equal(k_all[~written], k_ref_all[~written]) and torch.equal(v_all, v_ref_all)
     index = (1, slots.long(), positions.long())
-    check_qk(N, Hq, Hkv, d, qkv, q_w, k_w, q, k_all[index], q_ref, k_ref_all[index])
+    check_qk(N, Hq, Hkv, d, qkv, q_w, k_w, q, k_all[index], q_ref, k_ref_all[index], **bound)
 
 
 @pytest.mark.cuda
@@ -583,6 +731,35 @@ def test_cuda_qk_norm_rope_replays_in_a_cuda_graph_with_new_slots_and_positions(
     check_close("qk_norm_rope q", q, q_ref, rope_bound(qkv, 0, Hq, q_w, q_ref, d))
     index = (1, slots.long(), positions.long())
     check_close("qk_norm_rope k", k_cache[index], k_ref[index], rope_bound(qkv, Hq, Hkv, k_w, k_ref[index], d))
+    k_cache[index] = k_ref[index]  # the rest must be untouched (zero)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+@pytest.mark.cuda
+def test_cuda_gated_qk_norm_rope_replays_in_a_cuda_graph_with_new_slots_and_positions():
+    """Qwen3.5-9B's gated attention (head_dim 256, rotary_dim 64) at a verify's 16 rows."""
+    dtype, N, Hq, Hkv, d = torch.bfloat16, 16, 16, 4, 256
+    variant = dict(zero_centered=True, rotary_dim=64, q_gate=True)
+    qkv, q_w, k_w, cos, sin = qkv_case(N, Hq, Hkv, d, dtype, **variant)
+    k_cache = torch.zeros(2, 4, 64, Hkv, d, dtype=dtype, device="cuda")
+    v_cache = torch.zeros_like(k_cache)
+    slots, positions = (t.cuda() for t in ragged_rows(N, 4, 64, seed=1))
+
+    def update():
+        refill(qkv, cos, sin, seed=20)
+        new_slots, new_positions = ragged_rows(N, 4, 64, seed=2)
+        slots.copy_(new_slots)
+        positions.copy_(new_positions)
+        k_cache.zero_()
+        v_cache.zero_()
+
+    q, _, _ = replay_after(lambda: qk_norm_rope(qkv, Hq, Hkv, q_w, k_w, EPS, cos, sin, k_cache[1], v_cache[1], slots,
+                                                positions, **variant), update)
+    k_ref, v_ref = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    q_ref, _, _ = qk_norm_rope_reference(qkv, Hq, Hkv, q_w, k_w, EPS, cos, sin, k_ref[1], v_ref[1], slots, positions,
+                                         **variant)
+    index = (1, slots.long(), positions.long())
+    check_qk(N, Hq, Hkv, d, qkv, q_w, k_w, q, k_cache[index], q_ref, k_ref[index], zero_centered=True, q_gate=True)
     k_cache[index] = k_ref[index]  # the rest must be untouched (zero)
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
 

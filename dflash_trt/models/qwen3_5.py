@@ -160,15 +160,18 @@ class GatedAttention(nn.Module):
 
     def forward(self, x, cos, sin, lengths, batch: Batch, cache: HybridCache):
         d = self.dims
-        q_gate, k, v = self.qkv_proj(x).split([2 * d.q_size, d.kv_size, d.kv_size], dim=-1)
-        q, gate = q_gate.unflatten(-1, (d.num_attention_heads, 2 * d.head_dim)).chunk(2, dim=-1)
-        q = apply_partial_rope(self.q_norm(q), cos, sin)
-        k = apply_partial_rope(self.k_norm(k.unflatten(-1, (d.num_key_value_heads, d.head_dim))), cos, sin)
-        v = v.unflatten(-1, (d.num_key_value_heads, d.head_dim))
-        cache.write(self.cache_layer, batch, k, v)
-        slots, end, start, _ = lengths
-        out = paged_block_attention(q, cache.k[self.cache_layer], cache.v[self.cache_layer], slots, end, start,
-                                    causal=True, scale=self.scale, max_keys=batch.max_end)
+        bs, T = x.shape[:2]
+        slots, end, start, _, rows = lengths
+        qkv = self.qkv_proj(x)
+        # one kernel on CUDA: both zero-centred norms, RoPE on the first rotary_dim channels
+        # (apply_partial_rope), k and v straight into the cache
+        q, _, _ = ops.qk_norm_rope(qkv.flatten(0, 1), d.num_attention_heads, d.num_key_value_heads,
+                                   self.q_norm.weight, self.k_norm.weight, d.rms_norm_eps, cos.flatten(0, 1),
+                                   sin.flatten(0, 1), *cache.layer(self.cache_layer, rows), zero_centered=True,
+                                   rotary_dim=cos.shape[-1], q_gate=True)
+        gate = qkv[..., :2 * d.q_size].unflatten(-1, (d.num_attention_heads, 2 * d.head_dim))[..., d.head_dim:]
+        out = paged_block_attention(q.unflatten(0, (bs, T)), cache.k[self.cache_layer], cache.v[self.cache_layer],
+                                    slots, end, start, causal=True, scale=self.scale, max_keys=batch.max_end)
         return self.o_proj(out.flatten(2) * torch.sigmoid(gate.flatten(2)))
 
 
@@ -208,7 +211,7 @@ class GatedDeltaNet(nn.Module):
         weight = self.conv1d.weight[:, 0]
         snapshots = None if to_cache else cache.conv_snapshots[layer]
         if batch.full_rows and (to_cache or batch.width <= S <= batch.width + 1):
-            slots, _, start, _ = lengths  # one kernel on CUDA: any width to the cache, S snapshots of a verify
+            slots, _, start, _, _ = lengths  # one kernel on CUDA: any width to the cache, S snapshots of a verify
             return ops.causal_conv(qkv, weight, cache.conv[layer], snapshots, slots, start)
         window = cache.conv[layer, batch.slots].masked_fill((batch.start == 0)[:, None, None], 0)
         qkv, windows = causal_conv1d(qkv, window, weight, batch.num_tokens, 1 if to_cache else S, batch.full_rows)
@@ -219,7 +222,8 @@ class GatedDeltaNet(nn.Module):
         return qkv
 
     def forward(self, x, batch: Batch, cache: HybridCache, lengths):
-        """`lengths`: (slots, end, start, num_tokens) of the batch as int32, made once per pass."""
+        """`lengths`: (slots, end, start, num_tokens) of the batch as int32, made once per pass,
+        and the cache slot and position of each token (Batch.token_rows, for attention layers)."""
         lin, layer, S = self.lin, self.cache_layer, cache.num_snapshots
         qkv, z, b, a = self.in_proj(x).split(
             [lin.conv_size, lin.value_size, lin.num_value_heads, lin.num_value_heads], dim=-1)
@@ -235,7 +239,7 @@ class GatedDeltaNet(nn.Module):
             # the state is read from the cache in place, never gathered. An AR step or a short
             # prefill writes the new state over it; a verify writes nothing and saves its
             # inputs, from which commit replays the accepted tokens.
-            slots, _, start, num_tokens = lengths
+            slots, _, start, num_tokens, _ = lengths
             inputs = gated_delta_prepare(qkv, a, b, neg_a, dt_bias, lin.num_key_heads, lin.key_head_dim,
                                          lin.value_head_dim, L2_EPS, lin.key_head_dim**-0.5)
             if in_place:
@@ -293,7 +297,9 @@ class Qwen3_5Model(nn.Module):
         """input_ids [bs, width] -> (final hidden [bs, width, H], taps [bs, width, K*H] or None)."""
         x = self.embed_tokens(input_ids).float()  # fp32 residual stream, as in the Qwen3 target
         cos, sin = self.rotary(batch.positions, self.embed_tokens.weight.dtype)
-        lengths = (batch.slots.int(), (batch.start + batch.num_tokens).int(), batch.start.int(), batch.num_tokens.int())
+        # once per pass: lengths for attention and the recurrence, slot/position of each token for cache writes
+        lengths = (batch.slots.int(), (batch.start + batch.num_tokens).int(), batch.start.int(), batch.num_tokens.int(),
+                   batch.token_rows())
         tapped, mlp_out = [], None
         for i, layer in enumerate(self.layers):
             x, mlp_out = layer(x, mlp_out, cos, sin, lengths, batch, cache)
