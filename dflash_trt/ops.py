@@ -407,9 +407,9 @@ def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool,
     return moe_route_reference(logits, top_k, renormalize, shared)
 
 
-def moe_experts_reference(x, gate_up, down, weights, ids):
+def moe_experts_reference(x, gate_up, down, weights, ids, out_dtype=torch.float32):
     """The routed experts of x [N, H]: out[t] = sum_j weights[t, j] * expert_{ids[t, j]}(x[t]),
-    the sum in fp32 over j = 0..k-1 in order -> [N, H] fp32.
+    the sum in fp32 over j = 0..k-1 in order -> [N, H] fp32, or that rounded to out_dtype.
 
     An expert is the SwiGLU MLP of gate_up [E, 2I, H] (gate rows, then up rows) and down
     [E, H, I], rounding as layers.MLP does: each projection's output in x's dtype, silu * up
@@ -421,7 +421,7 @@ def moe_experts_reference(x, gate_up, down, weights, ids):
         token, j = (ids == e).nonzero(as_tuple=True)
         y = F.linear(silu_mul_reference(F.linear(x[token], gate_up[e])), down[e])
         out[token, j] = y.float()
-    return (out * weights[..., None]).sum(dim=1)
+    return (out * weights[..., None]).sum(dim=1).to(out_dtype)
 
 
 # N k / E (picks per expert, on average) from which bf16 passes run the experts as two grouped
@@ -433,8 +433,9 @@ MOE_MAX_SLOTS = 1 << 19  # N k of one launch (its grid); larger passes go in tok
 MOE_MAX_EXPERTS = 2048  # plugins/moe.h kMoeMaxExperts
 
 
-def moe_experts(x, gate_up, down, weights, ids):
-    """The routed experts of a pass (semantics of moe_experts_reference) -> [N, H] fp32.
+def moe_experts(x, gate_up, down, weights, ids, out_dtype=torch.float32):
+    """The routed experts of a pass (semantics of moe_experts_reference) -> [N, H] in
+    out_dtype: fp32, or x's dtype (the sum rounded once, as .to() would, without a kernel more).
 
     On CUDA once the plugins are built (bf16, fp16 or fp32; H and I multiples of 8): the fused
     kernels of plugins/moe.cu, which read each picked expert's weights once per 8 or 16 of its
@@ -460,17 +461,18 @@ def moe_experts(x, gate_up, down, weights, ids):
     assert ids.dtype == torch.int32, f"ids must be int32, got {ids.dtype}"
     for name, t in (("gate_up", gate_up), ("down", down), ("weights", weights), ("ids", ids)):
         assert t.device == x.device, f"{name} is on {t.device}, x on {x.device}"
+    assert out_dtype in (torch.float32, x.dtype), f"out_dtype must be fp32 or x's {x.dtype}, got {out_dtype}"
     if not _moe_kernel_fits(x, gate_up, down):
         _log_fallback("moe_experts", x)
-        return moe_experts_reference(x, gate_up, down, weights, ids)
+        return moe_experts_reference(x, gate_up, down, weights, ids, out_dtype)
     step = MOE_MAX_SLOTS // max(ids.shape[1], 1)
     if N > step:
-        return torch.cat([moe_experts(x[i:i + step], gate_up, down, weights[i:i + step], ids[i:i + step])
+        return torch.cat([moe_experts(x[i:i + step], gate_up, down, weights[i:i + step], ids[i:i + step], out_dtype)
                           for i in range(0, N, step)])
     x, weights, ids = x.contiguous(), weights.contiguous(), ids.contiguous()
     if _moe_grouped_fits(x, ids.numel(), E):
-        return _moe_experts_grouped(x, gate_up, down, weights, ids)
-    return torch.ops.dflash.moe_experts(x, gate_up, down, weights, ids)
+        return _moe_experts_grouped(x, gate_up, down, weights, ids).to(out_dtype)
+    return torch.ops.dflash.moe_experts(x, gate_up, down, weights, ids, out_dtype == torch.float32)
 
 
 def _moe_kernel_fits(x, gate_up, down) -> bool:

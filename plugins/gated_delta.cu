@@ -204,10 +204,13 @@ int warps_per_cta(const GatedDeltaParams& p) {
   return warps;
 }
 
-// -- prepare: one CTA per token; warp w takes the q/k heads w, w + warps, ... (a head's sum
-// of squares over dk is a warp sum), then the CTA streams v and the gates.
+// -- prepare: a token's work split over a few CTAs (grid: tokens x parts), so that a decode
+// step's one token is not one CTA walking every head in turn: warp w of part y takes the q/k
+// heads y W + w, (y + parts) W + w, ... (W warps; a head's sum of squares over dk is a warp
+// sum), and each part streams its share of v and of the gates.
 
 constexpr int kPrepareThreads = 256;
+constexpr int kPrepareWarps = kPrepareThreads / 32;
 
 __device__ __forceinline__ float load_as_float(const void* base, int64_t i, DType dtype) {
   switch (dtype) {
@@ -228,9 +231,10 @@ __global__ void __launch_bounds__(kPrepareThreads) gated_delta_prepare_kernel(Ga
   const int Hk = p.num_k_heads, Hv = p.num_v_heads, dk = p.key_dim, dv = p.value_dim;
   const int64_t row = 2 * static_cast<int64_t>(Hk) * dk + static_cast<int64_t>(Hv) * dv;
   const int64_t in0 = n * row;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int part = blockIdx.y, parts = gridDim.y;
   // q heads are 0 .. Hk-1, k heads Hk .. 2Hk-1: both L2-normalised, q then scaled
-  for (int h = warp; h < 2 * Hk; h += warps) {
+  for (int h = part * kPrepareWarps + warp; h < 2 * Hk; h += parts * kPrepareWarps) {
     float x[8];  // dk <= 256: a lane holds elements lane + 32 i
     float sq = 0.0f;
 #pragma unroll
@@ -249,8 +253,10 @@ __global__ void __launch_bounds__(kPrepareThreads) gated_delta_prepare_kernel(Ga
     }
   }
   const int64_t v0 = in0 + 2 * static_cast<int64_t>(Hk) * dk;
-  for (int e = threadIdx.x; e < Hv * dv; e += blockDim.x) p.v[n * Hv * dv + e] = load_as_float(p.qkv, v0 + e, p.dtype);
-  for (int h = threadIdx.x; h < Hv; h += blockDim.x) {
+  const int per_part = (Hv * dv + parts - 1) / parts, end = min(Hv * dv, (part + 1) * per_part);
+  for (int e = part * per_part + threadIdx.x; e < end; e += blockDim.x)
+    p.v[n * Hv * dv + e] = load_as_float(p.qkv, v0 + e, p.dtype);
+  for (int h = part * blockDim.x + threadIdx.x; h < Hv; h += parts * blockDim.x) {
     const float x = __fadd_rn(load_as_float(p.a, n * p.ab_stride + h, p.dtype), p.dt_bias[h]);
     const float softplus = x > 20.0f ? x : log1pf(expf(x));  // torch's threshold
     p.g[n * Hv + h] = __fmul_rn(p.neg_a[h], softplus);
@@ -262,7 +268,7 @@ __global__ void __launch_bounds__(kPrepareThreads) gated_delta_prepare_kernel(Ga
 
 const char* gated_delta_prepare_check(const GatedDeltaPrepareParams& p) {
   if (p.tokens < 0 || p.tokens > 0x7fffffff) return "tokens must be in [0, 2^31)";
-  if (p.num_k_heads < 1 || p.num_v_heads < 1) return "head counts must be positive";
+  if (p.num_k_heads < 1 || p.num_v_heads < 1 || p.num_k_heads > 65535) return "head counts must be in [1, 65535]";
   if (p.key_dim < 1 || p.key_dim > 256 || p.value_dim < 1) return "key_dim must be in [1, 256], value_dim positive";
   if (p.ab_stride < p.num_v_heads) return "ab_stride must be at least num_v_heads";
   if (p.tokens == 0) return nullptr;
@@ -274,7 +280,8 @@ const char* gated_delta_prepare_check(const GatedDeltaPrepareParams& p) {
 cudaError_t gated_delta_prepare_launch(const GatedDeltaPrepareParams& p, cudaStream_t stream) {
   if (gated_delta_prepare_check(p) != nullptr) return cudaErrorInvalidValue;
   if (p.tokens == 0) return cudaSuccess;
-  gated_delta_prepare_kernel<<<static_cast<unsigned>(p.tokens), kPrepareThreads, 0, stream>>>(p);
+  const dim3 grid(static_cast<unsigned>(p.tokens), (2 * p.num_k_heads + kPrepareWarps - 1) / kPrepareWarps);
+  gated_delta_prepare_kernel<<<grid, kPrepareThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 

@@ -139,9 +139,9 @@ cudaError_t launch_one_row(const GemvParams& p, int sms, cudaStream_t stream) {
   const int64_t N = p.out_features;
   const auto ctas = [&](int r) { return ceil_div(N, static_cast<int64_t>(kWarps) * r); };
   const auto grid = [&](int r) { return dim3(static_cast<unsigned>(ctas(r))); };
-  if (ctas(4) >= 4 * sms) return pdl_launch(gemv_kernel<T, 1, 4>, grid(4), dim3(kThreads), stream, p);
-  if (ctas(2) >= 2 * sms) return pdl_launch(gemv_kernel<T, 1, 2>, grid(2), dim3(kThreads), stream, p);
-  return pdl_launch(gemv_kernel<T, 1, 1>, grid(1), dim3(kThreads), stream, p);
+  if (ctas(4) >= 4 * sms) return pdl_launch(gemv_kernel<T, 1, 4>, grid(4), dim3(kThreads), stream, true, p);
+  if (ctas(2) >= 2 * sms) return pdl_launch(gemv_kernel<T, 1, 2>, grid(2), dim3(kThreads), stream, true, p);
+  return pdl_launch(gemv_kernel<T, 1, 1>, grid(1), dim3(kThreads), stream, true, p);
 }
 
 // y[m, n] for the 16 MT features n of tile blockIdx.x and every row m of x (NT tiles of 8); the

@@ -5,13 +5,26 @@
 // descriptor per chunk (expert, first position, slot count) and places every slot with a
 // shared atomic. The order inside an expert depends on those atomics; no result does, since
 // each slot's dot products are computed on their own, in an order fixed by the shapes (so a
-// token's output is also the same whatever other tokens share its pass).
+// token's output is also the same whatever other tokens share its pass). One token (an AR
+// step at batch 1) skips the sort: each of its picks is a chunk of its own, as the sort would
+// have made them, and the kernel it saves costs more than the rest of its layer's routing.
 //
 // Projections. A CTA takes one chunk and a tile of output rows of that chunk's expert; its
 // warps (8 for gate_up, 4 for down) split the reduction (K) dimension, and each applies the
 // tile's weight rows to the chunk's slots with mma.sync: rows are M, slots N (8 per MMA), fp32
 // accumulators, the weights read once per chunk (mma_tile.h: the fragment layout, and fp32's
 // three TF32 MMAs).
+//
+// Weighted sum. A thread adds 16 bytes of a token's output over its picks, in pick order. Up
+// to kMoeFusedCombineTokens tokens the down kernel does it: the CTAs of a row tile count
+// themselves done on a counter (zeroed by the gate_up kernel), and the last one sums that tile
+// for every token, the same arithmetic as the kernel of its own that larger passes launch.
+//
+// Overlap. For one token the down kernel is launched as a programmatic dependent of gate_up
+// (pdl.h): its chunk is known before gate_up ends (the ids come from the kernel before it), so
+// its CTAs pull their expert's weight rows into L2 while gate_up's last CTAs run, then wait.
+// With more tokens the grids run in several waves, and the same launch was slower
+// (BENCHMARKS.md, "Mixture of experts").
 //
 // This file has no torch dependency: it compiles alone with
 //   nvcc -std=c++17 -arch=sm_90 -c moe.cu
@@ -20,6 +33,7 @@
 
 #include "float_convert.h"
 #include "mma_tile.h"
+#include "pdl.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -42,6 +56,7 @@ constexpr int kSortThreads = 1024;
 constexpr int kGateUpWarps = 8;
 constexpr int kDownWarps = 4;
 constexpr int kTileTokens = 8;  // an MMA's N
+constexpr int kDownTileRows = 32;  // output rows of a down CTA
 constexpr int kMaxGridY = 65535;
 
 // Where the sort's outputs live in the work buffer (ints); ends first, so that it is 16-byte
@@ -52,20 +67,26 @@ struct Layout {
   int64_t order = 0;       // [S] slots grouped by expert
   int64_t rows = 0;        // [S] position of each slot in order
   int64_t chunks = 0;      // [max_chunks] int4 (expert, first position, count, unused), 16-byte aligned
+  int64_t tiles_done = 0;  // [down row tiles] when the down kernel sums: its CTAs done per tile
   int64_t total = 0;
 };
 
-Layout layout(int64_t slots, int64_t experts, int64_t max_chunks) {
+Layout layout(int64_t slots, int64_t experts, int64_t max_chunks, int64_t counted_tiles = 0) {
   Layout l;
   l.num_chunks = experts;
   l.order = experts + 1;
   l.rows = l.order + slots;
   l.chunks = (l.rows + slots + 3) / 4 * 4;
-  l.total = l.chunks + 4 * max_chunks;
+  l.tiles_done = l.chunks + 4 * max_chunks;
+  l.total = l.tiles_done + counted_tiles;
   return l;
 }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+bool fused_combine(const MoeParams& p) { return p.tokens <= kMoeFusedCombineTokens; }
+
+int64_t down_tiles(const MoeParams& p) { return ceil_div(p.hidden, kDownTileRows); }
 
 // n-tiles per chunk: 2 (16 slots, half the weight reads of an expert with many) once the
 // slots average 8 per expert, else 1.
@@ -157,19 +178,90 @@ __device__ __forceinline__ T to_dtype(float x) {
 template <typename T>
 __device__ __forceinline__ float rounded(float x) { return to_float(to_dtype<T>(x)); }
 
-// The chunk of this CTA (blockIdx.y), or false past the routed work.
-__device__ __forceinline__ bool read_chunk(const int32_t* work, const Layout& l, int4& chunk) {
-  if (static_cast<int>(blockIdx.y) >= work[l.num_chunks]) return false;
-  chunk = reinterpret_cast<const int4*>(work + l.chunks)[blockIdx.y];
+// The chunk of this CTA (blockIdx.y): one token's pick blockIdx.y, or the sort's chunk; false
+// past the routed work.
+__device__ __forceinline__ bool read_chunk(const MoeParams& p, const Layout& l, int4& chunk) {
+  if (p.tokens == 1) {
+    const int pick = blockIdx.y, e = pick < p.top_k ? p.ids[pick] : -1;
+    chunk = make_int4(e, pick, 1, 0);
+    return e >= 0 && e < p.experts;
+  }
+  if (static_cast<int>(blockIdx.y) >= p.work[l.num_chunks]) return false;
+  chunk = reinterpret_cast<const int4*>(p.work + l.chunks)[blockIdx.y];
   return true;
+}
+
+// The slot at position pos of the expert order (one token: its picks in order).
+__device__ __forceinline__ int slot_at(const MoeParams& p, const Layout& l, int pos) {
+  return p.tokens == 1 ? pos : p.work[l.order + pos];
+}
+
+// acc += weights[s] * y[row(s), c .. c + V) over token tok's picks s in order, in fp32 (a
+// product, then a sum, each rounded), skipping ids outside [0, E); V elements of y per load
+// of an L. The loads of G picks are issued together, y's whatever the ids (a slot's row is in
+// bounds, read and not added when its id is invalid): the sum waits on one memory round trip
+// per G picks, not one or two per pick. kFromL2: y was written by other CTAs of the running
+// kernel, so it is read past this SM's L1.
+template <typename T, typename L, int G, bool kFromL2, int V = sizeof(L) / sizeof(T)>
+__device__ __forceinline__ void sum_picks(const T* y, const int32_t* rows, const float* weights, const int32_t* ids,
+                                          int top_k, int experts, int64_t hidden, int64_t tok, int64_t c,
+                                          float (&acc)[V]) {
+#pragma unroll 1
+  for (int j0 = 0; j0 < top_k; j0 += G) {
+    int e[G];
+    float w[G];
+    L raw[G];
+#pragma unroll
+    for (int u = 0; u < G; ++u) {
+      e[u] = -1;
+      if (j0 + u >= top_k) continue;
+      const int64_t s = tok * top_k + j0 + u;
+      e[u] = ids[s];
+      w[u] = weights[s];
+      const L* src = reinterpret_cast<const L*>(y + (rows != nullptr ? rows[s] : s) * hidden + c);
+      raw[u] = kFromL2 ? __ldcg(src) : __ldg(src);
+    }
+#pragma unroll
+    for (int u = 0; u < G; ++u) {
+      if (e[u] < 0 || e[u] >= experts) continue;
+      const T* v = reinterpret_cast<const T*>(&raw[u]);
+#pragma unroll
+      for (int k = 0; k < V; ++k) acc[k] = __fadd_rn(acc[k], __fmul_rn(w[u], to_float(v[k])));
+    }
+  }
+}
+
+template <typename O, int V>
+struct alignas(sizeof(O) * V) Pack {
+  O v[V];
+};
+
+// out[at .. at + V) = acc, in fp32 or rounded to T, in one store per 16 bytes.
+template <typename T, int V>
+__device__ __forceinline__ void store_sum(void* out, DType out_dtype, int64_t at, const float (&acc)[V]) {
+  if (out_dtype == DType::kFloat32) {
+    Pack<float, V> pack;
+#pragma unroll
+    for (int k = 0; k < V; ++k) pack.v[k] = acc[k];
+    *reinterpret_cast<Pack<float, V>*>(static_cast<float*>(out) + at) = pack;
+  } else {
+    Pack<T, V> pack;
+#pragma unroll
+    for (int k = 0; k < V; ++k) pack.v[k] = to_dtype<T>(acc[k]);
+    *reinterpret_cast<Pack<T, V>*>(static_cast<T*>(out) + at) = pack;
+  }
 }
 
 // act[slot, r] for the 16 intermediate rows r of tile blockIdx.x: gate rows r, up rows I + r.
 template <typename T, int NT>
 __global__ void __launch_bounds__(kGateUpWarps * 32) moe_gate_up_kernel(MoeParams p, Layout l) {
   __shared__ float part[kGateUpWarps - 1][2][NT][4][32];
+  pdl_allow_dependents();
+  if (blockIdx.x == 0 && blockIdx.y == 0) {  // the down kernel that follows counts from zero
+    for (int64_t i = l.tiles_done + threadIdx.x; i < l.total; i += blockDim.x) p.work[i] = 0;
+  }
   int4 chunk;
-  if (!read_chunk(p.work, l, chunk)) return;
+  if (!read_chunk(p, l, chunk)) return;
   const int e = chunk.x, first = chunk.y, count = chunk.z;
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int I = p.inter, row0 = blockIdx.x * 16;
@@ -182,13 +274,12 @@ __global__ void __launch_bounds__(kGateUpWarps * 32) moe_gate_up_kernel(MoeParam
     a[h] = w + static_cast<int64_t>(r) * chunks;
     a[2 + h] = w + static_cast<int64_t>(I + r) * chunks;
   }
-  const int32_t* order = p.work + l.order;
   const uint4* b[NT];
 #pragma unroll
   for (int n = 0; n < NT; ++n) {
     const int col = 8 * n + g;
-    b[n] = col < count ? static_cast<const uint4*>(p.x) + static_cast<int64_t>(order[first + col] / p.top_k) * chunks
-                       : nullptr;
+    const int64_t token = col < count ? slot_at(p, l, first + col) / p.top_k : 0;
+    b[n] = col < count ? static_cast<const uint4*>(p.x) + token * chunks : nullptr;
   }
   float acc[2][NT][4] = {};
   warp_tile<T, kGateUpWarps, 2, NT>(a, b, chunks, threadIdx.x / 32, acc);
@@ -204,32 +295,29 @@ __global__ void __launch_bounds__(kGateUpWarps * 32) moe_gate_up_kernel(MoeParam
       // as the reference: gate and up rounded, torch's silu x / (1 + exp(-x)) rounded, the product rounded
       const float gate = rounded<T>(acc[0][n][i]), up = rounded<T>(acc[1][n][i]);
       const float silu = rounded<T>(gate / (1.0f + expf(-gate)));
-      act[static_cast<int64_t>(order[first + col]) * I + row] = to_dtype<T>(__fmul_rn(silu, up));
+      act[static_cast<int64_t>(slot_at(p, l, first + col)) * I + row] = to_dtype<T>(__fmul_rn(silu, up));
     }
   }
 }
 
-// y[slot, h] for the 32 rows h of tile blockIdx.x.
+// y[slot, h] for the 32 rows h of tile blockIdx.x, of the chunk's slots.
 template <typename T, int NT>
-__global__ void __launch_bounds__(kDownWarps * 32) moe_down_kernel(MoeParams p, Layout l) {
-  __shared__ float part[kDownWarps - 1][2][NT][4][32];
-  int4 chunk;
-  if (!read_chunk(p.work, l, chunk)) return;
+__device__ __forceinline__ void down_tile(const MoeParams& p, const Layout& l, const int4& chunk,
+                                          float (*part)[2][NT][4][32]) {
   const int e = chunk.x, first = chunk.y, count = chunk.z;
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int H = p.hidden, row0 = blockIdx.x * 32;
+  const int H = p.hidden, row0 = blockIdx.x * kDownTileRows;
   const int64_t chunks = static_cast<int64_t>(p.inter) * sizeof(T) / 16;
   const uint4* w = static_cast<const uint4*>(p.down) + static_cast<int64_t>(e) * H * chunks;
   const uint4* a[4];
 #pragma unroll
   for (int r = 0; r < 4; ++r) a[r] = w + static_cast<int64_t>(min(row0 + g + 8 * r, H - 1)) * chunks;
-  const int32_t* order = p.work + l.order;
   const uint4* b[NT];
 #pragma unroll
   for (int n = 0; n < NT; ++n) {
     const int col = 8 * n + g;
-    b[n] = col < count ? static_cast<const uint4*>(p.act) + static_cast<int64_t>(order[first + col]) * chunks
-                       : nullptr;
+    const int64_t slot = col < count ? slot_at(p, l, first + col) : 0;
+    b[n] = col < count ? static_cast<const uint4*>(p.act) + slot * chunks : nullptr;
   }
   float acc[2][NT][4] = {};
   warp_tile<T, kDownWarps, 2, NT>(a, b, chunks, threadIdx.x / 32, acc);
@@ -243,8 +331,49 @@ __global__ void __launch_bounds__(kDownWarps * 32) moe_down_kernel(MoeParams p, 
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int row = row0 + 16 * m + g + 8 * (i / 2), col = 8 * n + 2 * t + i % 2;
-        if (row < H && col < count) y[static_cast<int64_t>(order[first + col]) * H + row] = to_dtype<T>(acc[m][n][i]);
+        if (row < H && col < count)
+          y[static_cast<int64_t>(slot_at(p, l, first + col)) * H + row] = to_dtype<T>(acc[m][n][i]);
       }
+    }
+  }
+}
+
+// kSum: the last CTA of each row tile to finish also sums that tile's rows for every token.
+template <typename T, int NT, bool kSum>
+__global__ void __launch_bounds__(kDownWarps * 32) moe_down_kernel(MoeParams p, Layout l) {
+  __shared__ float part[kDownWarps - 1][2][NT][4][32];
+  int4 chunk;
+  const bool routed = read_chunk(p, l, chunk);
+  if (routed) {  // the tile's weight rows, 128-byte lines, while gate_up finishes
+    const int64_t row_bytes = static_cast<int64_t>(p.inter) * sizeof(T), lines = row_bytes / 128;
+    const int row0 = blockIdx.x * kDownTileRows, rows = min(kDownTileRows, p.hidden - row0);
+    const char* w = static_cast<const char*>(p.down) + (static_cast<int64_t>(chunk.x) * p.hidden + row0) * row_bytes;
+    for (int64_t i = threadIdx.x; i < rows * lines; i += blockDim.x)
+      prefetch_l2(w + i / lines * row_bytes + i % lines * 128);
+  }
+  pdl_wait();
+  if (routed) down_tile<T, NT>(p, l, chunk, part);
+  if constexpr (kSum) {
+    __shared__ bool last;
+    __threadfence();  // this CTA's y rows are visible to the CTA that sums them before it counts
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(p.work + l.tiles_done + blockIdx.x, 1) == static_cast<int>(gridDim.y) - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();  // and the rows other CTAs wrote before counting are visible here
+    // The sum is a serial tail of the kernel: 4 bytes of y per thread spread it over more
+    // threads, and a batch of 12 picks takes a token's top 10 and shared expert (the largest
+    // release's) in one round trip, with registers few enough to keep the kernel's occupancy.
+    constexpr int V = 4 / sizeof(T), kPerToken = kDownTileRows / V;
+    const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kDownTileRows;
+#pragma unroll 1
+    for (int i = threadIdx.x; i < p.tokens * kPerToken; i += blockDim.x) {
+      const int64_t tok = i / kPerToken, c = row0 + (i % kPerToken) * V;
+      if (c >= p.hidden) continue;
+      float acc[V] = {};
+      sum_picks<T, uint32_t, 12, true>(static_cast<const T*>(p.y), nullptr, p.weights, p.ids, p.top_k, p.experts,
+                                       p.hidden, tok, c, acc);
+      store_sum<T>(p.out, p.out_dtype, tok * p.hidden + c, acc);
     }
   }
 }
@@ -258,25 +387,13 @@ template <typename T>
 __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(MoeCombineParams p) {
   constexpr int V = 16 / sizeof(T);
   const int64_t per_row = p.hidden / V, total = static_cast<int64_t>(p.tokens) * per_row;
-  const T* y = static_cast<const T*>(p.y);
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t tok = i / per_row, c = (i % per_row) * V;
     float acc[V] = {};
-    for (int j = 0; j < p.top_k; ++j) {
-      const int64_t s = tok * p.top_k + j;
-      const int e = p.ids[s];
-      if (e < 0 || e >= p.experts) continue;
-      const float w = p.weights[s];
-      const int64_t row = p.rows != nullptr ? p.rows[s] : s;
-      const uint4 raw = *reinterpret_cast<const uint4*>(y + row * p.hidden + c);
-      const T* v = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-      for (int k = 0; k < V; ++k) acc[k] = __fadd_rn(acc[k], __fmul_rn(w, to_float(v[k])));  // product, then sum
-    }
-    float4* dst = reinterpret_cast<float4*>(p.out + tok * p.hidden + c);
-#pragma unroll
-    for (int k = 0; k < V / 4; ++k) dst[k] = make_float4(acc[4 * k], acc[4 * k + 1], acc[4 * k + 2], acc[4 * k + 3]);
+    sum_picks<T, uint4, 4, false>(static_cast<const T*>(p.y), p.rows, p.weights, p.ids, p.top_k, p.experts, p.hidden,
+                                  tok, c, acc);
+    store_sum<T>(p.out, p.out_dtype, tok * p.hidden + c, acc);
   }
 }
 
@@ -319,10 +436,14 @@ SortArgs sort_args(int32_t* work, const Layout& l, int slots, int experts, const
 template <typename T, int NT>
 cudaError_t project(const MoeParams& p, const Layout& l, int64_t chunks, cudaStream_t stream) {
   const dim3 gate_up_grid(static_cast<unsigned>(ceil_div(p.inter, 16)), static_cast<unsigned>(chunks));
-  const dim3 down_grid(static_cast<unsigned>(ceil_div(p.hidden, 32)), static_cast<unsigned>(chunks));
+  const dim3 down_grid(static_cast<unsigned>(down_tiles(p)), static_cast<unsigned>(chunks));
   moe_gate_up_kernel<T, NT><<<gate_up_grid, kGateUpWarps * 32, 0, stream>>>(p, l);
-  moe_down_kernel<T, NT><<<down_grid, kDownWarps * 32, 0, stream>>>(p, l);
-  return cudaGetLastError();
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  const dim3 block(kDownWarps * 32);
+  const bool overlap = p.tokens == 1;
+  if (fused_combine(p)) return pdl_launch(moe_down_kernel<T, NT, true>, down_grid, block, stream, overlap, p, l);
+  return pdl_launch(moe_down_kernel<T, NT, false>, down_grid, block, stream, overlap, p, l);
 }
 
 template <typename T>
@@ -334,20 +455,25 @@ bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 =
 
 bool known_dtype(DType d) { return d == DType::kBFloat16 || d == DType::kFloat16 || d == DType::kFloat32; }
 
+size_t dtype_bytes(DType d) { return d == DType::kFloat32 ? 4 : 2; }
+
 int64_t launch_chunks(const MoeParams& p) {
   const int64_t slots = static_cast<int64_t>(p.tokens) * p.top_k;
   return max_chunks(slots, p.experts, static_cast<int64_t>(kTileTokens) * tiles_per_chunk(p));
 }
 
+Layout launch_layout(const MoeParams& p) {
+  const int64_t slots = static_cast<int64_t>(p.tokens) * p.top_k;
+  return layout(slots, p.experts, launch_chunks(p), fused_combine(p) ? down_tiles(p) : 0);
+}
+
 }  // namespace
 
-int64_t moe_work_ints(const MoeParams& p) {
-  const int64_t slots = static_cast<int64_t>(p.tokens) * p.top_k;
-  return layout(slots, p.experts, launch_chunks(p)).total;
-}
+int64_t moe_work_ints(const MoeParams& p) { return launch_layout(p).total; }
 
 const char* moe_check(const MoeParams& p) {
   if (!known_dtype(p.dtype)) return "dtype must be bf16, fp16 or fp32";
+  if (p.out_dtype != DType::kFloat32 && p.out_dtype != p.dtype) return "out_dtype must be fp32 or the dtype";
   if (p.tokens < 0 || p.top_k < 0) return "tokens and top_k must be non-negative";
   if (p.experts < 1 || p.experts > kMoeMaxExperts) return "experts must be in [1, 2048]";
   if (p.hidden < 8 || p.hidden % 8 != 0 || p.inter < 8 || p.inter % 8 != 0)
@@ -370,18 +496,19 @@ cudaError_t moe_launch(const MoeParams& p, cudaStream_t stream) {
   if (p.tokens == 0) return cudaSuccess;
   const int slots = p.tokens * p.top_k;
   if (slots == 0)
-    return cudaMemsetAsync(p.out, 0, static_cast<size_t>(p.tokens) * p.hidden * sizeof(float), stream);
+    return cudaMemsetAsync(p.out, 0, static_cast<size_t>(p.tokens) * p.hidden * dtype_bytes(p.out_dtype), stream);
   const int tiles = tiles_per_chunk(p);
   const int64_t chunks = launch_chunks(p);
-  const Layout l = layout(slots, p.experts, chunks);
-  cudaError_t err = sort_any(sort_args(p.work, l, slots, p.experts, p.ids, kTileTokens * tiles), stream);
+  const Layout l = launch_layout(p);
+  cudaError_t err = cudaSuccess;
+  if (p.tokens > 1) err = sort_any(sort_args(p.work, l, slots, p.experts, p.ids, kTileTokens * tiles), stream);
   if (err != cudaSuccess) return err;
   switch (p.dtype) {
     case DType::kBFloat16: err = project_typed<__nv_bfloat16>(p, l, chunks, tiles, stream); break;
     case DType::kFloat16: err = project_typed<__half>(p, l, chunks, tiles, stream); break;
     default: err = project_typed<float>(p, l, chunks, tiles, stream); break;
   }
-  if (err != cudaSuccess) return err;
+  if (err != cudaSuccess || fused_combine(p)) return err;
   MoeCombineParams c;
   c.dtype = p.dtype;
   c.tokens = p.tokens;
@@ -391,6 +518,7 @@ cudaError_t moe_launch(const MoeParams& p, cudaStream_t stream) {
   c.y = p.y;
   c.weights = p.weights;
   c.ids = p.ids;
+  c.out_dtype = p.out_dtype;
   c.out = p.out;
   return combine_any(c, stream);
 }
@@ -412,6 +540,7 @@ cudaError_t moe_sort_launch(const MoeSortParams& p, cudaStream_t stream) {
 
 const char* moe_combine_check(const MoeCombineParams& p) {
   if (!known_dtype(p.dtype)) return "dtype must be bf16, fp16 or fp32";
+  if (p.out_dtype != DType::kFloat32 && p.out_dtype != p.dtype) return "out_dtype must be fp32 or the dtype";
   if (p.tokens < 0 || p.top_k < 0 || p.experts < 1) return "tokens, top_k and experts must be valid";
   if (p.hidden < 8 || p.hidden % 8 != 0) return "hidden must be a positive multiple of 8";
   if (p.tokens == 0) return nullptr;

@@ -7,15 +7,18 @@
 //   a   = round(round(silu(h[:I])) * h[I:])        [I]   (silu(z) = z / (1 + exp(-z)), fp32)
 //   y_s = round(down[e] @ a)                        [H]
 //   out[t] = sum over j = 0..k-1, in order, of weights[t, j] * y_s    (fp32, [N, H])
+// and out is that sum in fp32 or rounded to the dtype (out_dtype).
 // Dot products sum in fp32 in the kernel's own order (fp32 inputs: three TF32 products per
 // term, see moe.cu). A slot whose id is outside [0, E) adds nothing (no memory is read for it).
 // The Python reference with these semantics is dflash_trt.ops.moe_experts_reference.
 //
-// moe_launch runs four kernels: a sort of the slots by expert (one CTA), gate_up and down
-// kernels that read each active expert's weights once per chunk of up to 8 (or 16) of its
-// slots and apply them with tensor-core MMAs, and the fixed-order weighted sum. Grid sizes
-// depend only on the shapes (CTAs past the routed work exit at once) and nothing is read back
-// on the host, so a launch can be captured in a CUDA graph.
+// moe_launch runs up to four kernels: a sort of the slots by expert (one CTA; not for one
+// token, whose picks are its chunks), gate_up and down kernels that read each active expert's
+// weights once per chunk of up to 8 (or 16) of its slots and apply them with tensor-core MMAs,
+// and the fixed-order weighted sum (for up to kMoeFusedCombineTokens tokens, done by the down
+// kernel's last CTA of each row tile instead). Grid sizes depend only on the shapes (CTAs past
+// the routed work exit at once) and nothing is read back on the host, so a launch can be
+// captured in a CUDA graph. A token's output does not depend on the other tokens of its launch.
 //
 // The grouped-GEMM path of ops.py (many tokens per expert) uses the sort and the weighted sum
 // on their own: moe_sort_launch and moe_combine_launch.
@@ -31,6 +34,9 @@
 namespace dflash {
 
 constexpr int kMoeMaxExperts = 2048;  // the sort keeps three ints per expert in shared memory
+// Up to this many tokens the weighted sum runs in the down kernel: its serial tail on one CTA
+// per row tile is then shorter than a kernel of its own.
+constexpr int kMoeFusedCombineTokens = 16;
 
 struct MoeParams {
   DType dtype = DType::kBFloat16;  // of x, gate_up, down, act and y
@@ -47,7 +53,8 @@ struct MoeParams {
   int32_t* work = nullptr;         // moe_work_ints(p) ints of scratch
   void* act = nullptr;             // [N k, I] scratch in the dtype
   void* y = nullptr;               // [N k, H] scratch in the dtype
-  float* out = nullptr;            // [N, H]
+  DType out_dtype = DType::kFloat32;  // fp32 or the dtype
+  void* out = nullptr;             // [N, H]
 };
 
 // Scratch ints of a launch (the sort's outputs and the chunk list).
@@ -72,7 +79,8 @@ const char* moe_sort_check(const MoeSortParams& p);
 cudaError_t moe_sort_launch(const MoeSortParams& p, cudaStream_t stream);
 
 // The weighted sum alone: out[t] = sum_j weights[t, j] * y[row(t k + j)] in fp32, j in order,
-// skipping slots whose id is outside [0, E); row(s) = rows[s], or s when rows is null.
+// skipping slots whose id is outside [0, E); row(s) = rows[s], or s when rows is null; out in
+// fp32 or rounded to the dtype.
 struct MoeCombineParams {
   DType dtype = DType::kBFloat16;  // of y
   int tokens = 0;                  // N
@@ -83,7 +91,8 @@ struct MoeCombineParams {
   const int32_t* rows = nullptr;   // [N k] or null
   const float* weights = nullptr;  // [N, k]
   const int32_t* ids = nullptr;    // [N, k]
-  float* out = nullptr;            // [N, H], 16-byte aligned
+  DType out_dtype = DType::kFloat32;  // fp32 or the dtype
+  void* out = nullptr;             // [N, H], 16-byte aligned
 };
 const char* moe_combine_check(const MoeCombineParams& p);
 cudaError_t moe_combine_launch(const MoeCombineParams& p, cudaStream_t stream);

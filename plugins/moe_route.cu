@@ -70,9 +70,9 @@ __global__ void __launch_bounds__(kThreads) moe_route_kernel(MoeRouteParams p) {
   for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
   const float inv = 1.f / sum;
 
-  float picked_w[kMoeRouteMaxTopK];
-  int picked_id[kMoeRouteMaxTopK];
-  float total = 0.f;
+  // lane r keeps pick r (k <= 16 < 32), so the picks are written at once, not looped over
+  float picked_w = 0.f, total = 0.f;
+  int picked_id = 0;
   for (int r = 0; r < p.top_k; ++r) {
     float v = -1.f;  // probabilities are >= 0; used (picked or padding) values are -1
     int id = INT32_MAX;
@@ -87,22 +87,20 @@ __global__ void __launch_bounds__(kThreads) moe_route_kernel(MoeRouteParams p) {
 #pragma unroll
     for (int i = 0; i < V; ++i)
       if (lane + 32 * i == id) x[i] = -1.f;  // the owner marks it used
-    picked_w[r] = v;
-    picked_id[r] = id;
+    if (lane == r) {
+      picked_w = v;
+      picked_id = id;
+    }
     total += v;
   }
-  if (lane == 0) {
-    const float scale = p.renormalize ? 1.f / total : 1.f;
-    float* w = p.weights + static_cast<int64_t>(token) * picks;
-    int32_t* ids = p.ids + static_cast<int64_t>(token) * picks;
-    for (int r = 0; r < p.top_k; ++r) {
-      w[r] = round_to<T>(p.renormalize ? picked_w[r] * scale : picked_w[r]);
-      ids[r] = picked_id[r];
-    }
-    if (p.shared) {  // the shared expert: sigmoid of its gate, rounded like the logits
-      w[p.top_k] = round_to<T>(1.f / (1.f + expf(-to_float(row[p.experts]))));
-      ids[p.top_k] = p.experts;
-    }
+  float* w = p.weights + static_cast<int64_t>(token) * picks;
+  int32_t* ids = p.ids + static_cast<int64_t>(token) * picks;
+  if (lane < p.top_k) {
+    w[lane] = round_to<T>(p.renormalize ? picked_w * (1.f / total) : picked_w);
+    ids[lane] = picked_id;
+  } else if (p.shared && lane == p.top_k) {  // the shared expert: sigmoid of its gate, rounded like the logits
+    w[lane] = round_to<T>(1.f / (1.f + expf(-to_float(row[p.experts]))));
+    ids[lane] = p.experts;
   }
 }
 

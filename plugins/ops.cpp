@@ -587,9 +587,9 @@ at::Tensor gated_delta_recurrent_meta(const at::Tensor& q, const at::Tensor&, co
 // caching allocator, so a launch can be captured in a CUDA graph.
 
 // x [N, H] bf16, fp16 or fp32; gate_up [E, 2I, H], down [E, H, I] in x's dtype; weights [N, k]
-// fp32; ids [N, k] int32; all contiguous. Returns [N, H] fp32.
+// fp32; ids [N, k] int32; all contiguous. Returns [N, H] in fp32, or in x's dtype with fp32_out false.
 at::Tensor moe_experts_cuda(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down,
-                            const at::Tensor& weights, const at::Tensor& ids) {
+                            const at::Tensor& weights, const at::Tensor& ids, bool fp32_out) {
   TORCH_CHECK(x.is_cuda(), "x must be a CUDA tensor");
   const std::optional<dflash::DType> dtype = attention_dtype(x.scalar_type());
   TORCH_CHECK(dtype.has_value(), "x must be bf16, fp16 or fp32, got ", x.scalar_type());
@@ -612,9 +612,10 @@ at::Tensor moe_experts_cuda(const at::Tensor& x, const at::Tensor& gate_up, cons
               "ids must be contiguous int32 on x's device");
 
   const c10::cuda::CUDAGuard guard(x.device());
-  auto out = at::empty({N, H}, x.options().dtype(at::kFloat));
+  auto out = at::empty({N, H}, fp32_out ? x.options().dtype(at::kFloat) : x.options());
   dflash::MoeParams p;
   p.dtype = *dtype;
+  p.out_dtype = fp32_out ? dflash::DType::kFloat32 : *dtype;
   p.tokens = static_cast<int>(N);
   p.top_k = static_cast<int>(ids.size(1));
   p.experts = static_cast<int>(E);
@@ -632,7 +633,7 @@ at::Tensor moe_experts_cuda(const at::Tensor& x, const at::Tensor& gate_up, cons
   p.work = work.data_ptr<int32_t>();
   p.act = act.data_ptr();
   p.y = y.data_ptr();
-  p.out = out.data_ptr<float>();
+  p.out = out.data_ptr();
   if (const char* why = dflash::moe_check(p)) TORCH_CHECK(false, "moe_experts: ", why);
   check_launch(dflash::moe_launch(p, c10::cuda::getCurrentCUDAStream().stream()), "moe_experts");
   return out;
@@ -732,8 +733,8 @@ std::tuple<at::Tensor, at::Tensor> moe_route_meta(const at::Tensor& logits, int6
 }
 
 at::Tensor moe_experts_meta(const at::Tensor& x, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                            const at::Tensor&) {
-  return at::empty(x.sizes(), x.options().dtype(at::kFloat));
+                            const at::Tensor&, bool fp32_out) {
+  return at::empty(x.sizes(), fp32_out ? x.options().dtype(at::kFloat) : x.options());
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_sort_meta(const at::Tensor& ids, int64_t num_experts) {
@@ -773,7 +774,9 @@ TORCH_LIBRARY(dflash, m) {
       "gated_delta_prepare(Tensor qkv, Tensor a, Tensor b, Tensor neg_a, Tensor dt_bias, int num_k_heads, "
       "int key_dim, int value_dim, float eps, float q_scale) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("moe_route(Tensor logits, int top_k, bool renormalize, bool shared) -> (Tensor, Tensor)");
-  m.def("moe_experts(Tensor x, Tensor gate_up, Tensor down, Tensor weights, Tensor ids) -> Tensor");
+  m.def(
+      "moe_experts(Tensor x, Tensor gate_up, Tensor down, Tensor weights, Tensor ids, bool fp32_out=True) "
+      "-> Tensor");
   m.def("moe_sort(Tensor ids, int num_experts) -> (Tensor, Tensor, Tensor)");
   m.def("moe_combine(Tensor y, Tensor weights, Tensor ids, Tensor? rows, int num_experts) -> Tensor");
 }

@@ -44,18 +44,19 @@ inline bool pdl_supported() {
 }
 
 // kernel<<<grid, block, 0, stream>>>(args...), allowed to overlap the kernel before it where the
-// device supports that.
+// device supports that (and `overlap` asks for it: else a plain launch).
 template <typename... Params, typename... Args>
-cudaError_t pdl_launch(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream, Args... args) {
+cudaError_t pdl_launch(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream, bool overlap,
+                       Args... args) {
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
   config.stream = stream;
-  cudaLaunchAttribute overlap;
-  overlap.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  overlap.val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = &overlap;
-  config.numAttrs = pdl_supported() ? 1 : 0;
+  cudaLaunchAttribute early;
+  early.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  early.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &early;
+  config.numAttrs = overlap && pdl_supported() ? 1 : 0;
   return cudaLaunchKernelEx(&config, kernel, args...);
 }
 

@@ -136,6 +136,16 @@ def test_reference_sums_the_picks_with_their_weights():
     assert torch.equal(out[1], single[1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_reference_in_the_model_dtype_is_the_fp32_sum_rounded_once(dtype):
+    gate_up, down = make_experts(8, 32, 16, dtype)
+    weights, ids = make_routing(5, 8, 3)
+    x = make_x(5, 32, dtype)
+    fp32 = moe_experts_reference(x, gate_up, down, weights, ids)
+    out = moe_experts_reference(x, gate_up, down, weights, ids, out_dtype=dtype)
+    assert out.dtype == dtype and torch.equal(out, fp32.to(dtype))
+
+
 def test_cpu_wrapper_runs_the_reference():
     gate_up, down = make_experts(8, 16, 8, torch.bfloat16)
     weights, ids = make_routing(3, 8, 2)
@@ -159,6 +169,7 @@ def bad_calls():
         "weights shape": ("weights must be", {"weights": weights[:, :1]}),
         "weights fp16": ("weights must be fp32", {"weights": weights.half()}),
         "ids int64": ("ids must be int32", {"ids": ids.long()}),
+        "out_dtype": ("out_dtype must be fp32 or x's", {"out_dtype": torch.float16}),
     }, ok
 
 
@@ -255,7 +266,16 @@ def test_cuda_wrapper_takes_the_path_its_threshold_names(dtype, N):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("N", [16, 2048])
+@pytest.mark.parametrize("N", [1, 16, 17, 2048])  # the sum in the down kernel up to 16 tokens
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_cuda_output_in_the_model_dtype_is_the_fp32_sum_rounded_once(dtype, N):
+    args, _, _ = run_case(dtype, "35b-a3b", 256, 8, N)
+    out = moe_experts(*args, out_dtype=dtype)
+    assert out.dtype == dtype and torch.equal(out, moe_experts(*args).to(dtype))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("N", [1, 16, 2048])
 def test_cuda_paths_are_deterministic(N):
     args, _, _ = run_case(torch.bfloat16, "35b-a3b", 256, 8, N)
     for run in (torch.ops.dflash.moe_experts, ops._moe_experts_grouped):
@@ -263,7 +283,9 @@ def test_cuda_paths_are_deterministic(N):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("N", [64, 512])  # one and two 8-slot tiles per chunk
+# the sum in the down kernel (16), in a kernel of its own (17, 64, 512); one and two 8-slot tiles
+# per chunk (64, 512); a token alone is not sorted
+@pytest.mark.parametrize("N", [16, 17, 64, 512])
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_cuda_fused_token_output_does_not_depend_on_its_batch(dtype, N):
     # DFlash's verify pass must reproduce the AR step's numbers: a token alone == in a batch
@@ -275,11 +297,12 @@ def test_cuda_fused_token_output_does_not_depend_on_its_batch(dtype, N):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("N", [1, 16, 40])
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
-def test_cuda_picks_outside_the_experts_add_nothing(exact_cublas, dtype):
-    (x, gate_up, down, weights, ids), _, _ = run_case(dtype, "small", 64, 8, 16)
+def test_cuda_picks_outside_the_experts_add_nothing(exact_cublas, dtype, N):
+    (x, gate_up, down, weights, ids), _, _ = run_case(dtype, "small", 64, 8, N)
     bad = ids.clone()
-    bad[::2, 1], bad[1::3, 4] = -1, 64
+    bad[::2, 1], bad[::3, 4] = -1, 64
     valid = (bad >= 0) & (bad < 64)
     ref = moe_experts_reference(x, gate_up, down, weights * valid, torch.where(valid, bad, 0).int())
     scale = (weights[..., None] * pick_outputs(x, gate_up, down, ids)).sum(1)
@@ -289,7 +312,9 @@ def test_cuda_picks_outside_the_experts_add_nothing(exact_cublas, dtype):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("N", [16, 2048])  # decode/verify (fused kernels), prefill (grouped GEMMs in bf16)
+# AR at batch 1 (no sort), decode/verify (fused kernels, the sum in the down kernel), prefill
+# (grouped GEMMs in bf16)
+@pytest.mark.parametrize("N", [1, 16, 2048])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_cuda_graph_replays_with_new_inputs(exact_cublas, dtype, N):
     assert plugins.load() is not None

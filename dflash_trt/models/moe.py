@@ -59,8 +59,11 @@ class SparseMoeBlock(nn.Module):
         x = h.flatten(0, 1)
         logits = self.router(x) if self.packed_shared else self.gate(x)
         weights, ids = ops.moe_route(logits, self.moe.top_k, self.moe.norm_topk_prob, shared=self.packed_shared)
-        out = ops.moe_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)  # fp32
-        if self.moe.shared_expert_size and not self.packed_shared:
+        # the sum in fp32, rounded once: by the kernel unless a separate shared expert adds to it
+        separate_shared = self.moe.shared_expert_size and not self.packed_shared
+        out = ops.moe_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids,
+                              torch.float32 if separate_shared else h.dtype)
+        if separate_shared:
             out = out + torch.sigmoid(self.shared_expert_gate(x)).float() * self.shared_expert(x).float()
         return out.to(h.dtype).unflatten(0, h.shape[:2])
 
