@@ -657,13 +657,14 @@ def gated_delta_rule_reference(q, k, v, g, beta, state, num_tokens, num_snapshot
     return out, snapshots
 
 
-def gated_delta_recurrent_reference(q, k, v, g, beta, state_cache, snapshot_cache, slots, start, num_tokens):
+def gated_delta_recurrent_reference(q, k, v, g, beta, state_cache, snapshot_cache, slots, start, num_tokens,
+                                    out_dtype=torch.float32):
     """The kernel's semantics (plugins/gated_delta.h) on gated_delta_rule_reference.
 
     Gathers each row's state (zeros where start == 0), runs the reference recurrence, and
     writes into snapshot_cache[slots] only the snapshots the row's tokens reached: index j
     holds the state after token t = j + num_tokens - NS, written iff 0 <= t < num_tokens (and
-    t < T). Returns out [bs, T, Hv, dv] fp32 with zeros at the padding tokens.
+    t < T). Returns out [bs, T, Hv, dv] fp32 (or rounded to out_dtype) with zeros at the padding tokens.
     """
     T, NS = q.shape[1], snapshot_cache.shape[1]
     slots, num_tokens = slots.long(), num_tokens.long()
@@ -674,11 +675,13 @@ def gated_delta_recurrent_reference(q, k, v, g, beta, state_cache, snapshot_cach
     t = torch.arange(NS, device=q.device) + num_tokens[:, None] - NS  # [bs, NS]: the token of snapshot j
     reached = (t >= 0) & (t < num_tokens.clamp(max=T)[:, None])
     snapshot_cache[slots] = torch.where(reached[:, :, None, None, None], snapshots, snapshot_cache[slots])
-    return out
+    return out.to(out_dtype)
 
 
-def gated_delta_recurrent(q, k, v, g, beta, state_cache, snapshot_cache, slots, start, num_tokens):
-    """One decode/verify pass of the gated delta rule, on the cache in place -> out [bs, T, Hv, dv] fp32.
+def gated_delta_recurrent(q, k, v, g, beta, state_cache, snapshot_cache, slots, start, num_tokens,
+                          out_dtype=torch.float32):
+    """One decode/verify pass of the gated delta rule, on the cache in place -> out [bs, T, Hv, dv]
+    fp32, or rounded to out_dtype (bf16/fp16: what the model casts it to, without a kernel more).
 
     q, k [bs, T, Hk, dk] (L2-normalised, q scaled); v [bs, T, Hv, dv]; g (log decay) and beta
     [bs, T, Hv]; state_cache [num_slots, Hv, dk, dv], one layer of HybridCache.state, read
@@ -711,8 +714,11 @@ def gated_delta_recurrent(q, k, v, g, beta, state_cache, snapshot_cache, slots, 
     for name, t in (("slots", slots), ("start", start), ("num_tokens", num_tokens)):
         assert t.dtype == torch.int32 and t.shape == (bs,) and t.device == q.device and t.is_contiguous(), \
             f"{name} must be contiguous int32 [{bs}] on q's device, got {t.dtype} {tuple(t.shape)} {t.device}"
+    assert out_dtype in (torch.float32, torch.bfloat16, torch.float16), \
+        f"out_dtype must be fp32, bf16 or fp16, got {out_dtype}"
     if q.is_cuda and gated_delta_kernel_supports(dk, dv) and _plugins_loaded():
         return torch.ops.dflash.gated_delta_recurrent(q, k, v, g, beta, state_cache, snapshot_cache, slots, start,
-                                                      num_tokens)
+                                                      num_tokens, out_dtype)
     _log_fallback("gated_delta_recurrent", q)
-    return gated_delta_recurrent_reference(q, k, v, g, beta, state_cache, snapshot_cache, slots, start, num_tokens)
+    return gated_delta_recurrent_reference(q, k, v, g, beta, state_cache, snapshot_cache, slots, start, num_tokens,
+                                           out_dtype)

@@ -34,6 +34,8 @@
 
 #include "gated_delta.h"
 
+#include "float_convert.h"
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -50,6 +52,25 @@ constexpr int kMaxWarps = 4;              // per CTA
 constexpr int kChunk = 16;                // tokens staged in shared memory at a time
 
 __device__ __forceinline__ float4 load4(const float* src) { return *reinterpret_cast<const float4*>(src); }
+
+template <typename T>
+__device__ __forceinline__ uint2 pack4(float a, float b, float c, float d) {
+  T v[4] = {from_float<T>(a), from_float<T>(b), from_float<T>(c), from_float<T>(d)};
+  return *reinterpret_cast<const uint2*>(v);
+}
+
+// out[at .. at + 4) in out_dtype (16 or 8 bytes, aligned: at is a multiple of 4)
+__device__ __forceinline__ void store_out4(const GatedDeltaParams& p, int64_t at, float a, float b, float c, float d) {
+  switch (p.out_dtype) {
+    case DType::kBFloat16:
+      *reinterpret_cast<uint2*>(static_cast<__nv_bfloat16*>(p.out) + at) = pack4<__nv_bfloat16>(a, b, c, d);
+      break;
+    case DType::kFloat16:
+      *reinterpret_cast<uint2*>(static_cast<__half*>(p.out) + at) = pack4<__half>(a, b, c, d);
+      break;
+    default: *reinterpret_cast<float4*>(static_cast<float*>(p.out) + at) = make_float4(a, b, c, d);
+  }
+}
 
 // kRows: rows of S per lane, a power of two with dk <= 8 kRows; lanes hold rows r + 8 m for
 // m < dk / 8 (the same bound for every lane, so the guards never split a warp).
@@ -164,10 +185,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32) gated_delta_kernel(GatedDeltaP
       }
 
       const int64_t token = token0 + t0 + tt;
-      if (r == 0) {
-        *reinterpret_cast<float4*>(p.out + (token * Hv + h) * dv + col) =
-            make_float4(out4[0], out4[1], out4[2], out4[3]);
-      }
+      if (r == 0) store_out4(p, (token * Hv + h) * dv + col, out4[0], out4[1], out4[2], out4[3]);
       const int j = t0 + tt + first_snapshot;
       if (j >= 0) {
         float* snapshot = p.snapshot_cache + ((slot * p.num_snapshots + j) * Hv + h) * head_size + col;
@@ -182,8 +200,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32) gated_delta_kernel(GatedDeltaP
 
   // Padding tokens output zeros.
   if (r == 0) {
-    for (int t = n; t < T; ++t)
-      *reinterpret_cast<float4*>(p.out + ((token0 + t) * Hv + h) * dv + col) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int t = n; t < T; ++t) store_out4(p, ((token0 + t) * Hv + h) * dv + col, 0.0f, 0.0f, 0.0f, 0.0f);
   }
 }
 

@@ -62,7 +62,8 @@ struct GatedDeltaParams {
   const int32_t* slots = nullptr;      // [bs] device
   const int32_t* start = nullptr;      // [bs] device: 0 starts from zeros
   const int32_t* num_tokens = nullptr; // [bs] device: real tokens of the row, in [0, T]
-  float* out = nullptr;        // [bs, T, Hv, dv]
+  DType out_dtype = DType::kFloat32;  // of out: fp32, or rounded to bf16 / fp16 (what the model casts to)
+  void* out = nullptr;         // [bs, T, Hv, dv]
 };
 
 // Non-null when the parameters are unsupported (the message says why).

@@ -88,6 +88,13 @@ def test_reference_equals_the_gather_reference_scatter_path(shape):
     assert torch.equal(case["state_cache"], state_before)  # read only
 
 
+def test_reference_output_in_the_model_dtype_is_the_fp32_output_rounded():
+    case = make_case(*CPU_CASES["verify ragged, one fresh"], seed=1)
+    fp32 = gated_delta_recurrent_reference(**{**case, "snapshot_cache": case["snapshot_cache"].clone()})
+    out = gated_delta_recurrent_reference(**case, out_dtype=torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, fp32.to(torch.bfloat16))
+
+
 def test_a_fresh_row_ignores_what_its_slot_held():
     shape = (2, 3, 1, 2, 16, 16, 4, [3, 2], [0, 0])
     a, b = make_case(*shape, seed=1), make_case(*shape, seed=1)
@@ -321,6 +328,16 @@ def check_against_reference(case, before):
 def test_cuda_kernel_matches_the_reference(shape):
     case = make_case(*shape, device="cuda", seed=len(shape[7]))
     check_against_reference(case, case["snapshot_cache"].clone())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_cuda_output_in_the_model_dtype_is_the_fp32_output_rounded(dtype):
+    # what the layer casts the output to, written by the kernel itself
+    case = make_case(*CUDA_CASES["qwen verify T=16 ragged"], device="cuda", seed=3)
+    fp32 = gated_delta_recurrent(**{**case, "snapshot_cache": case["snapshot_cache"].clone()})
+    out = gated_delta_recurrent(**case, out_dtype=dtype)
+    assert out.dtype == dtype and torch.equal(out, fp32.to(dtype))
 
 
 @pytest.mark.cuda

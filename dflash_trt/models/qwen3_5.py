@@ -247,7 +247,7 @@ class GatedDeltaNet(nn.Module):
             else:
                 cache.save_replay_inputs(layer, inputs)
                 written = cache.no_snapshots
-            out = gated_delta_recurrent(*inputs, cache.state[layer], written, slots, start, num_tokens).to(x.dtype)
+            out = gated_delta_recurrent(*inputs, cache.state[layer], written, slots, start, num_tokens, x.dtype)
         else:  # a long prefill: the chunked form (fla on CUDA); only the final state is kept
             q, k, v = qkv.split([lin.key_size, lin.key_size, lin.value_size], dim=-1)
             q = q.unflatten(-1, (lin.num_key_heads, lin.key_head_dim))
