@@ -222,7 +222,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill", default="", help="also profile one prefill of each of these prompt lengths")
     ap.add_argument("--recurrent-prefill-tokens", type=int,
                     help="hybrids: the widest prefill that runs the recurrent kernel (default: the model's)")
-    ap.add_argument("--top-kernels", type=int, default=12, help="how many of the AR step's costliest kernels to list")
+    ap.add_argument("--top-kernels", type=int, default=12, help="how many of each pass's costliest kernels to list")
+    ap.add_argument("--profile-batch", type=int, default=1, help="the batch of the per-kernel profiles")
     ap.add_argument("--blas", choices=("cublas", "cublaslt"),
                     help="the BLAS library torch uses for the GEMMs (default: torch's choice)")
     args = ap.parse_args(argv)
@@ -289,11 +290,12 @@ def main(argv=None) -> int:
                   file=sys.stderr)
         # Kernel time per family from the eager passes (the same kernels the graphs replay;
         # the graphs remove the launch gaps between them).
-        x = passes.inputs(fake_running(engine, 1, args.context))
+        x = passes.inputs(fake_running(engine, args.profile_batch, args.context))
+        result["profile_batch"] = args.profile_batch
         result["profile_ar_ms"] = profile(lambda: DecodePasses.ar(passes, x), top=args.top_kernels)
         block = random_block(DecodePasses.draft(passes, x), engine.target.config.vocab_size)
-        result["profile_draft_ms"] = profile(lambda: DecodePasses.draft(passes, x))
-        result["profile_verify_ms"] = profile(lambda: DecodePasses.verify(passes, x, block))
+        result["profile_draft_ms"] = profile(lambda: DecodePasses.draft(passes, x), top=args.top_kernels)
+        result["profile_verify_ms"] = profile(lambda: DecodePasses.verify(passes, x, block), top=args.top_kernels)
         for n in prefills:
             result[f"prefill{n}"] = row = prefill_profile(engine, n)
             print(f"prefill of {n} tokens: {row['wall_ms']:.2f} ms wall, {row['gpu_kernel_ms']:.2f} ms of kernels "

@@ -298,17 +298,20 @@ __global__ void __launch_bounds__(kSiluThreads) silu_mul_kernel(SiluMulParams p)
 
 // ---------------------------------------------------------------------------------------------
 // causal_conv: a thread per (row, channel) keeps the channel's last W inputs in registers and
-// walks the row's T tokens; neighbouring threads take neighbouring channels (coalesced).
+// walks the row's T tokens; neighbouring threads take neighbouring channels (coalesced). The
+// Qwen3.5/3.6 kernel size (4) is a template argument, so that the window's indices are known
+// at compile time and it stays in registers (a runtime size, kTaps 0, keeps it in local
+// memory); small CTAs spread a decode pass's few rows over more SMs.
 
-constexpr int kConvThreads = 256;
+constexpr int kConvThreads = 64;
 constexpr int kConvMaxTaps = 8;
 
-template <typename T>
+template <typename T, int kTaps>
 __global__ void __launch_bounds__(kConvThreads) causal_conv_kernel(CausalConvParams p) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= static_cast<int64_t>(p.batch) * p.channels) return;
   const int b = static_cast<int>(i / p.channels), c = static_cast<int>(i % p.channels);
-  const int K = p.kernel_size, W = K - 1, T_ = p.width, C = p.channels;
+  const int K = kTaps > 0 ? kTaps : p.kernel_size, W = K - 1, T_ = p.width, C = p.channels;
   const int64_t slot = p.slots[b];
   T* cache = static_cast<T*>(p.conv_cache) + slot * W * C + c;
   float w[kConvMaxTaps], win[kConvMaxTaps];
@@ -466,7 +469,8 @@ cudaError_t causal_conv_launch(const CausalConvParams& p, cudaStream_t stream) {
   const unsigned blocks = static_cast<unsigned>((threads + kConvThreads - 1) / kConvThreads);
   by_dtype(p.dtype, [&](auto t) {
     using T = typename decltype(t)::type;
-    causal_conv_kernel<T><<<blocks, kConvThreads, 0, stream>>>(p);
+    if (p.kernel_size == 4) causal_conv_kernel<T, 4><<<blocks, kConvThreads, 0, stream>>>(p);
+    else causal_conv_kernel<T, 0><<<blocks, kConvThreads, 0, stream>>>(p);
     return 0;
   });
   return cudaGetLastError();
