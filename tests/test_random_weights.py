@@ -117,6 +117,6 @@ def test_random_pair_runs_greedy_dflash_like_ar(tmp_path):
 def test_a_model_larger_than_the_gpu_is_refused_before_allocating(tmp_path):
     sources = rw.write_configs(tmp_path, "qwen3.5-397b-a17b")
     before = torch.cuda.memory_allocated()
-    with pytest.raises(ConfigError, match="weights take 7[0-9][0-9].[0-9] GiB .* build --tensor-parallel N"):
+    with pytest.raises(ConfigError, match=r"weights take 7[0-9][0-9]\.[0-9] GiB .*\(build --tensor-parallel N\)"):
         rw.random_pair(sources, "cuda", torch.bfloat16)
     assert torch.cuda.memory_allocated() == before
