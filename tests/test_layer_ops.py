@@ -708,38 +708,15 @@ def test_cuda_rms_norms_replay_in_a_cuda_graph():
     check_close("add_rms_norm", y2, y2_ref, 2 * ulp(y2_ref, dtype))
 
 
-@pytest.mark.cuda
-def test_cuda_qk_norm_rope_replays_in_a_cuda_graph_with_new_slots_and_positions():
-    dtype, N, Hq, Hkv, d = torch.bfloat16, 16, 32, 8, 128
-    qkv, q_w, k_w, cos, sin = qkv_case(N, Hq, Hkv, d, dtype)
-    k_cache = torch.zeros(2, 4, 64, Hkv, d, dtype=dtype, device="cuda")
-    v_cache = torch.zeros_like(k_cache)
-    slots, positions = (t.cuda() for t in ragged_rows(N, 4, 64, seed=1))
-
-    def update():
-        refill(qkv, cos, sin, seed=20)
-        new_slots, new_positions = ragged_rows(N, 4, 64, seed=2)
-        slots.copy_(new_slots)
-        positions.copy_(new_positions)
-        k_cache.zero_()
-        v_cache.zero_()
-
-    q, _, _ = replay_after(
-        lambda: qk_norm_rope(qkv, Hq, Hkv, q_w, k_w, EPS, cos, sin, k_cache[1], v_cache[1], slots, positions), update)
-    k_ref, v_ref = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
-    q_ref, _, _ = qk_norm_rope_reference(qkv, Hq, Hkv, q_w, k_w, EPS, cos, sin, k_ref[1], v_ref[1], slots, positions)
-    check_close("qk_norm_rope q", q, q_ref, rope_bound(qkv, 0, Hq, q_w, q_ref, d))
-    index = (1, slots.long(), positions.long())
-    check_close("qk_norm_rope k", k_cache[index], k_ref[index], rope_bound(qkv, Hq, Hkv, k_w, k_ref[index], d))
-    k_cache[index] = k_ref[index]  # the rest must be untouched (zero)
-    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+# Qwen3-8B's attention, and Qwen3.5-9B's gated one (head_dim 256, rotary_dim 64), at a verify's 16 rows
+QK_GRAPH_CASES = {"qwen3": (32, 8, 128, {}), "qwen3.5 gated": (16, 4, 256, dict(zero_centered=True, rotary_dim=64,
+                                                                                q_gate=True))}
 
 
 @pytest.mark.cuda
-def test_cuda_gated_qk_norm_rope_replays_in_a_cuda_graph_with_new_slots_and_positions():
-    """Qwen3.5-9B's gated attention (head_dim 256, rotary_dim 64) at a verify's 16 rows."""
-    dtype, N, Hq, Hkv, d = torch.bfloat16, 16, 16, 4, 256
-    variant = dict(zero_centered=True, rotary_dim=64, q_gate=True)
+@pytest.mark.parametrize("Hq, Hkv, d, variant", QK_GRAPH_CASES.values(), ids=QK_GRAPH_CASES.keys())
+def test_cuda_qk_norm_rope_replays_in_a_cuda_graph_with_new_slots_and_positions(Hq, Hkv, d, variant):
+    dtype, N = torch.bfloat16, 16
     qkv, q_w, k_w, cos, sin = qkv_case(N, Hq, Hkv, d, dtype, **variant)
     k_cache = torch.zeros(2, 4, 64, Hkv, d, dtype=dtype, device="cuda")
     v_cache = torch.zeros_like(k_cache)
@@ -759,7 +736,8 @@ def test_cuda_gated_qk_norm_rope_replays_in_a_cuda_graph_with_new_slots_and_posi
     q_ref, _, _ = qk_norm_rope_reference(qkv, Hq, Hkv, q_w, k_w, EPS, cos, sin, k_ref[1], v_ref[1], slots, positions,
                                          **variant)
     index = (1, slots.long(), positions.long())
-    check_qk(N, Hq, Hkv, d, qkv, q_w, k_w, q, k_cache[index], q_ref, k_ref[index], zero_centered=True, q_gate=True)
+    check_qk(N, Hq, Hkv, d, qkv, q_w, k_w, q, k_cache[index], q_ref, k_ref[index],
+             zero_centered=variant.get("zero_centered", False), q_gate=variant.get("q_gate", False))
     k_cache[index] = k_ref[index]  # the rest must be untouched (zero)
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
 
