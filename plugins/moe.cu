@@ -7,7 +7,7 @@
 // each slot's dot products are computed on their own, in an order fixed by the shapes (so a
 // token's output is also the same whatever other tokens share its pass). One token (an AR
 // step at batch 1) skips the sort: each of its picks is a chunk of its own, as the sort would
-// have made them, and the kernel it saves costs more than the rest of its layer's routing.
+// have made them, which saves a kernel as long as the routing's own.
 //
 // Projections. A CTA takes one chunk and a tile of output rows of that chunk's expert; its
 // warps (8 for gate_up, 4 for down) split the reduction (K) dimension, and each applies the
@@ -15,8 +15,9 @@
 // accumulators, the weights read once per chunk (mma_tile.h: the fragment layout, and fp32's
 // three TF32 MMAs).
 //
-// Weighted sum. A thread adds 16 bytes of a token's output over its picks, in pick order. Up
-// to kMoeFusedCombineTokens tokens the down kernel does it: the CTAs of a row tile count
+// Weighted sum. A thread adds a few elements of a token's output over its picks, in pick
+// order (16 bytes of them in the kernel of its own, 4 in the down kernel's tail). Up to
+// kMoeFusedCombineTokens tokens the down kernel does it: the CTAs of a row tile count
 // themselves done on a counter (zeroed by the gate_up kernel), and the last one sums that tile
 // for every token, the same arithmetic as the kernel of its own that larger passes launch.
 //
@@ -344,7 +345,7 @@ __global__ void __launch_bounds__(kDownWarps * 32) moe_down_kernel(MoeParams p, 
   __shared__ float part[kDownWarps - 1][2][NT][4][32];
   int4 chunk;
   const bool routed = read_chunk(p, l, chunk);
-  if (routed) {  // the tile's weight rows, 128-byte lines, while gate_up finishes
+  if (routed && p.tokens == 1) {  // overlapping gate_up (project()): the tile's weight rows, 128-byte lines
     const int64_t row_bytes = static_cast<int64_t>(p.inter) * sizeof(T), lines = row_bytes / 128;
     const int row0 = blockIdx.x * kDownTileRows, rows = min(kDownTileRows, p.hidden - row0);
     const char* w = static_cast<const char*>(p.down) + (static_cast<int64_t>(chunk.x) * p.hidden + row0) * row_bytes;
