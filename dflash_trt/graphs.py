@@ -121,8 +121,10 @@ class DecodePasses:
 
     def commit(self, x: StepInputs, width: int, num_committed: list[int]) -> None:
         """After a pass of `width` tokens per row, keep the first num_committed[i] of row i.
-        Skipped for targets without recurrent state, so their decode step pays no copy for it."""
-        if self.target.stateful:
+        Skipped for targets without recurrent state, so their decode step pays no copy for it,
+        and after a one-token pass (an AR step), which a stateful target steps in place and
+        keeps whole: building its batch would cost an AR step three launches for nothing."""
+        if self.target.stateful and width > 1:
             self.target.commit(self.target_cache, self._batch(x, width), num_committed)
 
 
