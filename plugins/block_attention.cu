@@ -33,6 +33,7 @@
 
 #include "block_attention.h"
 
+#include "device.h"
 #include "pdl.h"
 
 #include <cuda_bf16.h>
@@ -888,14 +889,6 @@ void launch_combine(const BlockAttentionParams& p, int num_splits, const float* 
   else
     block_attention_combine_kernel<T, 2><<<ctas, kThreads, 0, stream>>>(num_rows, p.head_dim, num_splits, o_part,
                                                                         lse_part, out);
-}
-
-int device_sms() {
-  int device = 0, num_sms = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
-    return 0;
-  return num_sms;
 }
 
 }  // namespace

@@ -34,6 +34,7 @@
 
 #include "gated_delta.h"
 
+#include "device.h"
 #include "float_convert.h"
 
 #include <cuda_bf16.h>
@@ -209,12 +210,7 @@ bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 =
 // Warps per CTA: 4 while that still leaves two CTAs per SM, else fewer (batch 1 needs the
 // spread more than the shared staging).
 int warps_per_cta(const GatedDeltaParams& p) {
-  int device = 0, sms = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
-    (void)cudaGetLastError();  // our own failed query; the launch reports its own errors
-    sms = 132;
-  }
+  const int sms = device_sms();  // 0 where unknown: 4-warp CTAs, which run anywhere
   const int64_t warps_total = static_cast<int64_t>(p.batch) * p.num_v_heads * (p.value_dim / kWarpCols);
   int warps = kMaxWarps;
   while (warps > 1 && (p.value_dim % (kWarpCols * warps) != 0 || warps_total / warps < 2 * sms)) warps /= 2;

@@ -23,6 +23,7 @@
 
 #include "gemv.h"
 
+#include "device.h"
 #include "float_convert.h"
 #include "mma_tile.h"
 #include "pdl.h"
@@ -53,7 +54,7 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
-template <typename T, int M, int R>
+template <typename T, int R>
 __global__ void __launch_bounds__(kThreads) gemv_kernel(GemvParams p) {
   constexpr int U = kLoadsInFlight / R;
   const int lane = threadIdx.x % 32;
@@ -76,7 +77,7 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(GemvParams p) {
   pdl_wait();
   pdl_allow_dependents();
 
-  float acc[R][M] = {};
+  float acc[R] = {};
   for (int64_t c0 = lane; c0 < chunks; c0 += 32 * U) {
     uint4 wv[R][U];
 #pragma unroll
@@ -89,26 +90,19 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(GemvParams p) {
     for (int u = 0; u < U; ++u) {
       const int64_t c = c0 + 32 * u;
       if (c >= chunks) break;
-      float xf[M][8];
-#pragma unroll
-      for (int m = 0; m < M; ++m) unpack8<T>(__ldg(x + m * chunks + c), xf[m]);
+      float xf[8];
+      unpack8<T>(__ldg(x + c), xf);
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         float wf[8];
         unpack8<T>(wv[r][u], wf);
 #pragma unroll
-        for (int m = 0; m < M; ++m) {
-#pragma unroll
-          for (int i = 0; i < 8; ++i) acc[r][m] = fmaf(xf[m][i], wf[i], acc[r][m]);
-        }
+        for (int i = 0; i < 8; ++i) acc[r] = fmaf(xf[i], wf[i], acc[r]);
       }
     }
   }
 #pragma unroll
-  for (int r = 0; r < R; ++r) {
-#pragma unroll
-    for (int m = 0; m < M; ++m) acc[r][m] = warp_sum(acc[r][m]);
-  }
+  for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]);
   if (lane != 0) return;
   T* y = static_cast<T*>(p.y);
   const T* bias = static_cast<const T*>(p.bias);
@@ -117,31 +111,20 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(GemvParams p) {
     const int64_t n = n0 + r;
     if (n >= p.out_features) break;
     const float b = bias != nullptr ? to_float(bias[n]) : 0.0f;
-#pragma unroll
-    for (int m = 0; m < M; ++m) y[m * p.out_features + n] = from_float<T>(acc[r][m] + b);
+    y[n] = from_float<T>(acc[r] + b);
   }
 }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-int sm_count() {
-  int device = 0, sms = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
-    (void)cudaGetLastError();  // our own failed query; the launch reports its own errors
-    sms = 132;
-  }
-  return sms;
-}
 
 template <typename T>
 cudaError_t launch_one_row(const GemvParams& p, int sms, cudaStream_t stream) {
   const int64_t N = p.out_features;
   const auto ctas = [&](int r) { return ceil_div(N, static_cast<int64_t>(kWarps) * r); };
   const auto grid = [&](int r) { return dim3(static_cast<unsigned>(ctas(r))); };
-  if (ctas(4) >= 4 * sms) return pdl_launch(gemv_kernel<T, 1, 4>, grid(4), dim3(kThreads), stream, true, p);
-  if (ctas(2) >= 2 * sms) return pdl_launch(gemv_kernel<T, 1, 2>, grid(2), dim3(kThreads), stream, true, p);
-  return pdl_launch(gemv_kernel<T, 1, 1>, grid(1), dim3(kThreads), stream, true, p);
+  if (ctas(4) >= 4 * sms) return pdl_launch(gemv_kernel<T, 4>, grid(4), dim3(kThreads), stream, true, p);
+  if (ctas(2) >= 2 * sms) return pdl_launch(gemv_kernel<T, 2>, grid(2), dim3(kThreads), stream, true, p);
+  return pdl_launch(gemv_kernel<T, 1>, grid(1), dim3(kThreads), stream, true, p);
 }
 
 // y[m, n] for the 16 MT features n of tile blockIdx.x and every row m of x (NT tiles of 8); the
@@ -203,7 +186,7 @@ cudaError_t launch_rows(const GemvParams& p, int sms, cudaStream_t stream) {
 
 template <typename T>
 cudaError_t launch_typed(const GemvParams& p, cudaStream_t stream) {
-  const int sms = sm_count();
+  const int sms = device_sms();  // 0 where unknown: the widest layouts, which run anywhere
   return p.rows == 1 ? launch_one_row<T>(p, sms, stream) : launch_rows<T>(p, sms, stream);
 }
 

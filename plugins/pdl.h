@@ -14,6 +14,8 @@
 
 #include <cuda_runtime.h>
 
+#include "device.h"
+
 namespace dflash {
 
 __device__ __forceinline__ void pdl_wait() {
@@ -33,15 +35,7 @@ __device__ __forceinline__ void prefetch_l2(const void* ptr) {
 }
 
 // Whether the current device takes programmatic dependent launches (sm_90 on).
-inline bool pdl_supported() {
-  int device = 0, major = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
-    (void)cudaGetLastError();  // our own failed query: launch plainly
-    return false;
-  }
-  return major >= 9;
-}
+inline bool pdl_supported() { return device_attribute(cudaDevAttrComputeCapabilityMajor) >= 9; }
 
 // kernel<<<grid, block, 0, stream>>>(args...), allowed to overlap the kernel before it where the
 // device supports that (and `overlap` asks for it: else a plain launch).
