@@ -7,6 +7,8 @@
 #   bash bench/gpu_check.sh benches    # Qwen3.5 kernels, the Qwen3.5-9B profile and bench
 #   bash bench/gpu_check.sh roofline   # Qwen3-8B AR at batch 1: its GEMMs per BLAS library, profiles
 #   bash bench/gpu_check.sh bench8b    # Qwen3-8B AR vs DFlash, oracle acceptance, concurrency 1 and 32
+#   bash bench/gpu_check.sh overlap    # AR's step n+1 queued before step n is read, or not: the host gap
+#                                      # per step (Qwen3-8B, Qwen3.5-9B) and Qwen3-8B's bench without it
 #   bash bench/gpu_check.sh identity   # Qwen3-8B-shaped random pair in fp32: DFlash output identical to AR
 #   bash bench/gpu_check.sh triton     # Triton (gRPC and the OpenAI API) vs in-process, Qwen3-8B-shaped pair
 #   bash bench/gpu_check.sh window     # the draft window: draft pass time and cache at 8k and 32k context
@@ -45,7 +47,7 @@
 # The machine has no `unzip`: zips are opened with `python3 -m zipfile`, which drops the
 # executable bits, so they are set again.
 set -u
-usage="usage: gpu_check.sh STAGE... (tests hybrid benches roofline bench8b identity triton window flashinfer splits moe moe-models moe-bench moe-split draft-vocab prefill stall fa3 demo-target demo-drafter demo-eval)"
+usage="usage: gpu_check.sh STAGE... (tests hybrid benches roofline bench8b overlap identity triton window flashinfer splits moe moe-models moe-bench moe-split draft-vocab prefill stall fa3 demo-target demo-drafter demo-eval)"
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
@@ -75,7 +77,7 @@ tests)
   step plugins 240 python3 -c 'from dflash_trt import plugins; print(plugins.load())'
   DFLASH_TEST_DEVICE=cuda step tests-core 200 python3 -m pytest -q -p no:cacheprovider tests/test_lossless.py \
     tests/test_oracle.py tests/test_cuda.py tests/test_ops.py tests/test_layer_ops.py tests/test_memory.py \
-    tests/test_gemv.py tests/test_environment.py
+    tests/test_gemv.py tests/test_environment.py tests/test_overlap.py
   ;;
 hybrid)
   DFLASH_TEST_DEVICE=cuda step tests-hybrid 420 python3 -m pytest -q -p no:cacheprovider \
@@ -114,6 +116,14 @@ stall)
   DFLASH_TEST_DEVICE=cuda step tests-chunked 300 python3 -m pytest -q -p no:cacheprovider tests/test_chunked_prefill.py
   step stall8b 420 dflash-trt bench --random-weights qwen3-8b --stall-prompt 30000 --prefill-chunk-size 2048 \
     --concurrency 8 --max-tokens 512 --json "$OUT/stall8b.json"
+  ;;
+overlap)
+  step overlap-prof8b 150 python3 bench/profile_step.py --preset qwen3-8b --batch 1,32 --top-kernels 0 \
+    --json "$OUT/overlap_prof8b.json"
+  step overlap-prof9b 150 python3 bench/profile_step.py --preset qwen3.5-9b --batch 1,32 --top-kernels 0 \
+    --json "$OUT/overlap_prof9b.json"
+  step bench8b-serial 300 dflash-trt bench --random-weights qwen3-8b --oracle-tau 6.5 --dataset gsm8k \
+    --num-prompts 32 --max-tokens 256 --concurrency 1,32 --no-overlap --json "$OUT/bench8b_serial.json"
   ;;
 bench8b)
   step bench8b 300 dflash-trt bench --random-weights qwen3-8b --oracle-tau 6.5 --dataset gsm8k --num-prompts 32 \

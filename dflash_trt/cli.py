@@ -453,6 +453,9 @@ def _bench_engine(output_dir, random_weights, device, draft_window, tensor_paral
               help="Override the engine's prefill chunk (0: a prompt in one pass; see build --help).")
 @click.option("--verify-width", type=click.Choice(["auto", "full", "adaptive"]),
               help="Override the engine's verify width (see build --help).")
+@click.option("--overlap/--no-overlap", default=None,
+              help="AR queues its next step before reading the current one (the default), or not: the step "
+                   "loop as it was, to measure what the overlap hides.")
 @click.option("--oracle-dist", type=click.Choice(["two-point", "geometric"]), default="two-point", show_default=True,
               help="How --oracle-tau draws the correct drafts per step: the two integers around τ - 1, or i.i.d. "
                    "per draft with the rate that gives τ (a long tail).")
@@ -462,8 +465,8 @@ def _bench_engine(output_dir, random_weights, device, draft_window, tensor_paral
 @_DRAFT_WINDOW
 @_TENSOR_PARALLEL
 def bench(output_dir, random_weights, urls, compare_transformers, datasets, concurrency, num_prompts, max_tokens,
-          oracle_tau, chat, thinking, device, json_file, prefill_chunk_size, verify_width, oracle_dist, stall_prompt,
-          draft_window_size, tensor_parallel):
+          oracle_tau, chat, thinking, device, json_file, prefill_chunk_size, verify_width, overlap, oracle_dist,
+          stall_prompt, draft_window_size, tensor_parallel):
     """Benchmark AR vs DFlash per dataset and concurrency; markdown tables on stdout.
 
     \b
@@ -499,7 +502,7 @@ def bench(output_dir, random_weights, urls, compare_transformers, datasets, conc
                                       max_tokens=max_tokens, chat=chat, thinking=thinking, oracle_tau=oracle_tau,
                                       compare_transformers=compare_transformers, progress=progress,
                                       prefill_chunk=prefill_chunk_size, stall_prompt=stall_prompt or 0,
-                                      verify_width=verify_width, oracle_dist=oracle_dist)
+                                      verify_width=verify_width, oracle_dist=oracle_dist, overlap=overlap)
     if bar:
         bar.render_finish()
     click.echo(bench_lib.format_report(report))

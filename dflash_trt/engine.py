@@ -10,6 +10,10 @@ step and every step also advances the running requests: a long prompt no longer 
 them for its whole prefill, only for one chunk per step. A chunk continues the prompt from
 its cached rows like a verify pass continues a sequence, so what the caches hold at the
 end is what one whole pass writes (up to float rounding of the split).
+
+AR runs one step ahead (`overlap`): step n+1 is queued on the device, fed by step n's
+tokens there, before the host reads step n, so the host's bookkeeping no longer leaves the
+device idle between steps; a step() returns the tokens of the step it read.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from typing import Iterable
 import torch
 
 from dflash_trt.errors import ConfigError, RequestError
-from dflash_trt.graphs import DecodePasses, GraphedPasses, graphs_supported
+from dflash_trt.graphs import DecodePasses, GraphedPasses, Readback, StepInputs, graphs_supported
 from dflash_trt.kv_cache import Batch
 from dflash_trt.models.dflash import DFlashDrafter
 from dflash_trt.models.qwen3 import Qwen3ForCausalLM
@@ -56,12 +60,26 @@ class StepEvent:
         return self.seq.is_finished
 
 
+@dataclass(frozen=True)
+class QueuedStep:
+    """An AR step launched on the device, its tokens not yet read by the host."""
+
+    seqs: list[Sequence]
+    hidden: torch.Tensor  # [n, 1, H] final hidden states (the sampled rows' logits come from them)
+    greedy: torch.Tensor  # [n] greedy tokens on the device
+    readback: Readback | None  # an all-greedy step: its tokens on their way to the host
+
+
 class Engine:
     def __init__(self, target: Qwen3ForCausalLM, drafter: DFlashDrafter | None = None, *,
                  max_batch_size: int = 8, max_seq_len: int = 4096, block_size: int = 0, mode: str | None = None,
                  oracle: OracleDrafts | None = None, cuda_graphs: bool = True, draft_window: int = 0,
-                 prefill_chunk: int = 0, verify_width: str = "full"):
+                 prefill_chunk: int = 0, verify_width: str = "full", overlap: bool = True):
         self.target, self.drafter, self.oracle = target, drafter, oracle
+        # AR: queue step n+1 before reading step n, so the host's work on step n hides
+        # behind the device's on step n+1 (see _ar_step)
+        self.overlap = overlap
+        self.queued: QueuedStep | None = None
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         # block_size 0: the drafter's trained block size (a build may choose another)
         self.block_size = (block_size or drafter.config.block_size) if drafter else 1
@@ -152,13 +170,15 @@ class Engine:
             self.prefilling.remove(seq)
         seq.finish_reason = seq.finish_reason or "abort"
         self._release(seq)
+        if self.queued is not None and all(s.is_finished for s in self.queued.seqs):
+            self._read_queued()  # nothing left to emit from it; its buffers are reused two launches on
 
     def sibling(self, **changes) -> "Engine":
         """A new engine of this kind over the same models and block, `changes` (e.g. another
         max_batch_size or max_seq_len) applied; caches of its own."""
         settings = dict(max_batch_size=self.max_batch_size, max_seq_len=self.max_seq_len, block_size=self.block_size,
                         draft_window=self.draft_window, prefill_chunk=self.prefill_chunk,
-                        verify_width=self.verify_width)
+                        verify_width=self.verify_width, overlap=self.overlap)
         return type(self)(self.target, self.drafter, **{**settings, **changes})
 
     def set_oracle(self, oracle: OracleDrafts | None) -> None:
@@ -169,6 +189,9 @@ class Engine:
 
     def will_prefill(self) -> bool:
         """Whether the next step runs a prefill pass (it may also decode, when chunked)."""
+        return self.queued is None and self._prefill_due()
+
+    def _prefill_due(self) -> bool:
         return bool(self.prefilling or (self.waiting and self.free_slots))
 
     def set_mode(self, mode: str) -> None:
@@ -187,6 +210,17 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> list[StepEvent]:
+        if self.queued is not None and self._prefill_due():
+            # the queued AR step's tokens first: a prefill changes the batch, it runs next step
+            events = self._read_queued()
+        else:
+            events = self._schedule()
+        for event in events:
+            if event.finished:
+                self._release(event.seq)
+        return events
+
+    def _schedule(self) -> list[StepEvent]:
         admitted = []
         while self.waiting and self.free_slots:
             seq = self.waiting.popleft()
@@ -203,10 +237,7 @@ class Engine:
         elif self.running:
             events = self._decode(self.running)
         else:
-            return []
-        for event in events:
-            if event.finished:
-                self._release(event.seq)
+            events = []
         return events
 
     def _next_chunk(self) -> tuple[list[Sequence], list[int]]:
@@ -252,26 +283,77 @@ class Engine:
 
     def _decode(self, seqs: list[Sequence]) -> list[StepEvent]:
         if self.mode == "ar":
-            inputs = self.passes.inputs(seqs)
-            hidden, greedy = self.passes.ar(inputs)
-            tokens = [[t] for t in self._pick(greedy, hidden[:, 0], seqs)]
-            self.passes.commit(inputs, 1, [1] * len(seqs))
-        else:
-            self._start_width_policy()
-            width = self.width_policy.choose(len(seqs)) if self.width_policy else self.block_size
-            out = speculative_step(self.passes, seqs, self.oracle, width)
-            if self.width_policy:
-                self.width_policy.update(out.accepted, width)
-            tokens = out.tokens
-            for s, a in zip(seqs, out.accepted):
-                s.stats.verify_steps += 1
-                s.stats.verified_drafts += width - 1
-                s.stats.acceptance_lengths.append(a + 1)
+            return self._ar_step(seqs)
+        self._start_width_policy()
+        width = self.width_policy.choose(len(seqs)) if self.width_policy else self.block_size
+        out = speculative_step(self.passes, seqs, self.oracle, width)
+        if self.width_policy:
+            self.width_policy.update(out.accepted, width)
         events = []
-        for s, new in zip(seqs, tokens):
+        for s, new, a in zip(seqs, out.tokens, out.accepted):
+            s.stats.verify_steps += 1
+            s.stats.verified_drafts += width - 1
+            s.stats.acceptance_lengths.append(a + 1)
             s.num_cached += len(new)  # the committed rows: everything but the new last token
             events.append(StepEvent(s, s.emit(new)))
         return events
+
+    # -- AR, overlapped -------------------------------------------------------------------
+    #
+    # Step n's tokens feed step n+1 on the device (graphs.DecodePasses.next_inputs), so
+    # step n+1 can be queued before the host reads step n. The host then reads step n,
+    # checks stops and emits while the device computes step n+1: the device no longer
+    # idles through that work. Rows may run one step for nothing: a row that stops at step
+    # n (or is aborted) has been queued into step n+1; its result is dropped, and what it
+    # wrote lies past the committed length or in a freed slot, which its next owner's
+    # prefill overwrites (kv_cache.py; stream order puts that prefill after the step).
+
+    def _ar_step(self, seqs: list[Sequence]) -> list[StepEvent]:
+        step = self.queued or self._launch_ar(seqs, self.passes.inputs(seqs))
+        self.queued = None
+        ahead = self._rows_ahead(step)
+        if ahead:
+            row = {id(s): i for i, s in enumerate(step.seqs)}
+            inputs = self.passes.next_inputs(ahead, [row[id(s)] for s in ahead], step.greedy)
+            self.queued = self._launch_ar(ahead, inputs)
+        events = self._emit_ar(step)
+        if self.queued is not None and all(s.is_finished for s in self.queued.seqs):
+            self._read_queued()  # every row of it stopped: wait for it, nothing to emit
+        return events
+
+    def _launch_ar(self, seqs: list[Sequence], inputs: StepInputs) -> QueuedStep:
+        hidden, greedy = self.passes.ar(inputs)
+        greedy_only = all(s.params.greedy for s in seqs)
+        return QueuedStep(list(seqs), hidden, greedy, self.passes.read_later(greedy) if greedy_only else None)
+
+    def _rows_ahead(self, step: QueuedStep) -> list[Sequence]:
+        """The sequences whose next step may be queued before `step` is read: none when a
+        row samples (its token is drawn after the readback) or the next step's batch is not
+        this one's (a prefill joined or will be due); else those that still want a token."""
+        live = [s for s in step.seqs if not s.is_finished]
+        if not self.overlap or step.readback is None or self.prefilling or set(live) != set(self.running):
+            return []
+        ending = any(len(s.output_ids) + 1 >= s.params.max_tokens for s in live)
+        if self.waiting and (self.free_slots or ending):
+            return []
+        return [s for s in live if len(s.output_ids) + 1 < s.params.max_tokens]
+
+    def _emit_ar(self, step: QueuedStep) -> list[StepEvent]:
+        if step.readback is not None:
+            tokens = step.readback.tolist()
+        else:
+            tokens = self._pick(step.greedy, step.hidden[:, 0], step.seqs)
+        events = []
+        for s, token in zip(step.seqs, tokens):
+            if s.is_finished:  # stopped or aborted after this step was queued
+                continue
+            s.num_cached += 1
+            events.append(StepEvent(s, s.emit([token])))
+        return events
+
+    def _read_queued(self) -> list[StepEvent]:
+        step, self.queued = self.queued, None
+        return self._emit_ar(step)
 
     def _pick(self, greedy: torch.Tensor, hidden: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """Next token per row: the greedy choice [bs] (one host sync), or a sample from the

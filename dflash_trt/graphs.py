@@ -46,6 +46,19 @@ class StepInputs:
         return self.packed[2, : self.size]
 
 
+@dataclass(frozen=True)
+class Readback:
+    """Tokens on their way to the host: a pinned buffer and the event after its copy."""
+
+    host: torch.Tensor
+    done: torch.cuda.Event | None  # None on the CPU, where the copy was synchronous
+
+    def tolist(self) -> list[int]:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host.tolist()
+
+
 class DecodePasses:
     """Eager decode passes over the engine's models and caches."""
 
@@ -55,16 +68,21 @@ class DecodePasses:
         self.target_cache, self.draft_cache, self.taps = target_cache, draft_cache, taps
         self.block_size = block_size
         self.device = target_cache.k.device
-        # One pinned staging buffer: the step's inputs go to the device in one async copy.
-        # Reusing it is safe because every step ends with a host sync (the token readback),
-        # so the previous step's copy has finished before the buffer is written again. Flat,
-        # so the [3, m] view of any m is contiguous (a strided one would be copied through a
-        # pageable temporary).
-        self._staging = torch.zeros(3 * target_cache.k.shape[1], dtype=torch.long,
-                                    pin_memory=self.device.type == "cuda")
+        # Pinned staging buffers: a step's inputs go to the device in one async copy, its
+        # tokens come back in another. Two of each, used in turn: an AR step may be queued
+        # before the previous one is read back (Engine, overlap), so one copy can still be
+        # pending while the next step's inputs are written; every step is read back (a host
+        # sync) before the step after next is staged, so a buffer is free when its turn comes.
+        # Flat, so the [3, m] view of any m is contiguous (a strided one would be copied
+        # through a pageable temporary).
+        pinned = self.device.type == "cuda"
+        slots = target_cache.k.shape[1]
+        self._staging = torch.zeros((2, 3 * slots), dtype=torch.long, pin_memory=pinned)
+        self._readback = torch.zeros((2, slots), dtype=torch.long, pin_memory=pinned)
+        self._turn = 0
 
     def _host_rows(self, m: int) -> torch.Tensor:
-        return self._staging[: 3 * m].view(3, m)
+        return self._staging[self._turn, : 3 * m].view(3, m)
 
     def _staged(self, n: int) -> torch.Tensor:
         """The pinned [3, m >= n] rows that n sequences' inputs are written into."""
@@ -72,9 +90,32 @@ class DecodePasses:
 
     def inputs(self, seqs: list[Sequence]) -> StepInputs:
         n = len(seqs)
+        self._turn ^= 1
         host = self._staged(n)
         host[:, :n] = torch.tensor([[s.slot for s in seqs], [s.num_cached for s in seqs], [s.last_token for s in seqs]])
         return StepInputs(host.to(self.device, non_blocking=True), n)
+
+    def next_inputs(self, seqs: list[Sequence], rows: list[int], tokens: torch.Tensor) -> StepInputs:
+        """Inputs of the AR step after one the host has not read yet: each sequence one row
+        past its num_cached, its last token the queued step's greedy token tokens[rows[i]],
+        gathered on the device (no host sync)."""
+        n = len(seqs)
+        self._turn ^= 1
+        host = self._staged(n)
+        host[:, :n] = torch.tensor([[s.slot for s in seqs], [s.num_cached + 1 for s in seqs], rows])
+        packed = host.to(self.device, non_blocking=True)
+        packed[2, :n] = tokens[packed[2, :n]]
+        return StepInputs(packed, n)
+
+    def read_later(self, tokens: torch.Tensor) -> "Readback":
+        """Start copying a step's tokens [n] to the host; Readback.tolist waits for them."""
+        host = self._readback[self._turn, : tokens.shape[0]]
+        host.copy_(tokens, non_blocking=True)
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        return Readback(host, done)
 
     def _batch(self, x: StepInputs, width: int, max_end: int | None = None) -> Batch:
         return Batch.full(x.slots, x.start, width, max_end or self.target_cache.capacity)

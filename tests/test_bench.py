@@ -66,6 +66,17 @@ def test_rows_per_concurrency_are_lossless_and_positive(loaded):
         assert 0 < r.ttft_p50_s <= r.ttft_p99_s
 
 
+def test_ar_runs_overlapped_unless_told_not_to_with_the_same_tokens(loaded):
+    prompts = load_prompts("gsm8k", 3)
+    outputs = {}
+    for overlap in (None, False):
+        outputs[overlap] = {}
+        (row,) = bench.run_bench(loaded, prompts, dataset="gsm8k", concurrencies=(2,), max_tokens=12,
+                                 ar_outputs=outputs[overlap], overlap=overlap)
+        assert row.ar_overlap is (overlap is None) and row.identical_share == 1.0
+    assert outputs[None] == outputs[False]
+
+
 def test_oracle_tau_sets_the_mean_acceptance_length(loaded):
     assert loaded.engine.block_size == 16  # the demo drafter's
     prompts = load_prompts("gsm8k", 4)
@@ -121,7 +132,8 @@ def test_cli_stall_prompt_prints_one_row_per_mode_and_chunk_setting(out, tmp_pat
     assert [line.split(" | ")[:2] for line in table[2:]] == [["| ar", "none"], ["| ar", "16"], ["| dflash", "none"],
                                                             ["| dflash", "16"]]
     rows = report["stall_rows"]
-    assert [r["deliveries"] for r in rows] == [2, 6, 2, 6]  # chunked: a gap per chunk step and request
+    # chunked: a gap per chunk step and request; AR reads the step it queued before prefilling: one more
+    assert [r["deliveries"] for r in rows] == [4, 8, 2, 6]
     result = CliRunner().invoke(cli, ["bench", str(out), "--stall-prompt", "48", "--concurrency", "2"])
     assert result.exit_code == 1 and "--prefill-chunk-size N" in result.output
 

@@ -73,6 +73,7 @@ class BenchRow:
     identical_share: float | None  # requests whose DFlash output equals AR's (None: forced oracle)
     num_prompts: int
     verify_width: float = 0.0  # tokens per verify, the mean over steps (the block unless adaptive)
+    ar_overlap: bool = True  # AR queued its next step before reading one (Engine.overlap)
 
     @property
     def decode_speedup(self) -> float:
@@ -162,8 +163,9 @@ def _drive(engine, prompt_ids: list[list[int]], params, concurrency: int,
             in_flight += 1
         prefill = engine.will_prefill()
         step_start = time.perf_counter()
+        # no sync after the step: every step waits for the tokens it reads, and a sync would
+        # also wait for the AR step queued behind them (Engine.overlap), hiding nothing
         events = engine.step()
-        _sync(engine.device)
         if not prefill:
             decode_s += time.perf_counter() - step_start
             decode_tokens += sum(len(e.new_tokens) for e in events)
@@ -172,6 +174,7 @@ def _drive(engine, prompt_ids: list[list[int]], params, concurrency: int,
                 in_flight -= 1
                 if progress:
                     progress(1, None)
+    _sync(engine.device)
     wall = time.perf_counter() - start
     ordered = [seqs[i] for i in range(len(prompt_ids))]
     return _Run([s.output_ids for s in ordered], [s.stats for s in ordered], wall, decode_tokens, decode_s)
@@ -182,11 +185,11 @@ def run_bench(loaded_engine, prompts: Sequence[str], *, dataset: str = "custom",
               thinking: bool = False, oracle_tau: float | None = None, seed: int = 0,
               progress: Progress | None = None, ar_outputs: dict | None = None,
               prefill_chunk: int | None = None, verify_width: str | None = None,
-              oracle_dist: str = "two-point") -> list[BenchRow]:
+              oracle_dist: str = "two-point", overlap: bool | None = None) -> list[BenchRow]:
     """One BenchRow per concurrency: AR then DFlash over `prompts` (greedy, see the module doc).
 
     `ar_outputs`, when given, is filled with {concurrency: AR output ids per prompt};
-    `prefill_chunk` and `verify_width`, when given, override the engine's."""
+    `prefill_chunk`, `verify_width` and `overlap`, when given, override the engine's."""
     base, tok = loaded_engine.engine, loaded_engine.tokenizer
     if base.drafter is None:
         raise ConfigError("the benchmark needs an engine with a drafter")
@@ -202,7 +205,8 @@ def run_bench(loaded_engine, prompts: Sequence[str], *, dataset: str = "custom",
         raise ConfigError(f"the longest prompt ({need - max_tokens} tokens) + max_tokens ({max_tokens}) exceeds the "
                           f"engine's max_seq_len = {base.max_seq_len}")
 
-    overrides = {k: v for k, v in (("prefill_chunk", prefill_chunk), ("verify_width", verify_width)) if v is not None}
+    overrides = {k: v for k, v in (("prefill_chunk", prefill_chunk), ("verify_width", verify_width),
+                                   ("overlap", overlap)) if v is not None}
 
     def new_engine(c: int) -> Engine:
         engine = base.sibling(max_batch_size=c, max_seq_len=need, **overrides)
@@ -230,6 +234,7 @@ def run_bench(loaded_engine, prompts: Sequence[str], *, dataset: str = "custom",
                                            forced=True))
         engine.set_mode("dflash")
         df = _drive(engine, prompt_ids, params, c, progress)
+        engine_overlap = engine.overlap
         del engine
         per_request = [s.mean_acceptance_length for s in df.stats if s.verify_steps]
         steps = sum(s.verify_steps for s in df.stats)
@@ -246,6 +251,7 @@ def run_bench(loaded_engine, prompts: Sequence[str], *, dataset: str = "custom",
                              if num_correct is None else None),
             num_prompts=len(prompt_ids),
             verify_width=(sum(s.verified_drafts + s.verify_steps for s in df.stats) / steps if steps else 0.0),
+            ar_overlap=engine_overlap,
         ))
         if progress:
             progress(0, f"{dataset} c={c} DFlash: {df.tok_s:.1f} tok/s, τ {tau_steps:.2f}, verify width "
@@ -352,7 +358,7 @@ def run_report(loaded_engine, datasets: Sequence[str], *, urls: Sequence[str] = 
                chat: bool = True, thinking: bool = False, oracle_tau: float | None = None,
                compare_transformers: bool = False, progress: Progress | None = None,
                prefill_chunk: int | None = None, stall_prompt: int = 0, verify_width: str | None = None,
-               oracle_dist: str = "two-point") -> Report:
+               oracle_dist: str = "two-point", overlap: bool | None = None) -> Report:
     """Per dataset: in-process rows (with an engine), the transformers row (if asked), and rows
     through each server URL (Triton's gRPC host:port, or the OpenAI API's http:// address), all
     over the same prompts. `stall_prompt` N > 0 runs prefill_stall.py's test instead (a prompt of
@@ -377,7 +383,7 @@ def run_report(loaded_engine, datasets: Sequence[str], *, urls: Sequence[str] = 
             rows = run_bench(loaded_engine, prompts, dataset=label, concurrencies=concurrencies,
                              max_tokens=max_tokens, chat=chat, thinking=thinking, oracle_tau=oracle_tau,
                              progress=progress, ar_outputs=ar_outputs, prefill_chunk=prefill_chunk,
-                             verify_width=verify_width, oracle_dist=oracle_dist)
+                             verify_width=verify_width, oracle_dist=oracle_dist, overlap=overlap)
             report.rows += rows
         if hf_model is not None:
             at_1 = next((r for r in rows if r.concurrency == 1), None)

@@ -1,0 +1,131 @@
+"""Overlapped AR: step n+1 is queued on the device before the host reads step n. It must
+produce exactly what the serial AR loop does, whatever joins, stops or is aborted."""
+
+import pytest
+
+from dflash_trt.loading import load_pair
+from dflash_trt.sampling import SamplingParams
+
+TARGETS = {
+    "dense": dict(tokenizer_tokens=None, vocab_size=512),
+    # 3 linear-attention + 1 full layers: a step for nothing advances a slot's recurrent state
+    "hybrid": dict(target_type="qwen3_5", tokenizer_tokens=None, vocab_size=512, head_dim=32, rope_theta=1e7,
+                   draft_rope_theta=1e7, target_layer_ids=(1, 3)),
+}
+PROMPTS = [[7], [3, 1, 4], [10, 20, 30, 40, 50, 60, 70], list(range(100, 119)), [5, 6]]
+PARAMS = SamplingParams(max_tokens=19, ignore_eos=True)
+
+
+def engines(make_pair, device, kind, max_batch_size=8, **changes):
+    """(an overlapped AR engine, a serial one over the same models), `changes` applied."""
+    pair = make_pair(**TARGETS[kind], block_size=4)
+    base = load_pair(pair.target, pair.drafter, device=device, max_seq_len=96, max_batch_size=max_batch_size)
+    overlapped, serial = base.sibling(**changes), base.sibling(overlap=False, **changes)
+    for engine in (overlapped, serial):
+        engine.set_mode("ar")
+    assert overlapped.overlap and not serial.overlap
+    return overlapped, serial
+
+
+def count_ar_passes(engine) -> list[int]:
+    calls, ar = [0], engine.passes.ar
+
+    def counted(x):
+        calls[0] += 1
+        return ar(x)
+
+    engine.passes.ar = counted
+    return calls
+
+
+@pytest.mark.parametrize("prefill_chunk", [0, 3])
+@pytest.mark.parametrize("kind", TARGETS)
+def test_overlapped_ar_equals_serial_ar_as_requests_join_and_leave(make_pair, device, kind, prefill_chunk):
+    """Chunked, a prompt's last chunk and the running rows' step share an engine step."""
+    overlapped, serial = engines(make_pair, device, kind, max_batch_size=2, prefill_chunk=prefill_chunk)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (5, 19, 2, 11, 1)]
+    (got, steps), (want, serial_steps) = drive(overlapped, PROMPTS, params), drive(serial, PROMPTS, params)
+    assert [g.output_ids for g in got] == [w.output_ids for w in want]
+    # a row's last step is not queued past while a request waits: its slot is prefilled next, as serially
+    assert steps == serial_steps
+    assert [len(g.output_ids) for g in got] == [5, 19, 2, 11, 1]
+    assert {g.finish_reason for g in got} == {"length"}
+
+
+def drive(engine, prompts, params):
+    """Run to completion, checking that every step that decodes gives each running row a token;
+    returns the sequences and the number of steps."""
+    seqs, steps = [engine.add_request(p, sp) for p, sp in zip(prompts, params)], 0
+    while engine.has_work():
+        steps += 1
+        decodes = engine.prefill_chunk or not engine.will_prefill()
+        running = list(engine.running)
+        tokens = {id(e.seq): len(e.new_tokens) for e in engine.step()}
+        if decodes:
+            assert [tokens.get(id(s)) for s in running] == [1] * len(running)
+    return seqs, steps
+
+
+@pytest.mark.parametrize("kind", TARGETS)
+def test_a_row_that_stops_while_its_next_step_is_queued_leaves_its_slot_clean(make_pair, device, kind):
+    """One slot: a stop token ends the first request after its next step was queued. That
+    step runs for nothing into the slot the waiting request then takes (for a hybrid, it
+    advances the slot's recurrent state): the second request must not see it."""
+    overlapped, serial = engines(make_pair, device, kind, max_batch_size=1)
+    free = serial.generate([PROMPTS[2]], SamplingParams(max_tokens=30, ignore_eos=True))[0].token_ids
+    index = next(i for i in range(3, 30) if free[i] not in free[:i])
+    stop = SamplingParams(max_tokens=30, ignore_eos=True, stop_token_ids=(free[index],))
+    alone = serial.generate([PROMPTS[3]], PARAMS)[0].token_ids
+    passes = count_ar_passes(overlapped)
+    first, second = overlapped.generate([PROMPTS[2], PROMPTS[3]], [stop, PARAMS])
+    assert first.token_ids == free[: index + 1] and first.finish_reason == "stop"
+    assert second.token_ids == alone
+    # the first token of each comes from its prefill; the first request ran one step more
+    assert passes[0] == index + 1 + PARAMS.max_tokens - 1
+
+
+def test_a_greedy_batch_is_read_one_step_behind_its_launches(make_pair, device):
+    overlapped, serial = engines(make_pair, device, "dense")
+    seqs = [overlapped.add_request(p, PARAMS) for p in PROMPTS[:3]]
+    overlapped.step()  # prefill: the first tokens
+    assert overlapped.queued is None
+    events = overlapped.step()
+    assert [len(e.new_tokens) for e in events] == [1, 1, 1]
+    assert overlapped.queued is not None and overlapped.queued.seqs == seqs
+    # a request arriving now is prefilled after the queued step is read
+    late = overlapped.add_request(PROMPTS[3], PARAMS)
+    assert not overlapped.will_prefill()
+    assert [e.seq for e in overlapped.step()] == seqs and overlapped.queued is None
+    assert overlapped.will_prefill()
+    assert [e.seq for e in overlapped.step()] == [late]
+    while overlapped.has_work():
+        overlapped.step()
+    assert [s.output_ids for s in seqs + [late]] == [r.token_ids for r in serial.generate(PROMPTS[:4], PARAMS)]
+
+
+def test_nothing_is_queued_for_sampled_rows_or_a_serial_engine(make_pair, device):
+    overlapped, serial = engines(make_pair, device, "dense")
+    overlapped.add_request(PROMPTS[0], PARAMS)
+    overlapped.add_request(PROMPTS[1], SamplingParams(max_tokens=19, temperature=0.7, seed=1))
+    serial.add_request(PROMPTS[0], PARAMS)
+    for engine in (overlapped, serial):
+        engine.step()
+        assert len(engine.step()) == len(engine.running)
+        assert engine.queued is None
+
+
+@pytest.mark.parametrize("kind", TARGETS)
+def test_aborting_the_rows_of_a_queued_step(make_pair, device, kind):
+    overlapped, serial = engines(make_pair, device, kind, max_batch_size=2)
+    a, b = overlapped.add_request(PROMPTS[1], PARAMS), overlapped.add_request(PROMPTS[2], PARAMS)
+    overlapped.step()
+    overlapped.step()
+    overlapped.abort(a)
+    assert overlapped.queued is not None  # b still wants it
+    events = overlapped.step()
+    assert [e.seq for e in events] == [b] and a.finish_reason == "abort" and len(a.output_ids) == 2
+    overlapped.abort(b)
+    assert overlapped.queued is None and not overlapped.has_work()
+    # both slots were left mid-sequence: new requests start clean
+    got = overlapped.generate(PROMPTS[3:5], PARAMS)
+    assert [g.token_ids for g in got] == [w.token_ids for w in serial.generate(PROMPTS[3:5], PARAMS)]
