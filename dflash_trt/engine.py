@@ -31,7 +31,7 @@ from dflash_trt.models.dflash import DFlashDrafter
 from dflash_trt.models.qwen3 import Qwen3ForCausalLM
 from dflash_trt.sampling import SamplingParams
 from dflash_trt.sequence import RequestStats, Sequence
-from dflash_trt.speculate import OracleDrafts, speculative_step
+from dflash_trt.speculate import Drafted, OracleDrafts, speculative_step
 from dflash_trt.verify_width import VerifyWidth, candidate_widths
 
 MODES = ("ar", "dflash")
@@ -77,9 +77,11 @@ class Engine:
                  prefill_chunk: int = 0, verify_width: str = "full", overlap: bool = True):
         self.target, self.drafter, self.oracle = target, drafter, oracle
         # AR: queue step n+1 before reading step n, so the host's work on step n hides
-        # behind the device's on step n+1 (see _ar_step)
+        # behind the device's on step n+1 (see _ar_step); DFlash: launch step n+1's draft
+        # before reading step n's verify (speculative_step)
         self.overlap = overlap
         self.queued: QueuedStep | None = None
+        self.queued_draft: Drafted | None = None
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         # block_size 0: the drafter's trained block size (a build may choose another)
         self.block_size = (block_size or drafter.config.block_size) if drafter else 1
@@ -286,7 +288,11 @@ class Engine:
             return self._ar_step(seqs)
         self._start_width_policy()
         width = self.width_policy.choose(len(seqs)) if self.width_policy else self.block_size
-        out = speculative_step(self.passes, seqs, self.oracle, width)
+        drafted, self.queued_draft = self.queued_draft, None
+        if drafted is not None and not same_rows(drafted.seqs, seqs):
+            drafted = None  # drafted for other rows: one finished, joined or was aborted since
+        out = speculative_step(self.passes, seqs, self.oracle, width, drafted, self._draft_ahead(seqs, width))
+        self.queued_draft = out.next_draft
         if self.width_policy:
             self.width_policy.update(out.accepted, width)
         events = []
@@ -297,6 +303,14 @@ class Engine:
             s.num_cached += len(new)  # the committed rows: everything but the new last token
             events.append(StepEvent(s, s.emit(new)))
         return events
+
+    def _draft_ahead(self, seqs: list[Sequence], width: int) -> bool:
+        """Whether this step may launch the next one's draft before it is read: greedy rows
+        (a sampled row's outcome is drawn on the host) that all go on past this step, unless
+        a prefill will be due (it changes the batch); a stop token ending a row still wastes
+        the draft."""
+        return (self.overlap and not self._prefill_due()
+                and all(s.params.greedy and len(s.output_ids) + width < s.params.max_tokens for s in seqs))
 
     # -- AR, overlapped -------------------------------------------------------------------
     #
@@ -387,6 +401,10 @@ class Engine:
         while self.has_work():
             self.step()
         return [GenerationResult(s.request_id, s.prompt_ids, s.output_ids, s.finish_reason, s.stats) for s in seqs]
+
+
+def same_rows(a: list[Sequence], b: list[Sequence]) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
 def check_draft_window(window: int, block_size: int) -> None:

@@ -78,7 +78,7 @@ class DecodePasses:
         pinned = self.device.type == "cuda"
         slots = target_cache.k.shape[1]
         self._staging = torch.zeros((2, 3 * slots), dtype=torch.long, pin_memory=pinned)
-        self._readback = torch.zeros((2, slots), dtype=torch.long, pin_memory=pinned)
+        self._readback = torch.zeros((2, slots * (block_size + 1)), dtype=torch.long, pin_memory=pinned)
         self._turn = 0
 
     def _host_rows(self, m: int) -> torch.Tensor:
@@ -107,10 +107,19 @@ class DecodePasses:
         packed[2, :n] = tokens[packed[2, :n]]
         return StepInputs(packed, n)
 
-    def read_later(self, tokens: torch.Tensor) -> "Readback":
-        """Start copying a step's tokens [n] to the host; Readback.tolist waits for them."""
-        host = self._readback[self._turn, : tokens.shape[0]]
-        host.copy_(tokens, non_blocking=True)
+    def after_verify(self, x: StepInputs, accepted: torch.Tensor, bonus: torch.Tensor) -> StepInputs:
+        """The inputs of the step after a verify, from its outcome on the device: each row's
+        committed length past its accepted drafts and bonus, the bonus its last token."""
+        packed = x.packed.clone()
+        packed[1, : x.size] += accepted + 1
+        packed[2, : x.size] = bonus
+        return StepInputs(packed, x.size)
+
+    def read_later(self, values: torch.Tensor) -> "Readback":
+        """Start copying a step's results ([n] or [n, w] longs) to the host; Readback.tolist
+        waits for them."""
+        host = self._readback[self._turn, : values.numel()].view(values.shape)
+        host.copy_(values, non_blocking=True)
         done = None
         if self.device.type == "cuda":
             done = torch.cuda.Event()
@@ -160,8 +169,9 @@ class DecodePasses:
     def capture_all(self) -> None:
         """Nothing to prepare for eager passes."""
 
-    def commit(self, x: StepInputs, width: int, num_committed: list[int]) -> None:
-        """After a pass of `width` tokens per row, keep the first num_committed[i] of row i.
+    def commit(self, x: StepInputs, width: int, num_committed: list[int] | torch.Tensor) -> None:
+        """After a pass of `width` tokens per row, keep the first num_committed[i] of row i
+        (a host list, or a tensor on the device).
         Skipped for targets without recurrent state, so their decode step pays no copy for it,
         and after a one-token pass (an AR step), which a stateful target steps in place and
         keeps whole: building its batch would cost an AR step three launches for nothing."""
@@ -249,7 +259,7 @@ class GraphedPasses(DecodePasses):
                                                width)
         return hidden[: x.size], accepted[: x.size], bonus[: x.size]
 
-    def commit(self, x: StepInputs, width: int, num_committed: list[int]) -> None:
+    def commit(self, x: StepInputs, width: int, num_committed: list[int] | torch.Tensor) -> None:
         """A hybrid target's commit after a verify (a replay of the kept tokens, one kernel per
         linear layer) runs as a graph too, one per verify width: eagerly, launching it cost
         more than its work at batch 1. The kept counts go to a static buffer; padding rows (on
@@ -261,7 +271,7 @@ class GraphedPasses(DecodePasses):
         if b not in self._kept:
             self._kept[b] = torch.ones(b, dtype=torch.long, device=self.device)
         kept = self._kept[b]
-        kept[: x.size].copy_(torch.tensor(num_committed))
+        kept[: x.size].copy_(torch.as_tensor(num_committed))
         self._replay("commit", x, lambda s: self.target.commit(self.target_cache, self._batch(s, width), kept), width)
 
     def _replay(self, name: str, x: StepInputs, fn, width: int = 0):

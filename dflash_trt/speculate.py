@@ -6,12 +6,15 @@ The acceptance rules are pure functions so they can be tested on toy tensors.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from dflash_trt.sampling import Distribution
 from dflash_trt.sequence import Sequence
+
+if TYPE_CHECKING:
+    from dflash_trt.graphs import StepInputs
 
 
 def accepted_length(draft: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -78,51 +81,85 @@ class OracleDrafts:
         drafts.copy_(torch.where(replace.to(dev, non_blocking=True), values.to(dev, non_blocking=True), drafts))
         return plans
 
-    def settle(self, seqs: list[Sequence], plans, accepted: list[int], bonus: list[int], width: int) -> None:
-        """Forced mode: greedy rows take the planned outcome (in place), cut to the drafts a
-        verify of `width` tokens could accept."""
+    def settle(self, seqs: list[Sequence], plans, accepted: torch.Tensor, bonus: torch.Tensor,
+               width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forced mode: greedy rows take the planned outcome, cut to the drafts a verify of
+        `width` tokens could accept. On the device (accepted, bonus [bs] -> new tensors), so
+        the outcome can feed the next draft before the host reads it."""
         if not self.forced:
-            return
-        for i, (seq, (k, known)) in enumerate(zip(seqs, plans)):
+            return accepted, bonus
+        force, k_forced, bonus_forced = [], [], []
+        for seq, (k, known) in zip(seqs, plans):
             k = min(k, width - 1)
-            if seq.params.greedy and k < len(known):
-                accepted[i], bonus[i] = k, known[k]
+            force.append(seq.params.greedy and k < len(known))
+            k_forced.append(k)
+            bonus_forced.append(known[k] if k < len(known) else 0)
+        dev = accepted.device
+        force = torch.tensor(force).to(dev, non_blocking=True)
+        return (torch.where(force, torch.tensor(k_forced).to(dev, non_blocking=True), accepted),
+                torch.where(force, torch.tensor(bonus_forced).to(dev, non_blocking=True), bonus))
+
+
+@dataclass(frozen=True)
+class Drafted:
+    """A draft pass launched for these rows: the inputs it ran on and its block [bs, B]."""
+
+    seqs: list[Sequence]
+    inputs: StepInputs
+    block: torch.Tensor
 
 
 @dataclass(frozen=True)
 class StepOutput:
     tokens: list[list[int]]  # per row: the accepted drafts, then the bonus token
     accepted: list[int]  # drafts accepted per row (the acceptance length is this + 1)
+    next_draft: Drafted | None = None  # the next step's draft, launched before this step was read
 
 
-def speculative_step(passes, seqs: list[Sequence], oracle: OracleDrafts | None = None,
-                     width: int | None = None) -> StepOutput:
+def speculative_step(passes, seqs: list[Sequence], oracle: OracleDrafts | None = None, width: int | None = None,
+                     drafted: Drafted | None = None, draft_ahead: bool = False) -> StepOutput:
     """draft -> verify -> accept -> commit for the running sequences (`passes`: graphs.DecodePasses).
 
     `width` (default: the block): how many tokens of the block the target verifies, the
     bonus token and width - 1 drafts. Fewer drafts can only be accepted less far, and every
-    acceptance rule still holds, so any width is lossless (verify_width.py chooses it)."""
-    width = width or passes.block_size
-    inputs = passes.inputs(seqs)
+    acceptance rule still holds, so any width is lossless (verify_width.py chooses it).
 
-    # draft
-    block = passes.draft(inputs)
+    `drafted`: these rows' draft, launched by the previous step. `draft_ahead` (greedy rows
+    only): commit and launch the next step's draft from the verify's outcome on the device
+    before reading it, so the host's reading, emitting and next launches overlap the draft
+    pass instead of leaving the device idle; the caller drops that draft if its rows change."""
+    width = width or passes.block_size
+
+    # draft (or the one the previous step launched)
+    if drafted is None:
+        inputs = passes.inputs(seqs)
+        drafted = Drafted(list(seqs), inputs, passes.draft(inputs))
+    inputs, block = drafted.inputs, drafted.block
     plans = oracle.apply(seqs, block[:, 1:]) if oracle is not None else None
 
-    # verify
+    # verify (a forced oracle's outcome replaces the greedy one, on the device)
     hidden, accepted, bonus = passes.verify(inputs, block, width)
+    if plans is not None:
+        accepted, bonus = oracle.settle(seqs, plans, accepted, bonus, width)
+    readback = passes.read_later(torch.cat([block[:, 1:width], accepted[:, None], bonus[:, None]], dim=1))
+
+    # draft ahead: commit the outcome and draft the next block before the host sees it
+    next_draft = None
+    if draft_ahead:
+        passes.commit(inputs, width, accepted + 1)
+        following = passes.after_verify(inputs, accepted, bonus)
+        next_draft = Drafted(list(seqs), following, passes.draft(following))
 
     # accept: the step's one host sync; sampled rows redo acceptance with the lossless rule
-    rows = torch.cat([block[:, 1:width], accepted[:, None], bonus[:, None]], dim=1).tolist()
+    rows = readback.tolist()
     drafts, accepted, bonus = [r[:-2] for r in rows], [r[-2] for r in rows], [r[-1] for r in rows]
     for i, seq in enumerate(seqs):
         if not seq.params.greedy:
             dist = passes.target.lm_head.distribution(hidden[i], seq.params)
             accepted[i], bonus[i] = speculative_sample(dist, block[i, 1:width], seq.generator)
-    if plans is not None:
-        oracle.settle(seqs, plans, accepted, bonus, width)
 
     # commit: the target keeps the accepted prefix + bonus row (by length; a target with
     # recurrent state also restores that state); the engine advances num_cached
-    passes.commit(inputs, width, [a + 1 for a in accepted])
-    return StepOutput([drafts[i][:a] + [bonus[i]] for i, a in enumerate(accepted)], accepted)
+    if not draft_ahead:
+        passes.commit(inputs, width, [a + 1 for a in accepted])
+    return StepOutput([drafts[i][:a] + [bonus[i]] for i, a in enumerate(accepted)], accepted, next_draft)

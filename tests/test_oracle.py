@@ -50,11 +50,15 @@ def test_oracle_edits_only_the_first_k_drafts():
     plans = forced.apply(seqs, drafts)
     assert plans == [(3, [20, 21, 22, 23]), (0, [30])]  # the reference's last token is the bonus
     assert drafts.tolist() == [[20, 21, 22, -1], [-1, -1, -1, -1]]
-    accepted, bonus = [0, 0], [0, 0]
-    forced.settle(seqs, plans, accepted, bonus, width=5)
-    assert (accepted, bonus) == ([3, 0], [23, 30])
-    forced.settle(seqs, plans, accepted, bonus, width=3)  # a narrower verify accepts at most 2
-    assert (accepted, bonus) == ([2, 0], [22, 30])
+    verified = torch.tensor([1, 1]), torch.tensor([8, 9])  # what verify found
+    accepted, bonus = forced.settle(seqs, plans, *verified, width=5)
+    assert (accepted.tolist(), bonus.tolist()) == ([3, 0], [23, 30])
+    accepted, bonus = forced.settle(seqs, plans, *verified, width=3)  # a narrower verify accepts at most 2
+    assert (accepted.tolist(), bonus.tolist()) == ([2, 0], [22, 30])
+    seqs[1].params = SamplingParams(temperature=0.7)  # a sampling row keeps verify's (the host redoes it)
+    accepted, bonus = forced.settle(seqs, plans, *verified, width=5)
+    assert (accepted.tolist(), bonus.tolist()) == ([3, 1], [23, 9])
+    assert oracle.settle(seqs, plans, *verified, width=5) == verified  # not forced: verify's outcome
 
 
 def test_forced_oracle_ends_with_a_short_reference_s_stop_token(make_pair, no_tokenizer):

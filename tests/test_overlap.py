@@ -1,10 +1,14 @@
-"""Overlapped AR: step n+1 is queued on the device before the host reads step n. It must
-produce exactly what the serial AR loop does, whatever joins, stops or is aborted."""
+"""Overlap: AR queues step n+1 on the device before the host reads step n; DFlash launches
+step n+1's draft before reading step n's verify. Both must produce exactly what the serial
+loop does, whatever joins, stops or is aborted."""
+
+import random
 
 import pytest
 
 from dflash_trt.loading import load_pair
 from dflash_trt.sampling import SamplingParams
+from dflash_trt.speculate import OracleDrafts
 
 TARGETS = {
     "dense": dict(tokenizer_tokens=None, vocab_size=512),
@@ -27,14 +31,15 @@ def engines(make_pair, device, kind, max_batch_size=8, **changes):
     return overlapped, serial
 
 
-def count_ar_passes(engine) -> list[int]:
-    calls, ar = [0], engine.passes.ar
+def count_passes(engine, name: str) -> list[int]:
+    """Count the engine's calls of one of its passes ("ar", "draft", "verify")."""
+    calls, run = [0], getattr(engine.passes, name)
 
-    def counted(x):
+    def counted(*args):
         calls[0] += 1
-        return ar(x)
+        return run(*args)
 
-    engine.passes.ar = counted
+    setattr(engine.passes, name, counted)
     return calls
 
 
@@ -76,7 +81,7 @@ def test_a_row_that_stops_while_its_next_step_is_queued_leaves_its_slot_clean(ma
     index = next(i for i in range(3, 30) if free[i] not in free[:i])
     stop = SamplingParams(max_tokens=30, ignore_eos=True, stop_token_ids=(free[index],))
     alone = serial.generate([PROMPTS[3]], PARAMS)[0].token_ids
-    passes = count_ar_passes(overlapped)
+    passes = count_passes(overlapped, "ar")
     first, second = overlapped.generate([PROMPTS[2], PROMPTS[3]], [stop, PARAMS])
     assert first.token_ids == free[: index + 1] and first.finish_reason == "stop"
     assert second.token_ids == alone
@@ -129,3 +134,62 @@ def test_aborting_the_rows_of_a_queued_step(make_pair, device, kind):
     # both slots were left mid-sequence: new requests start clean
     got = overlapped.generate(PROMPTS[3:5], PARAMS)
     assert [g.token_ids for g in got] == [w.token_ids for w in serial.generate(PROMPTS[3:5], PARAMS)]
+
+
+# -- DFlash: the next draft launched before a step is read ---------------------------------
+
+
+def dflash_engines(make_pair, device, kind, max_batch_size=8):
+    pair = make_pair(**TARGETS[kind], block_size=4)
+    base = load_pair(pair.target, pair.drafter, device=device, max_seq_len=96, max_batch_size=max_batch_size)
+    return base, base.sibling(overlap=False)
+
+
+def with_oracle(engine, refs, seed=0):
+    rng = random.Random(seed)
+    engine.oracle = OracleDrafts(refs, lambda seq: rng.randint(0, 4))
+    return engine
+
+
+@pytest.mark.parametrize("kind", TARGETS)
+def test_dflash_drafting_ahead_equals_the_serial_step_as_requests_join_and_leave(make_pair, device, kind):
+    overlapped, serial = dflash_engines(make_pair, device, kind, max_batch_size=2)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (5, 19, 2, 11, 30)]
+    refs = {tuple(p): r.token_ids for p, r in zip(PROMPTS, serial.generate(PROMPTS, params, mode="ar"))}
+    drafts, verifies = count_passes(overlapped, "draft"), count_passes(overlapped, "verify")
+    got = with_oracle(overlapped, refs).generate(PROMPTS, params, mode="dflash")
+    want = with_oracle(serial, refs).generate(PROMPTS, params, mode="dflash")
+    assert [g.token_ids for g in got] == [w.token_ids for w in want] == list(refs.values())
+    assert [g.stats.acceptance_lengths for g in got] == [w.stats.acceptance_lengths for w in want]
+    # a draft per verify: rows near their end draft no further, so no draft was dropped
+    assert drafts[0] == verifies[0]
+
+
+def test_a_greedy_dflash_batch_drafts_its_next_step_before_reading_this_one(make_pair, device):
+    overlapped, serial = dflash_engines(make_pair, device, "dense")
+    overlapped.add_request(PROMPTS[1], PARAMS)
+    overlapped.step()  # prefill
+    overlapped.step()
+    assert overlapped.queued_draft is not None and overlapped.queued_draft.seqs == overlapped.running
+    # near max_tokens a row may end with this step: nothing is drafted ahead for it
+    while overlapped.has_work():
+        overlapped.step()
+    assert overlapped.queued_draft is None
+    serial.add_request(PROMPTS[1], PARAMS)
+    serial.step()
+    serial.step()
+    assert serial.queued_draft is None
+
+
+def test_a_stop_token_drops_the_draft_launched_ahead(make_pair, device):
+    overlapped, serial = dflash_engines(make_pair, device, "hybrid", max_batch_size=1)
+    free = serial.generate([PROMPTS[2]], SamplingParams(max_tokens=30, ignore_eos=True), mode="ar")[0].token_ids
+    index = next(i for i in range(6, 30) if free[i] not in free[:i])
+    stop = SamplingParams(max_tokens=30, ignore_eos=True, stop_token_ids=(free[index],))
+    alone = serial.generate([PROMPTS[3]], PARAMS, mode="ar")[0].token_ids
+    drafts, verifies = count_passes(overlapped, "draft"), count_passes(overlapped, "verify")
+    first, second = overlapped.generate([PROMPTS[2], PROMPTS[3]], [stop, PARAMS], mode="dflash")
+    assert first.token_ids == free[: index + 1] and first.finish_reason == "stop"
+    assert second.token_ids == alone
+    assert verifies[0] == len(first.stats.acceptance_lengths) + len(second.stats.acceptance_lengths)
+    assert drafts[0] == verifies[0] + 1  # the first request's last step drafted for nothing
