@@ -72,7 +72,9 @@ class DecodePasses:
         # tokens come back in another. Two of each, used in turn: an AR step may be queued
         # before the previous one is read back (Engine, overlap), so one copy can still be
         # pending while the next step's inputs are written; every step is read back (a host
-        # sync) before the step after next is staged, so a buffer is free when its turn comes.
+        # sync) before the step after next is staged, so a buffer is free when its turn comes
+        # (a DFlash step drafted ahead reuses its turn's readback: it reads one before the
+        # next verify's copy is queued).
         # Flat, so the [3, m] view of any m is contiguous (a strided one would be copied
         # through a pageable temporary).
         pinned = self.device.type == "cuda"
