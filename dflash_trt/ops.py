@@ -674,7 +674,9 @@ def gated_delta_recurrent_reference(q, k, v, g, beta, state_cache, snapshot_cach
     out = out.masked_fill(padding[:, :, None, None], 0)
     t = torch.arange(NS, device=q.device) + num_tokens[:, None] - NS  # [bs, NS]: the token of snapshot j
     reached = (t >= 0) & (t < num_tokens.clamp(max=T)[:, None])
-    snapshot_cache[slots] = torch.where(reached[:, :, None, None, None], snapshots, snapshot_cache[slots])
+    rows = reached.any(dim=1)  # a row that writes nothing may share its slot with one that does
+    snapshot_cache[slots[rows]] = torch.where(reached[rows][:, :, None, None, None], snapshots[rows],
+                                              snapshot_cache[slots[rows]])
     return out.to(out_dtype)
 
 

@@ -169,6 +169,22 @@ def test_replaying_the_kept_tokens_in_place_gives_the_snapshot_of_that_prefix(de
         assert torch.equal(state[slot], snap["snapshot_cache"][slot, T - 1 - (T - n)]), row
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_a_row_without_tokens_writes_nothing_even_on_a_slot_another_row_writes(device):
+    """Commit's replay over every layer at once gives rows it does not use no tokens; they
+    may share a slot with a row that writes it, which must keep that row's write."""
+    case = make_case(3, 4, 2, 4, 32, 32, 1, [3, 0, 0], [5, 2, 0], slots=[1, 1, 4], num_slots=5, device=device)
+    alone = make_case(1, 4, 2, 4, 32, 32, 1, [3], [5], slots=[1], num_slots=5, device=device)
+    for name in ("q", "k", "v", "g", "beta"):
+        alone[name] = case[name][:1].contiguous()
+    alone["state_cache"], alone["snapshot_cache"] = case["state_cache"].clone(), case["snapshot_cache"].clone()
+    untouched = case["snapshot_cache"][[0, 2, 3, 4]].clone()
+    gated_delta_recurrent(**case)
+    gated_delta_recurrent(**alone)
+    assert torch.equal(case["snapshot_cache"], alone["snapshot_cache"])
+    assert torch.equal(case["snapshot_cache"][[0, 2, 3, 4]], untouched)
+
+
 def test_prepare_rejects_bad_arguments_naming_them():
     ok = packed_projection(2, 3, 2, 4, 16, 32)
     for changes, message in (({"qkv": ok["qkv"][..., 1:]}, "qkv must be"),

@@ -64,8 +64,9 @@ class HybridCache(KVCache):
     per slot, conv_snapshots [Ll, slots, S, K-1, C]: the window after each of the last
     pass's last S tokens, right-aligned (index S-1 = after all its tokens);
     per row of the last decode pass (rows <= slots, tokens <= S), the recurrence's inputs as
-    the kernel took them, fp32: replay_q / replay_k [Ll, rows, S, Hk, dk], replay_v
-    [Ll, rows, S, Hv, dv], replay_g / replay_beta [Ll, rows, S, Hv].
+    the kernel took them, fp32, row-major so that a row's layers are adjacent: replay_q /
+    replay_k [rows, Ll, S, Hk, dk], replay_v [rows, Ll, S, Hv, dv], replay_g / replay_beta
+    [rows, Ll, S, Hv].
 
     A decode pass of several tokens (a verify) leaves `state` as it was; commit replays the
     accepted tokens from the saved inputs (the module docstring says why, not snapshots).
@@ -81,7 +82,7 @@ class HybridCache(KVCache):
         self.state = torch.zeros((n, num_slots, *state), dtype=torch.float32, device=device)
         self.conv = torch.zeros((n, num_slots, *window), dtype=dtype, device=device)
         self.conv_snapshots = torch.zeros((n, num_slots, S, *window), dtype=dtype, device=device)
-        replay = lambda *shape: torch.zeros((n, num_slots, S, *shape), dtype=torch.float32, device=device)  # noqa: E731
+        replay = lambda *shape: torch.zeros((num_slots, n, S, *shape), dtype=torch.float32, device=device)  # noqa: E731
         self.replay_q = replay(lin.num_key_heads, lin.key_head_dim)
         self.replay_k = replay(lin.num_key_heads, lin.key_head_dim)
         self.replay_v = replay(lin.num_value_heads, lin.value_head_dim)
@@ -91,17 +92,33 @@ class HybridCache(KVCache):
         self.no_snapshots = torch.zeros((num_slots, 0, *state), dtype=torch.float32, device=device)
 
     def _replay_buffers(self, layer: int, rows: int, width: int) -> list[torch.Tensor]:
-        assert rows <= self.replay_q.shape[1] and width <= self.num_snapshots, (rows, width)
-        return [t[layer, :rows, :width] for t in (self.replay_q, self.replay_k, self.replay_v, self.replay_g,
+        assert rows <= self.replay_q.shape[0] and width <= self.num_snapshots, (rows, width)
+        return [t[:rows, layer, :width] for t in (self.replay_q, self.replay_k, self.replay_v, self.replay_g,
                                                    self.replay_beta)]
 
     def save_replay_inputs(self, layer: int, inputs: tuple[torch.Tensor, ...]) -> None:
         for buffer, x in zip(self._replay_buffers(layer, *inputs[0].shape[:2]), inputs):
             buffer.copy_(x)
 
-    def replay_inputs(self, layer: int, rows: int, width: int) -> list[torch.Tensor]:
-        # contiguous without a copy when the pass was S wide (every verify: S = the block)
-        return [t.contiguous() for t in self._replay_buffers(layer, rows, width)]
+    # Commit replays every linear layer's kept tokens in one kernel launch: the layers are
+    # independent, and one layer's rows alone fill few CTAs (a launch per layer left the GPU
+    # mostly idle at small batch). Row b's layer l is row b * layers + l of the flattened
+    # replay buffers (all S tokens: a narrower pass's rows run only their kept tokens), its
+    # state the flattened state's row l * slots + slot.
+
+    def all_replay_inputs(self, rows: int) -> list[torch.Tensor]:
+        """q, k, v, g, beta of the first `rows` rows' layers, [rows * layers, S, ...] (views)."""
+        return [t[:rows].flatten(0, 1) for t in (self.replay_q, self.replay_k, self.replay_v, self.replay_g,
+                                                  self.replay_beta)]
+
+    def all_layer_rows(self, batch: Batch, num_committed: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The state cache, snapshot cache (the state in place), slots, start and kept counts of
+        a replay over every layer of the batch's rows."""
+        layers, slots = self.state.shape[:2]
+        first = torch.arange(layers, dtype=torch.int32, device=batch.slots.device) * slots  # layer l's first slot
+        state = self.state.flatten(0, 1)
+        return (state, state.unsqueeze(1), (batch.slots[:, None].int() + first).flatten(),
+                batch.start.int().repeat_interleave(layers), num_committed.int().repeat_interleave(layers))
 
 
 class ZeroCenteredRMSNorm(nn.Module):
@@ -350,12 +367,9 @@ class Qwen3_5ForCausalLM(nn.Module):
                 f"asked to keep {kept.tolist()} of {batch.num_tokens.tolist()}")
             return
         num_committed = torch.as_tensor(num_committed, device=batch.slots.device)  # a host list: one copy
-        bs = batch.slots.shape[0]
-        slots, start, kept = batch.slots.int(), batch.start.int(), num_committed.int()
-        for layer in range(cache.state.shape[0]):  # replay the kept tokens, in place
-            inputs = cache.replay_inputs(layer, bs, batch.width)
-            state = cache.state[layer]
-            gated_delta_recurrent(*inputs, state, state.unsqueeze(1), slots, start, kept)
+        # (the kernel also writes the replayed tokens' outputs, unused: bf16, the cheapest)
+        replay = cache.all_replay_inputs(batch.slots.shape[0])
+        gated_delta_recurrent(*replay, *cache.all_layer_rows(batch, num_committed), out_dtype=torch.bfloat16)
         dropped = batch.num_tokens - num_committed  # 0 <= dropped < num_tokens, by the engine
         cache.conv[:, batch.slots] = cache.conv_snapshots[:, batch.slots, S - 1 - dropped]
 
