@@ -262,9 +262,10 @@ class GraphedPasses(DecodePasses):
         return hidden[: x.size], accepted[: x.size], bonus[: x.size]
 
     def commit(self, x: StepInputs, width: int, num_committed: list[int] | torch.Tensor) -> None:
-        """A hybrid target's commit after a verify (a replay of the kept tokens, one kernel per
-        linear layer) runs as a graph too, one per verify width: eagerly, launching it cost
-        more than its work at batch 1. The kept counts go to a static buffer; padding rows (on
+        """A hybrid target's commit after a verify (the kept tokens replayed over every linear
+        layer in one kernel, the conv windows copied back, and the small ops that index them)
+        runs as a graph too, one per verify width: eagerly, launching it cost more than its
+        work at batch 1. The kept counts go to a static buffer; padding rows (on
         the scratch slot) keep whatever valid count it holds. Everything else commits eagerly
         (nothing, or an in-place AR step)."""
         if not self.target.stateful or width == 1:
