@@ -454,8 +454,9 @@ def _bench_engine(output_dir, random_weights, device, draft_window, tensor_paral
 @click.option("--verify-width", type=click.Choice(["auto", "full", "adaptive"]),
               help="Override the engine's verify width (see build --help).")
 @click.option("--overlap/--no-overlap", default=None,
-              help="AR queues its next step before reading the current one (the default), or not: the step "
-                   "loop as it was, to measure what the overlap hides.")
+              help="Overlap the host's work with the GPU's (the default: AR queues its next step, DFlash "
+                   "its next draft, before reading the current one), or run the serial loop, to measure what "
+                   "the overlap hides.")
 @click.option("--oracle-dist", type=click.Choice(["two-point", "geometric"]), default="two-point", show_default=True,
               help="How --oracle-tau draws the correct drafts per step: the two integers around τ - 1, or i.i.d. "
                    "per draft with the rate that gives τ (a long tail).")

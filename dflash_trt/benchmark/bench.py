@@ -73,7 +73,7 @@ class BenchRow:
     identical_share: float | None  # requests whose DFlash output equals AR's (None: forced oracle)
     num_prompts: int
     verify_width: float = 0.0  # tokens per verify, the mean over steps (the block unless adaptive)
-    ar_overlap: bool = True  # AR queued its next step before reading one (Engine.overlap)
+    ar_overlap: bool = True  # steps overlapped the host's reading (Engine.overlap: AR and DFlash)
 
     @property
     def decode_speedup(self) -> float:
