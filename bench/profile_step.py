@@ -143,7 +143,7 @@ def step_wall_ms(engine, seqs, mode: str, overlap: bool, reps: int = 30) -> floa
     """Wall ms per step of Engine.step over these running sequences (AR, or DFlash verifying
     the whole block), overlapped or not. Steady state: every call waits for what it reads,
     so no sync brackets the timing (a few steps run first)."""
-    saved = engine.mode, engine.verify_width
+    saved = engine.mode, engine.verify_width, engine.overlap
     engine.mode, engine.verify_width, engine.overlap, engine.running = mode, "full", overlap, list(seqs)
     for _ in range(3):
         engine.step()
@@ -152,7 +152,7 @@ def step_wall_ms(engine, seqs, mode: str, overlap: bool, reps: int = 30) -> floa
         engine.step()
     ms = (time.perf_counter() - start) * 1e3 / reps
     torch.cuda.synchronize()  # what is still queued is done; nothing reads it
-    (engine.mode, engine.verify_width), engine.overlap, engine.running = saved, True, []
+    (engine.mode, engine.verify_width, engine.overlap), engine.running = saved, []
     engine.queued = engine.queued_draft = None
     return ms
 

@@ -91,23 +91,25 @@ class DecodePasses:
         return self._host_rows(n)
 
     def inputs(self, seqs: list[Sequence]) -> StepInputs:
-        n = len(seqs)
-        self._turn ^= 1
-        host = self._staged(n)
-        host[:, :n] = torch.tensor([[s.slot for s in seqs], [s.num_cached for s in seqs], [s.last_token for s in seqs]])
-        return StepInputs(host.to(self.device, non_blocking=True), n)
+        rows = [[s.slot for s in seqs], [s.num_cached for s in seqs], [s.last_token for s in seqs]]
+        return StepInputs(self._upload(rows), len(seqs))
 
     def next_inputs(self, seqs: list[Sequence], rows: list[int], tokens: torch.Tensor) -> StepInputs:
         """Inputs of the AR step after one the host has not read yet: each sequence one row
         past its num_cached, its last token the queued step's greedy token tokens[rows[i]],
         gathered on the device (no host sync)."""
         n = len(seqs)
-        self._turn ^= 1
-        host = self._staged(n)
-        host[:, :n] = torch.tensor([[s.slot for s in seqs], [s.num_cached + 1 for s in seqs], rows])
-        packed = host.to(self.device, non_blocking=True)
+        packed = self._upload([[s.slot for s in seqs], [s.num_cached + 1 for s in seqs], rows])
         packed[2, :n] = tokens[packed[2, :n]]
         return StepInputs(packed, n)
+
+    def _upload(self, rows: list[list[int]]) -> torch.Tensor:
+        """The [3, n] rows staged in the next pinned buffer and copied to the device -> [3, m >= n]."""
+        n = len(rows[0])
+        self._turn ^= 1
+        host = self._staged(n)
+        host[:, :n] = torch.tensor(rows)
+        return host.to(self.device, non_blocking=True)
 
     def after_verify(self, x: StepInputs, accepted: torch.Tensor, bonus: torch.Tensor) -> StepInputs:
         """The inputs of the step after a verify, from its outcome on the device: each row's
