@@ -34,6 +34,7 @@
 #include "block_attention.h"
 
 #include "device.h"
+#include "lanes.h"
 #include "pdl.h"
 
 #include <cuda_bf16.h>
@@ -145,12 +146,6 @@ __device__ __forceinline__ float warp_max(float x) {
   return x;
 }
 
-__device__ __forceinline__ float warp_sum(float x) {
-#pragma unroll
-  for (int o = 16; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
-  return x;
-}
-
 __device__ __forceinline__ void fma4(float4& acc, float w, float4 x) {
   acc.x = fmaf(w, x.x, acc.x);
   acc.y = fmaf(w, x.y, acc.y);
@@ -221,6 +216,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   constexpr int TILE = TK * STRIDE;
   static_assert(D == 64 || D == 128 || D == 256, "head_dim");
   static_assert(NK % 16 == 0, "a warp's key slice must be whole k16 steps of P.V");
+  pdl_wait();
+  pdl_allow_dependents();
   static_assert(kTileKeys % TK == 0, "split chunks (multiples of kTileKeys) must be whole tiles");
   static_assert(TK * D / 8 % kThreads == 0, "every thread copies the same number of 16-byte chunks");
 
@@ -517,6 +514,7 @@ template <typename T, int NC>
 __global__ void __launch_bounds__(kThreads)
     block_attention_combine_kernel(int64_t num_rows, int head_dim, int num_splits, const float* __restrict__ o_part,
                                    const float* __restrict__ lse_part, T* __restrict__ out) {
+  pdl_wait();
   pdl_allow_dependents();  // o_proj reads this output next (pdl.h)
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -884,11 +882,11 @@ void launch_combine(const BlockAttentionParams& p, int num_splits, const float* 
   const unsigned ctas = static_cast<unsigned>((num_rows + kWarps - 1) / kWarps);
   T* out = static_cast<T*>(p.out);
   if (p.head_dim <= 128)
-    block_attention_combine_kernel<T, 1><<<ctas, kThreads, 0, stream>>>(num_rows, p.head_dim, num_splits, o_part,
-                                                                        lse_part, out);
+    pdl_launch(block_attention_combine_kernel<T, 1>, dim3(ctas), dim3(kThreads), 0, stream, pdl_small(), num_rows,
+               p.head_dim, num_splits, o_part, lse_part, out);
   else
-    block_attention_combine_kernel<T, 2><<<ctas, kThreads, 0, stream>>>(num_rows, p.head_dim, num_splits, o_part,
-                                                                        lse_part, out);
+    pdl_launch(block_attention_combine_kernel<T, 2>, dim3(ctas), dim3(kThreads), 0, stream, pdl_small(), num_rows,
+               p.head_dim, num_splits, o_part, lse_part, out);
 }
 
 }  // namespace
@@ -971,7 +969,8 @@ cudaError_t block_attention_launch(const BlockAttentionParams& p, int num_splits
     decltype(&block_attention_kernel<T, D, MT, TK>) kernel;
     cudaError_t err = prepare<T, D, MT, TK>(&kernel);
     if (err != cudaSuccess) return err;
-    kernel<<<grid, kThreads, smem_bytes<T, D, MT, TK>(), stream>>>(p, num_splits, o_part, lse_part);
+    pdl_launch(kernel, grid, dim3(kThreads), smem_bytes<T, D, MT, TK>(), stream, pdl_small(), p, num_splits, o_part,
+               lse_part);
     if (num_splits > 1) launch_combine<T>(p, num_splits, o_part, lse_part, stream);
     return cudaGetLastError();
   });

@@ -36,6 +36,8 @@
 
 #include "device.h"
 #include "float_convert.h"
+#include "lanes.h"
+#include "pdl.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -77,6 +79,8 @@ __device__ __forceinline__ void store_out4(const GatedDeltaParams& p, int64_t at
 // m < dk / 8 (the same bound for every lane, so the guards never split a warp).
 template <int kRows>
 __global__ void __launch_bounds__(kMaxWarps * 32) gated_delta_kernel(GatedDeltaParams p) {
+  pdl_wait();
+  pdl_allow_dependents();
   constexpr int kMaxDk = kRowLanes * kRows;
   __shared__ __align__(16) float k_s[kChunk][kMaxDk];
   __shared__ __align__(16) float q_s[kChunk][kMaxDk];
@@ -233,13 +237,9 @@ __device__ __forceinline__ float load_as_float(const void* base, int64_t i, DTyp
   }
 }
 
-__device__ __forceinline__ float warp_sum(float x) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x = __fadd_rn(x, __shfl_xor_sync(0xffffffffu, x, o));
-  return x;
-}
-
 __global__ void __launch_bounds__(kPrepareThreads) gated_delta_prepare_kernel(GatedDeltaPrepareParams p) {
+  pdl_wait();
+  pdl_allow_dependents();
   const int64_t n = blockIdx.x;
   const int Hk = p.num_k_heads, Hv = p.num_v_heads, dk = p.key_dim, dv = p.value_dim;
   const int64_t row = 2 * static_cast<int64_t>(Hk) * dk + static_cast<int64_t>(Hv) * dv;
@@ -294,8 +294,7 @@ cudaError_t gated_delta_prepare_launch(const GatedDeltaPrepareParams& p, cudaStr
   if (gated_delta_prepare_check(p) != nullptr) return cudaErrorInvalidValue;
   if (p.tokens == 0) return cudaSuccess;
   const dim3 grid(static_cast<unsigned>(p.tokens), (2 * p.num_k_heads + kPrepareWarps - 1) / kPrepareWarps);
-  gated_delta_prepare_kernel<<<grid, kPrepareThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+  return pdl_launch(gated_delta_prepare_kernel, grid, dim3(kPrepareThreads), 0, stream, pdl_small(), p);
 }
 
 const char* gated_delta_recurrent_check(const GatedDeltaParams& p) {
@@ -324,12 +323,12 @@ cudaError_t gated_delta_recurrent_launch(const GatedDeltaParams& p, cudaStream_t
   const dim3 grid(p.value_dim / (kWarpCols * warps), p.num_v_heads, p.batch);
   const dim3 block(32 * warps);
   const int rows = p.key_dim / kRowLanes;  // 2 .. 32
-  if (rows <= 2) gated_delta_kernel<2><<<grid, block, 0, stream>>>(p);
-  else if (rows <= 4) gated_delta_kernel<4><<<grid, block, 0, stream>>>(p);
-  else if (rows <= 8) gated_delta_kernel<8><<<grid, block, 0, stream>>>(p);
-  else if (rows <= 16) gated_delta_kernel<16><<<grid, block, 0, stream>>>(p);
-  else gated_delta_kernel<32><<<grid, block, 0, stream>>>(p);
-  return cudaGetLastError();
+  const auto kernel = rows <= 2    ? gated_delta_kernel<2>
+                      : rows <= 4  ? gated_delta_kernel<4>
+                      : rows <= 8  ? gated_delta_kernel<8>
+                      : rows <= 16 ? gated_delta_kernel<16>
+                                   : gated_delta_kernel<32>;
+  return pdl_launch(kernel, grid, block, 0, stream, pdl_small(), p);
 }
 
 }  // namespace dflash

@@ -25,6 +25,7 @@
 
 #include "device.h"
 #include "float_convert.h"
+#include "lanes.h"
 #include "mma_tile.h"
 #include "pdl.h"
 
@@ -40,19 +41,6 @@ namespace {
 constexpr int kThreads = 256;  // 8 warps
 constexpr int kWarps = kThreads / 32;
 constexpr int kLoadsInFlight = 8;  // 16-byte weight loads per lane per iteration
-
-template <typename T>
-__device__ __forceinline__ void unpack8(const uint4& chunk, float (&f)[8]) {
-  const T* e = reinterpret_cast<const T*>(&chunk);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) f[i] = to_float(e[i]);
-}
-
-__device__ __forceinline__ float warp_sum(float x) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-  return x;
-}
 
 template <typename T, int R>
 __global__ void __launch_bounds__(kThreads) gemv_kernel(GemvParams p) {
@@ -122,9 +110,9 @@ cudaError_t launch_one_row(const GemvParams& p, int sms, cudaStream_t stream) {
   const int64_t N = p.out_features;
   const auto ctas = [&](int r) { return ceil_div(N, static_cast<int64_t>(kWarps) * r); };
   const auto grid = [&](int r) { return dim3(static_cast<unsigned>(ctas(r))); };
-  if (ctas(4) >= 4 * sms) return pdl_launch(gemv_kernel<T, 4>, grid(4), dim3(kThreads), stream, true, p);
-  if (ctas(2) >= 2 * sms) return pdl_launch(gemv_kernel<T, 2>, grid(2), dim3(kThreads), stream, true, p);
-  return pdl_launch(gemv_kernel<T, 1>, grid(1), dim3(kThreads), stream, true, p);
+  if (ctas(4) >= 4 * sms) return pdl_launch(gemv_kernel<T, 4>, grid(4), dim3(kThreads), 0, stream, true, p);
+  if (ctas(2) >= 2 * sms) return pdl_launch(gemv_kernel<T, 2>, grid(2), dim3(kThreads), 0, stream, true, p);
+  return pdl_launch(gemv_kernel<T, 1>, grid(1), dim3(kThreads), 0, stream, true, p);
 }
 
 // y[m, n] for the 16 MT features n of tile blockIdx.x and every row m of x (NT tiles of 8); the

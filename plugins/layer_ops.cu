@@ -15,6 +15,7 @@
 #include "layer_ops.h"
 
 #include "float_convert.h"
+#include "lanes.h"
 #include "pdl.h"
 
 #include <cuda_bf16.h>
@@ -75,12 +76,6 @@ __device__ __forceinline__ void store(T* dst, const float (&src)[N]) {
   }
 }
 
-__device__ __forceinline__ float warp_sum(float x) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x = __fadd_rn(x, __shfl_xor_sync(0xffffffffu, x, o));
-  return x;  // the xor butterfly leaves the same bits in every lane
-}
-
 bool aligned(const void* ptr, size_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
 
 template <typename T>
@@ -109,6 +104,7 @@ constexpr int kNormMaxIters = 8;
 
 template <typename T, typename X, bool kDelta, int V, int kIters>
 __global__ void __launch_bounds__(kNormMaxThreads) rms_norm_kernel(RmsNormParams p) {
+  pdl_wait();
   pdl_allow_dependents();  // a matmul reads this output next: it may fetch its weights meanwhile
   __shared__ float warp_sums[kNormMaxThreads / 32];
   const int H = p.hidden;
@@ -189,6 +185,8 @@ constexpr int kQkWarps = 8;
 
 template <typename T, int D, int R>
 __global__ void __launch_bounds__(kQkWarps * 32) qk_norm_rope_kernel(QkNormRopeParams p) {
+  pdl_wait();
+  pdl_allow_dependents();
   constexpr int kChunks = D / 32;
   constexpr int kRotChunks = R / 32;    // chunks [kRotChunks, kChunks) pass through unrotated
   constexpr int kHalf = kRotChunks / 2;  // chunks [0, kHalf) are the first half of the rotated part
@@ -263,7 +261,7 @@ cudaError_t launch_qk_norm_rope(const QkNormRopeParams& p, int rotary, dim3 grid
   if constexpr (R < D) {
     if (rotary != R) return launch_qk_norm_rope<T, D, R + 64>(p, rotary, grid, stream);
   }
-  qk_norm_rope_kernel<T, D, R><<<grid, kQkWarps * 32, 0, stream>>>(p);
+  pdl_launch(qk_norm_rope_kernel<T, D, R>, grid, dim3(kQkWarps * 32), 0, stream, pdl_small(), p);
   return cudaGetLastError();
 }
 
@@ -275,6 +273,7 @@ constexpr int kSiluMaxBlocks = 8192;
 
 template <typename T, int V>
 __global__ void __launch_bounds__(kSiluThreads) silu_mul_kernel(SiluMulParams p) {
+  pdl_wait();
   pdl_allow_dependents();  // as rms_norm_kernel
   const int64_t per_row = p.inter / V;
   const int64_t total = p.rows * per_row;
@@ -308,6 +307,8 @@ constexpr int kConvMaxTaps = 8;
 
 template <typename T, int kTaps>
 __global__ void __launch_bounds__(kConvThreads) causal_conv_kernel(CausalConvParams p) {
+  pdl_wait();
+  pdl_allow_dependents();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= static_cast<int64_t>(p.batch) * p.channels) return;
   const int b = static_cast<int>(i / p.channels), c = static_cast<int>(i % p.channels);
@@ -383,8 +384,8 @@ cudaError_t rms_norm_launch(const RmsNormParams& p, cudaStream_t stream) {
     using T = typename decltype(t)::type;
     using X = std::conditional_t<decltype(x_fp32)::value != 0, float, T>;
     constexpr int V = decltype(v)::value, N = decltype(n)::value;
-    if (p.delta) rms_norm_kernel<T, X, true, V, N><<<grid, threads, 0, stream>>>(p);
-    else rms_norm_kernel<T, X, false, V, N><<<grid, threads, 0, stream>>>(p);
+    if (p.delta) pdl_launch(rms_norm_kernel<T, X, true, V, N>, grid, dim3(threads), 0, stream, pdl_small(), p);
+    else pdl_launch(rms_norm_kernel<T, X, false, V, N>, grid, dim3(threads), 0, stream, pdl_small(), p);
     return cudaGetLastError();
   };
   auto by_iters = [&](auto t, auto x_fp32, auto v) {
@@ -445,8 +446,8 @@ cudaError_t silu_mul_launch(const SiluMulParams& p, cudaStream_t stream) {
   const int blocks = static_cast<int>(std::min<int64_t>((vectors + kSiluThreads - 1) / kSiluThreads, kSiluMaxBlocks));
   return by_dtype(p.dtype, [&](auto t) {
     using T = typename decltype(t)::type;
-    if (vec8) silu_mul_kernel<T, 8><<<blocks, kSiluThreads, 0, stream>>>(p);
-    else silu_mul_kernel<T, 1><<<blocks, kSiluThreads, 0, stream>>>(p);
+    if (vec8) pdl_launch(silu_mul_kernel<T, 8>, dim3(blocks), dim3(kSiluThreads), 0, stream, pdl_small(), p);
+    else pdl_launch(silu_mul_kernel<T, 1>, dim3(blocks), dim3(kSiluThreads), 0, stream, pdl_small(), p);
     return cudaGetLastError();
   });
 }
@@ -469,8 +470,8 @@ cudaError_t causal_conv_launch(const CausalConvParams& p, cudaStream_t stream) {
   const unsigned blocks = static_cast<unsigned>((threads + kConvThreads - 1) / kConvThreads);
   by_dtype(p.dtype, [&](auto t) {
     using T = typename decltype(t)::type;
-    if (p.kernel_size == 4) causal_conv_kernel<T, 4><<<blocks, kConvThreads, 0, stream>>>(p);
-    else causal_conv_kernel<T, 0><<<blocks, kConvThreads, 0, stream>>>(p);
+    if (p.kernel_size == 4) pdl_launch(causal_conv_kernel<T, 4>, dim3(blocks), dim3(kConvThreads), 0, stream, pdl_small(), p);
+    else pdl_launch(causal_conv_kernel<T, 0>, dim3(blocks), dim3(kConvThreads), 0, stream, pdl_small(), p);
     return 0;
   });
   return cudaGetLastError();

@@ -6,8 +6,9 @@
 // shared atomic. The order inside an expert depends on those atomics; no result does, since
 // each slot's dot products are computed on their own, in an order fixed by the shapes (so a
 // token's output is also the same whatever other tokens share its pass). One token (an AR
-// step at batch 1) skips the sort: each of its picks is a chunk of its own, as the sort would
-// have made them, which saves a kernel as long as the routing's own.
+// step at batch 1) skips the sort: in fp32 each of its picks is a chunk of its own, as the sort
+// would have made them, which saves a kernel as long as the routing's own; in bf16 and fp16 it
+// runs the CUDA-core kernels of its own below.
 //
 // Projections. A CTA takes one chunk and a tile of output rows of that chunk's expert; its
 // warps (8 for gate_up, 4 for down) split the reduction (K) dimension, and each applies the
@@ -21,7 +22,7 @@
 // themselves done on a counter (zeroed by the gate_up kernel), and the last one sums that tile
 // for every token, the same arithmetic as the kernel of its own that larger passes launch.
 //
-// Overlap. For one token the down kernel is launched as a programmatic dependent of gate_up
+// Overlap. For one token (both kernel pairs) the down kernel is launched as a programmatic dependent of gate_up
 // (pdl.h): its chunk is known before gate_up ends (the ids come from the kernel before it), so
 // its CTAs pull their expert's weight rows into L2 while gate_up's last CTAs run, then wait.
 // With more tokens the grids run in several waves, and the same launch was slower
@@ -33,6 +34,7 @@
 #include "moe.h"
 
 #include "float_convert.h"
+#include "lanes.h"
 #include "mma_tile.h"
 #include "pdl.h"
 
@@ -380,6 +382,145 @@ __global__ void __launch_bounds__(kDownWarps * 32) moe_down_kernel(MoeParams p, 
 }
 
 // --------------------------------------------------------------------------------------------
+// One token in 16-bit weights (an AR step at batch 1), on CUDA cores: the picks' weight rows
+// stream like a dense matrix through the one-row matmul's pattern (gemv.cu), a warp per output
+// and small CTAs, so that many are resident and every SM has loads in flight to the end of the
+// kernel. The tensor-core tiles above spend a CTA on 16 rows of one pick and ran these two
+// projections slower (BENCHMARKS.md, "Mixture of experts"). The sums run in another order than
+// the tiles': a token alone is not bit-identical to the same token in a larger pass (fp32
+// keeps the tiles, and that identity).
+
+constexpr int kTokenThreads = 256;
+constexpr int kTokenWarps = kTokenThreads / 32;
+constexpr int kTokenGateUpLoads = 2;  // per row (gate, up) and lane in flight: more CTAs resident beat more loads
+constexpr int kTokenDownPicks = 3, kTokenDownLoads = 2;  // picks at a time, loads per pick and lane
+
+// act[j, r] for intermediate row r of pick j (warp w: j = w / I, r = w % I): gate row r and up
+// row I + r of expert ids[j], silu(gate) * up rounded as the tile kernel rounds it.
+template <typename T>
+__global__ void __launch_bounds__(kTokenThreads) moe_token_gate_up_kernel(MoeParams p) {
+  constexpr int U = kTokenGateUpLoads;
+  pdl_wait();  // the ids come from the kernel before
+  pdl_allow_dependents();
+  const int lane = threadIdx.x % 32;
+  const int64_t w = static_cast<int64_t>(blockIdx.x) * kTokenWarps + threadIdx.x / 32;
+  if (w >= static_cast<int64_t>(p.top_k) * p.inter) return;
+  const int j = static_cast<int>(w / p.inter), r = static_cast<int>(w % p.inter), e = p.ids[j];
+  if (e < 0 || e >= p.experts) return;  // adds nothing: the down kernel skips the pick
+  const int64_t chunks = p.hidden / 8;
+  const uint4* gate = static_cast<const uint4*>(p.gate_up) + (static_cast<int64_t>(e) * 2 * p.inter + r) * chunks;
+  const uint4* up = gate + static_cast<int64_t>(p.inter) * chunks;
+  const uint4* x = static_cast<const uint4*>(p.x);
+  float acc[2] = {};
+  for (int64_t c0 = lane; c0 < chunks; c0 += 32 * U) {
+    uint4 wv[2][U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t c = c0 + 32 * u;
+      wv[0][u] = c < chunks ? __ldcs(gate + c) : make_uint4(0, 0, 0, 0);
+      wv[1][u] = c < chunks ? __ldcs(up + c) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t c = c0 + 32 * u;
+      if (c >= chunks) break;
+      float xf[8];
+      unpack8<T>(__ldg(x + c), xf);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float wf[8];
+        unpack8<T>(wv[h][u], wf);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[h] = fmaf(xf[i], wf[i], acc[h]);
+      }
+    }
+  }
+  const float g = rounded<T>(warp_sum(acc[0])), u = rounded<T>(warp_sum(acc[1]));
+  if (lane != 0) return;
+  const float silu = rounded<T>(g / (1.0f + expf(-g)));
+  static_cast<T*>(p.act)[static_cast<int64_t>(j) * p.inter + r] = to_dtype<T>(__fmul_rn(silu, u));
+}
+
+// out[h] for output row h = the warp: each pick's down row h applied to its act row, rounded,
+// then weighted and summed in pick order (sum_picks' arithmetic). While gate_up runs, the CTA
+// pulls its rows of every pick into L2.
+template <typename T>
+__global__ void __launch_bounds__(kTokenThreads) moe_token_down_kernel(MoeParams p) {
+  constexpr int G = kTokenDownPicks, U = kTokenDownLoads;
+  const int lane = threadIdx.x % 32;
+  const int64_t h = static_cast<int64_t>(blockIdx.x) * kTokenWarps + threadIdx.x / 32;
+  const int64_t chunks = p.inter / 8, row_bytes = static_cast<int64_t>(p.inter) * sizeof(T);
+  if (h < p.hidden) {
+    for (int j = 0; j < p.top_k; ++j) {
+      const int e = p.ids[j];
+      if (e < 0 || e >= p.experts) continue;
+      const char* row = static_cast<const char*>(p.down) + (static_cast<int64_t>(e) * p.hidden + h) * row_bytes;
+      for (int64_t b = 128 * lane; b < row_bytes; b += 128 * 32) prefetch_l2(row + b);
+    }
+  }
+  pdl_wait();
+  if (h >= p.hidden) return;
+  const uint4* down = static_cast<const uint4*>(p.down);
+  const uint4* act = static_cast<const uint4*>(p.act);
+  float out = 0.0f;
+#pragma unroll 1
+  for (int j0 = 0; j0 < p.top_k; j0 += G) {
+    const uint4* rows[G];
+    const uint4* acts[G];
+    float dot[G] = {};
+#pragma unroll
+    for (int g = 0; g < G; ++g) {  // past the picks or outside the experts: expert 0's row, not added
+      const int j = j0 + g < p.top_k ? j0 + g : 0, e = p.ids[j];
+      rows[g] = down + ((e >= 0 && e < p.experts ? e : 0) * static_cast<int64_t>(p.hidden) + h) * chunks;
+      acts[g] = act + j * chunks;
+    }
+    for (int64_t c0 = lane; c0 < chunks; c0 += 32 * U) {
+      uint4 wv[G][U];
+#pragma unroll
+      for (int g = 0; g < G; ++g)
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+          wv[g][u] = c0 + 32 * u < chunks ? __ldcs(rows[g] + c0 + 32 * u) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const int64_t c = c0 + 32 * u;
+          if (c >= chunks) break;
+          float af[8], wf[8];
+          unpack8<T>(__ldg(acts[g] + c), af);
+          unpack8<T>(wv[g][u], wf);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) dot[g] = fmaf(af[i], wf[i], dot[g]);
+        }
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      const float y = rounded<T>(warp_sum(dot[g]));
+      const int j = j0 + g;
+      if (j >= p.top_k) break;
+      const int e = p.ids[j];
+      if (e >= 0 && e < p.experts) out = __fadd_rn(out, __fmul_rn(p.weights[j], y));
+    }
+  }
+  if (lane != 0) return;
+  if (p.out_dtype == DType::kFloat32) static_cast<float*>(p.out)[h] = out;
+  else static_cast<T*>(p.out)[h] = to_dtype<T>(out);
+}
+
+template <typename T>
+cudaError_t project_token(const MoeParams& p, cudaStream_t stream) {
+  const int64_t warps = static_cast<int64_t>(p.top_k) * p.inter;
+  const dim3 block(kTokenThreads);
+  const cudaError_t err = pdl_launch(moe_token_gate_up_kernel<T>,
+                                     dim3(static_cast<unsigned>(ceil_div(warps, kTokenWarps))), block, 0, stream, true, p);
+  if (err != cudaSuccess) return err;
+  return pdl_launch(moe_token_down_kernel<T>, dim3(static_cast<unsigned>(ceil_div(p.hidden, kTokenWarps))), block, 0,
+                    stream, true, p);
+}
+
+// --------------------------------------------------------------------------------------------
 // Weighted sum: a thread per 16 bytes of a y row (V elements), the k picks added in order.
 
 constexpr int kCombineThreads = 256;
@@ -443,8 +584,8 @@ cudaError_t project(const MoeParams& p, const Layout& l, int64_t chunks, cudaStr
   if (err != cudaSuccess) return err;
   const dim3 block(kDownWarps * 32);
   const bool overlap = p.tokens == 1;
-  if (fused_combine(p)) return pdl_launch(moe_down_kernel<T, NT, true>, down_grid, block, stream, overlap, p, l);
-  return pdl_launch(moe_down_kernel<T, NT, false>, down_grid, block, stream, overlap, p, l);
+  if (fused_combine(p)) return pdl_launch(moe_down_kernel<T, NT, true>, down_grid, block, 0, stream, overlap, p, l);
+  return pdl_launch(moe_down_kernel<T, NT, false>, down_grid, block, 0, stream, overlap, p, l);
 }
 
 template <typename T>
@@ -498,6 +639,8 @@ cudaError_t moe_launch(const MoeParams& p, cudaStream_t stream) {
   const int slots = p.tokens * p.top_k;
   if (slots == 0)
     return cudaMemsetAsync(p.out, 0, static_cast<size_t>(p.tokens) * p.hidden * dtype_bytes(p.out_dtype), stream);
+  if (p.tokens == 1 && p.dtype == DType::kBFloat16) return project_token<__nv_bfloat16>(p, stream);
+  if (p.tokens == 1 && p.dtype == DType::kFloat16) return project_token<__half>(p, stream);
   const int tiles = tiles_per_chunk(p);
   const int64_t chunks = launch_chunks(p);
   const Layout l = launch_layout(p);

@@ -16,9 +16,12 @@
 // token, whose picks are its chunks), gate_up and down kernels that read each active expert's
 // weights once per chunk of up to 8 (or 16) of its slots and apply them with tensor-core MMAs,
 // and the fixed-order weighted sum (for up to kMoeFusedCombineTokens tokens, done by the down
-// kernel's last CTA of each row tile instead). Grid sizes depend only on the shapes (CTAs past
-// the routed work exit at once) and nothing is read back on the host, so a launch can be
-// captured in a CUDA graph. A token's output does not depend on the other tokens of its launch.
+// kernel's last CTA of each row tile instead). One token in bf16 or fp16 runs two CUDA-core
+// kernels instead (gate_up with the activation, down with the weighted sum), in their own
+// summation order. Grid sizes depend only on the shapes (CTAs past the routed work exit at
+// once) and nothing is read back on the host, so a launch can be captured in a CUDA graph. A
+// token's output does not depend on the other tokens of its launch, nor, from two tokens on
+// (in fp32 from one), on how many tokens the launch has.
 //
 // The grouped-GEMM path of ops.py (many tokens per expert) uses the sort and the weighted sum
 // on their own: moe_sort_launch and moe_combine_launch.

@@ -10,6 +10,7 @@
 #include "moe_route.h"
 
 #include "float_convert.h"
+#include "pdl.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -43,6 +44,8 @@ __device__ __forceinline__ void keep_larger(float& v, int& id, float ov, int oid
 
 template <typename T, int V>
 __global__ void __launch_bounds__(kThreads) moe_route_kernel(MoeRouteParams p) {
+  pdl_wait();
+  pdl_allow_dependents();
   const int lane = threadIdx.x % 32;
   const int token = blockIdx.x * kWarps + threadIdx.x / 32;
   if (token >= p.tokens) return;  // whole warps: the shuffles see all 32 lanes
@@ -108,12 +111,12 @@ template <typename T>
 cudaError_t launch_typed(const MoeRouteParams& p, cudaStream_t stream) {
   const dim3 grid((p.tokens + kWarps - 1) / kWarps);
   const int per_lane = (p.experts + 31) / 32;
-  if (per_lane <= 1) moe_route_kernel<T, 1><<<grid, kThreads, 0, stream>>>(p);
-  else if (per_lane <= 2) moe_route_kernel<T, 2><<<grid, kThreads, 0, stream>>>(p);
-  else if (per_lane <= 4) moe_route_kernel<T, 4><<<grid, kThreads, 0, stream>>>(p);
-  else if (per_lane <= 8) moe_route_kernel<T, 8><<<grid, kThreads, 0, stream>>>(p);
-  else moe_route_kernel<T, 16><<<grid, kThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+  const auto kernel = per_lane <= 1   ? moe_route_kernel<T, 1>
+                      : per_lane <= 2 ? moe_route_kernel<T, 2>
+                      : per_lane <= 4 ? moe_route_kernel<T, 4>
+                      : per_lane <= 8 ? moe_route_kernel<T, 8>
+                                      : moe_route_kernel<T, 16>;
+  return pdl_launch(kernel, grid, dim3(kThreads), 0, stream, pdl_small(), p);
 }
 
 }  // namespace

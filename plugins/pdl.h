@@ -14,6 +14,8 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdlib>
+
 #include "device.h"
 
 namespace dflash {
@@ -34,17 +36,23 @@ __device__ __forceinline__ void prefetch_l2(const void* ptr) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(ptr));
 }
 
+inline bool pdl_small() {
+  static const bool on = getenv("DFLASH_PDL") == nullptr || getenv("DFLASH_PDL")[0] != '0';
+  return on;
+}
+
 // Whether the current device takes programmatic dependent launches (sm_90 on).
 inline bool pdl_supported() { return device_attribute(cudaDevAttrComputeCapabilityMajor) >= 9; }
 
 // kernel<<<grid, block, 0, stream>>>(args...), allowed to overlap the kernel before it where the
 // device supports that (and `overlap` asks for it: else a plain launch).
 template <typename... Params, typename... Args>
-cudaError_t pdl_launch(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream, bool overlap,
+cudaError_t pdl_launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool overlap,
                        Args... args) {
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
+  config.dynamicSmemBytes = smem;
   config.stream = stream;
   cudaLaunchAttribute early;
   early.id = cudaLaunchAttributeProgrammaticStreamSerialization;
