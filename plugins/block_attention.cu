@@ -882,10 +882,10 @@ void launch_combine(const BlockAttentionParams& p, int num_splits, const float* 
   const unsigned ctas = static_cast<unsigned>((num_rows + kWarps - 1) / kWarps);
   T* out = static_cast<T*>(p.out);
   if (p.head_dim <= 128)
-    pdl_launch(block_attention_combine_kernel<T, 1>, dim3(ctas), dim3(kThreads), 0, stream, pdl_small(), num_rows,
+    pdl_launch(block_attention_combine_kernel<T, 1>, dim3(ctas), dim3(kThreads), 0, stream, true, num_rows,
                p.head_dim, num_splits, o_part, lse_part, out);
   else
-    pdl_launch(block_attention_combine_kernel<T, 2>, dim3(ctas), dim3(kThreads), 0, stream, pdl_small(), num_rows,
+    pdl_launch(block_attention_combine_kernel<T, 2>, dim3(ctas), dim3(kThreads), 0, stream, true, num_rows,
                p.head_dim, num_splits, o_part, lse_part, out);
 }
 
@@ -969,7 +969,7 @@ cudaError_t block_attention_launch(const BlockAttentionParams& p, int num_splits
     decltype(&block_attention_kernel<T, D, MT, TK>) kernel;
     cudaError_t err = prepare<T, D, MT, TK>(&kernel);
     if (err != cudaSuccess) return err;
-    pdl_launch(kernel, grid, dim3(kThreads), smem_bytes<T, D, MT, TK>(), stream, pdl_small(), p, num_splits, o_part,
+    pdl_launch(kernel, grid, dim3(kThreads), smem_bytes<T, D, MT, TK>(), stream, true, p, num_splits, o_part,
                lse_part);
     if (num_splits > 1) launch_combine<T>(p, num_splits, o_part, lse_part, stream);
     return cudaGetLastError();

@@ -294,7 +294,7 @@ cudaError_t gated_delta_prepare_launch(const GatedDeltaPrepareParams& p, cudaStr
   if (gated_delta_prepare_check(p) != nullptr) return cudaErrorInvalidValue;
   if (p.tokens == 0) return cudaSuccess;
   const dim3 grid(static_cast<unsigned>(p.tokens), (2 * p.num_k_heads + kPrepareWarps - 1) / kPrepareWarps);
-  return pdl_launch(gated_delta_prepare_kernel, grid, dim3(kPrepareThreads), 0, stream, pdl_small(), p);
+  return pdl_launch(gated_delta_prepare_kernel, grid, dim3(kPrepareThreads), 0, stream, true, p);
 }
 
 const char* gated_delta_recurrent_check(const GatedDeltaParams& p) {
@@ -328,7 +328,7 @@ cudaError_t gated_delta_recurrent_launch(const GatedDeltaParams& p, cudaStream_t
                       : rows <= 8  ? gated_delta_kernel<8>
                       : rows <= 16 ? gated_delta_kernel<16>
                                    : gated_delta_kernel<32>;
-  return pdl_launch(kernel, grid, block, 0, stream, pdl_small(), p);
+  return pdl_launch(kernel, grid, block, 0, stream, true, p);
 }
 
 }  // namespace dflash

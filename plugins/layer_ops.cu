@@ -261,8 +261,7 @@ cudaError_t launch_qk_norm_rope(const QkNormRopeParams& p, int rotary, dim3 grid
   if constexpr (R < D) {
     if (rotary != R) return launch_qk_norm_rope<T, D, R + 64>(p, rotary, grid, stream);
   }
-  pdl_launch(qk_norm_rope_kernel<T, D, R>, grid, dim3(kQkWarps * 32), 0, stream, pdl_small(), p);
-  return cudaGetLastError();
+  return pdl_launch(qk_norm_rope_kernel<T, D, R>, grid, dim3(kQkWarps * 32), 0, stream, true, p);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -384,9 +383,8 @@ cudaError_t rms_norm_launch(const RmsNormParams& p, cudaStream_t stream) {
     using T = typename decltype(t)::type;
     using X = std::conditional_t<decltype(x_fp32)::value != 0, float, T>;
     constexpr int V = decltype(v)::value, N = decltype(n)::value;
-    if (p.delta) pdl_launch(rms_norm_kernel<T, X, true, V, N>, grid, dim3(threads), 0, stream, pdl_small(), p);
-    else pdl_launch(rms_norm_kernel<T, X, false, V, N>, grid, dim3(threads), 0, stream, pdl_small(), p);
-    return cudaGetLastError();
+    const auto kernel = p.delta ? rms_norm_kernel<T, X, true, V, N> : rms_norm_kernel<T, X, false, V, N>;
+    return pdl_launch(kernel, grid, dim3(threads), 0, stream, true, p);
   };
   auto by_iters = [&](auto t, auto x_fp32, auto v) {
     switch (iters) {
@@ -446,9 +444,8 @@ cudaError_t silu_mul_launch(const SiluMulParams& p, cudaStream_t stream) {
   const int blocks = static_cast<int>(std::min<int64_t>((vectors + kSiluThreads - 1) / kSiluThreads, kSiluMaxBlocks));
   return by_dtype(p.dtype, [&](auto t) {
     using T = typename decltype(t)::type;
-    if (vec8) pdl_launch(silu_mul_kernel<T, 8>, dim3(blocks), dim3(kSiluThreads), 0, stream, pdl_small(), p);
-    else pdl_launch(silu_mul_kernel<T, 1>, dim3(blocks), dim3(kSiluThreads), 0, stream, pdl_small(), p);
-    return cudaGetLastError();
+    return pdl_launch(vec8 ? silu_mul_kernel<T, 8> : silu_mul_kernel<T, 1>, dim3(blocks), dim3(kSiluThreads), 0, stream,
+                      true, p);
   });
 }
 
@@ -468,13 +465,11 @@ cudaError_t causal_conv_launch(const CausalConvParams& p, cudaStream_t stream) {
   if (p.batch == 0) return cudaSuccess;
   const int64_t threads = static_cast<int64_t>(p.batch) * p.channels;
   const unsigned blocks = static_cast<unsigned>((threads + kConvThreads - 1) / kConvThreads);
-  by_dtype(p.dtype, [&](auto t) {
+  return by_dtype(p.dtype, [&](auto t) {
     using T = typename decltype(t)::type;
-    if (p.kernel_size == 4) pdl_launch(causal_conv_kernel<T, 4>, dim3(blocks), dim3(kConvThreads), 0, stream, pdl_small(), p);
-    else pdl_launch(causal_conv_kernel<T, 0>, dim3(blocks), dim3(kConvThreads), 0, stream, pdl_small(), p);
-    return 0;
+    return pdl_launch(p.kernel_size == 4 ? causal_conv_kernel<T, 4> : causal_conv_kernel<T, 0>, dim3(blocks),
+                      dim3(kConvThreads), 0, stream, true, p);
   });
-  return cudaGetLastError();
 }
 
 }  // namespace dflash

@@ -116,7 +116,7 @@ cudaError_t launch_typed(const MoeRouteParams& p, cudaStream_t stream) {
                       : per_lane <= 4 ? moe_route_kernel<T, 4>
                       : per_lane <= 8 ? moe_route_kernel<T, 8>
                                       : moe_route_kernel<T, 16>;
-  return pdl_launch(kernel, grid, dim3(kThreads), 0, stream, pdl_small(), p);
+  return pdl_launch(kernel, grid, dim3(kThreads), 0, stream, true, p);
 }
 
 }  // namespace

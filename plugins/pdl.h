@@ -9,12 +9,15 @@
 // kernel's CTAs be scheduled on whatever the SMs have free from then on (without it, when this
 // kernel's CTAs have all exited). Both are no-ops where the launch did not ask for overlap,
 // and before sm_90.
+//
+// The small kernels of a pass (norms, RoPE, the conv, the delta rule, routing, attention) launch
+// this way too, waiting first and allowing their successor right after: their CTAs are resident
+// when the kernel before ends, instead of starting after its completion reaches the launcher
+// (BENCHMARKS.md, "Programmatic launches"). The tensor-core matmul tiles launch plainly.
 
 #pragma once
 
 #include <cuda_runtime.h>
-
-#include <cstdlib>
 
 #include "device.h"
 
@@ -34,11 +37,6 @@ __device__ __forceinline__ void pdl_allow_dependents() {
 
 __device__ __forceinline__ void prefetch_l2(const void* ptr) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(ptr));
-}
-
-inline bool pdl_small() {
-  static const bool on = getenv("DFLASH_PDL") == nullptr || getenv("DFLASH_PDL")[0] != '0';
-  return on;
 }
 
 // Whether the current device takes programmatic dependent launches (sm_90 on).
