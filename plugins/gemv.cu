@@ -66,29 +66,7 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(GemvParams p) {
   pdl_allow_dependents();
 
   float acc[R] = {};
-  for (int64_t c0 = lane; c0 < chunks; c0 += 32 * U) {
-    uint4 wv[R][U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int64_t c = c0 + 32 * u;
-#pragma unroll
-      for (int r = 0; r < R; ++r) wv[r][u] = c < chunks ? __ldcs(rows[r] + c) : make_uint4(0, 0, 0, 0);
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int64_t c = c0 + 32 * u;
-      if (c >= chunks) break;
-      float xf[8];
-      unpack8<T>(__ldg(x + c), xf);
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        float wf[8];
-        unpack8<T>(wv[r][u], wf);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) acc[r] = fmaf(xf[i], wf[i], acc[r]);
-      }
-    }
-  }
+  lane_dots<T, R, U>(rows, x, chunks, lane, acc);
 #pragma unroll
   for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]);
   if (lane != 0) return;

@@ -399,7 +399,6 @@ constexpr int kTokenDownPicks = 3, kTokenDownLoads = 2;  // picks at a time, loa
 // row I + r of expert ids[j], silu(gate) * up rounded as the tile kernel rounds it.
 template <typename T>
 __global__ void __launch_bounds__(kTokenThreads) moe_token_gate_up_kernel(MoeParams p) {
-  constexpr int U = kTokenGateUpLoads;
   pdl_wait();  // the ids come from the kernel before
   pdl_allow_dependents();
   const int lane = threadIdx.x % 32;
@@ -409,32 +408,9 @@ __global__ void __launch_bounds__(kTokenThreads) moe_token_gate_up_kernel(MoePar
   if (e < 0 || e >= p.experts) return;  // adds nothing: the down kernel skips the pick
   const int64_t chunks = p.hidden / 8;
   const uint4* gate = static_cast<const uint4*>(p.gate_up) + (static_cast<int64_t>(e) * 2 * p.inter + r) * chunks;
-  const uint4* up = gate + static_cast<int64_t>(p.inter) * chunks;
-  const uint4* x = static_cast<const uint4*>(p.x);
+  const uint4* const rows[2] = {gate, gate + static_cast<int64_t>(p.inter) * chunks};  // gate row r, up row I + r
   float acc[2] = {};
-  for (int64_t c0 = lane; c0 < chunks; c0 += 32 * U) {
-    uint4 wv[2][U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int64_t c = c0 + 32 * u;
-      wv[0][u] = c < chunks ? __ldcs(gate + c) : make_uint4(0, 0, 0, 0);
-      wv[1][u] = c < chunks ? __ldcs(up + c) : make_uint4(0, 0, 0, 0);
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int64_t c = c0 + 32 * u;
-      if (c >= chunks) break;
-      float xf[8];
-      unpack8<T>(__ldg(x + c), xf);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float wf[8];
-        unpack8<T>(wv[h][u], wf);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) acc[h] = fmaf(xf[i], wf[i], acc[h]);
-      }
-    }
-  }
+  lane_dots<T, 2, kTokenGateUpLoads>(rows, static_cast<const uint4*>(p.x), chunks, lane, acc);
   const float g = rounded<T>(warp_sum(acc[0])), u = rounded<T>(warp_sum(acc[1]));
   if (lane != 0) return;
   const float silu = rounded<T>(g / (1.0f + expf(-g)));
