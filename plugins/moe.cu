@@ -22,9 +22,10 @@
 // themselves done on a counter (zeroed by the gate_up kernel), and the last one sums that tile
 // for every token, the same arithmetic as the kernel of its own that larger passes launch.
 //
-// Overlap. For one token (both kernel pairs) the down kernel is launched as a programmatic dependent of gate_up
-// (pdl.h): its chunk is known before gate_up ends (the ids come from the kernel before it), so
-// its CTAs pull their expert's weight rows into L2 while gate_up's last CTAs run, then wait.
+// Overlap. For one token (either kernel pair) the down kernel is launched as a programmatic
+// dependent of gate_up (pdl.h): its experts are known before gate_up ends (the ids come from
+// the kernel before it), so its CTAs pull their weight rows into L2 while gate_up's last CTAs
+// run, then wait.
 // With more tokens the grids run in several waves, and the same launch was slower
 // (BENCHMARKS.md, "Mixture of experts").
 //
