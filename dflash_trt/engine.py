@@ -172,8 +172,7 @@ class Engine:
             self.prefilling.remove(seq)
         seq.finish_reason = seq.finish_reason or "abort"
         self._release(seq)
-        if self.queued is not None and all(s.is_finished for s in self.queued.seqs):
-            self._read_queued()  # nothing left to emit from it; its buffers are reused two launches on
+        self._drop_dead_queued()
 
     def sibling(self, **changes) -> "Engine":
         """A new engine of this kind over the same models and block, `changes` (e.g. another
@@ -331,8 +330,7 @@ class Engine:
             inputs = self.passes.next_inputs(ahead, [row[id(s)] for s in ahead], step.greedy)
             self.queued = self._launch_ar(ahead, inputs)
         events = self._emit_ar(step)
-        if self.queued is not None and all(s.is_finished for s in self.queued.seqs):
-            self._read_queued()  # every row of it stopped: wait for it, nothing to emit
+        self._drop_dead_queued()
         return events
 
     def _launch_ar(self, seqs: list[Sequence], inputs: StepInputs) -> QueuedStep:
@@ -368,6 +366,12 @@ class Engine:
     def _read_queued(self) -> list[StepEvent]:
         step, self.queued = self.queued, None
         return self._emit_ar(step)
+
+    def _drop_dead_queued(self) -> None:
+        """A queued step whose rows all stopped or were aborted is waited for and dropped: it
+        has nothing to emit, and its buffers are reused two launches on."""
+        if self.queued is not None and all(s.is_finished for s in self.queued.seqs):
+            self._read_queued()
 
     def _pick(self, greedy: torch.Tensor, hidden: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """Next token per row: the greedy choice [bs] (one host sync), or a sample from the
