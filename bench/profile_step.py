@@ -193,7 +193,8 @@ def profile(fn, steps=5, top=0) -> dict:
 
 def prefill_profile(engine, num_tokens: int, steps: int = 5) -> dict:
     """One request's prefill step of num_tokens at batch 1 (engine.step, first token
-    included): wall ms, GPU kernel ms and launches, and the host ops that cost the most."""
+    included): wall ms as the engine runs it (a padded graph where one is wide enough) and
+    eagerly; for the eager pass, GPU kernel ms and launches, and the host ops that cost the most."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -204,17 +205,26 @@ def prefill_profile(engine, num_tokens: int, steps: int = 5) -> dict:
         engine.step()
 
     wall = wall_ms(prefill, reps=10)
-    torch.cuda.synchronize()
-    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            prefill()
+    graphed = getattr(engine.passes, "prefill_widths", None)
+    if graphed is not None:
+        engine.passes.prefill_widths = []  # every prefill eager
+    try:
+        eager_wall = wall_ms(prefill, reps=10)
         torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                prefill()
+            torch.cuda.synchronize()
+        by_family = profile(prefill, steps=2)
+    finally:
+        if graphed is not None:
+            engine.passes.prefill_widths = graphed
     events = prof.key_averages()
     kernels = [e for e in events if e.device_type.name == "CUDA" and e.device_time_total > 0]
     host = sorted((e for e in events if e.device_type.name == "CPU"), key=lambda e: -e.self_cpu_time_total)
-    return {"wall_ms": wall, "gpu_kernel_ms": sum(e.device_time_total for e in kernels) / steps / 1e3,
-            "kernel_launches": sum(e.count for e in kernels) / steps,
-            "gpu_ms_by_family": profile(prefill, steps=2),
+    return {"wall_ms": wall, "eager_wall_ms": eager_wall, "graphed": bool(graphed) and num_tokens <= max(graphed),
+            "gpu_kernel_ms": sum(e.device_time_total for e in kernels) / steps / 1e3,
+            "kernel_launches": sum(e.count for e in kernels) / steps, "gpu_ms_by_family": by_family,
             "top_host_ops": [dict(op=e.key[:100], self_ms=e.self_cpu_time_total / steps / 1e3, calls=e.count / steps)
                              for e in host[:15]]}
 
@@ -314,7 +324,8 @@ def main(argv=None) -> int:
         result["profile_verify_ms"] = profile(lambda: DecodePasses.verify(passes, x, block), top=args.top_kernels)
         for n in prefills:
             result[f"prefill{n}"] = row = prefill_profile(engine, n)
-            print(f"prefill of {n} tokens: {row['wall_ms']:.2f} ms wall, {row['gpu_kernel_ms']:.2f} ms of kernels "
+            print(f"prefill of {n} tokens: {row['wall_ms']:.2f} ms wall ({'graphed' if row['graphed'] else 'eager'}), "
+                  f"eagerly {row['eager_wall_ms']:.2f} ms wall, {row['gpu_kernel_ms']:.2f} ms of kernels "
                   f"({row['kernel_launches']:.0f} launches)", file=sys.stderr)
     if 1 in batches:  # AR at batch 1: the bytes one token's step really reads, at copy bandwidth
         result["roofline_tok_s"] = bw / (result["batch1"]["ar_bytes_gb"] * 1e9)

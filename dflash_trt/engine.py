@@ -26,7 +26,6 @@ import torch
 
 from dflash_trt.errors import ConfigError, RequestError
 from dflash_trt.graphs import DecodePasses, GraphedPasses, Readback, StepInputs, graphs_supported
-from dflash_trt.kv_cache import Batch
 from dflash_trt.models.dflash import DFlashDrafter
 from dflash_trt.models.qwen3 import Qwen3ForCausalLM
 from dflash_trt.sampling import SamplingParams
@@ -257,25 +256,18 @@ class Engine:
         """Cache the next counts[i] prompt tokens of each sequence (from its num_cached on); a
         sequence whose prompt is then all cached gets its first token and starts running."""
         starts = [s.num_cached for s in seqs]
-        width = max(counts)
-        ids = torch.zeros((len(seqs), width), dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids[i, : counts[i]] = torch.tensor(s.prompt_ids[starts[i]: starts[i] + counts[i]])
-        batch = Batch.make([s.slot for s in seqs], starts, counts, width, self.device)
-        dflash = self.mode == "dflash"
-        hidden, taps = self.target(ids.to(self.device), batch, self.target_cache, self.taps if dflash else ())
-        self.target.commit(self.target_cache, batch, batch.num_tokens)
-        if dflash:
-            self.drafter.append_context(taps, batch, self.draft_cache)
+        chunks = [s.prompt_ids[a: a + n] for s, a, n in zip(seqs, starts, counts)]
+        last, greedy = self.passes.prefill([s.slot for s in seqs], starts, chunks, self.mode == "dflash")
         for s, n in zip(seqs, counts):
             s.num_cached += n
         done = [i for i, s in enumerate(seqs) if s.num_cached == len(s.prompt_ids)]
         if not done:
             return []
-        rows = torch.tensor(done, device=self.device)
-        last = hidden[rows, batch.num_tokens[rows] - 1]
         finished = [seqs[i] for i in done]
-        tokens = self._pick(self.target.lm_head.argmax(last), last, finished)
+        if len(done) < len(seqs):
+            rows = torch.tensor(done, device=self.device)
+            last, greedy = last[rows], greedy[rows]
+        tokens = self._pick(greedy, last, finished)
         for s in finished:
             if s in self.prefilling:
                 self.prefilling.remove(s)

@@ -1,11 +1,18 @@
-"""The decode-time passes (AR step, draft, verify), eager or replayed as CUDA graphs.
+"""The passes of a step (prefill, AR step, draft, verify), eager or replayed as CUDA graphs.
 
-Prefill has a new shape every time and runs eagerly. The decode passes have a fixed shape
-per batch size (and verify width), so on CUDA each is captured once per batch-size bucket
-(and width) and replayed: a replay is one launch instead of thousands, which is most of the
-step time at small batch.
+The decode passes have a fixed shape per batch size (and verify width), so on CUDA each is
+captured once per batch-size bucket (and width) and replayed: a replay is one launch instead
+of thousands, which is most of the step time at small batch.
 Rows past the real batch size are padding: they point at a scratch cache slot (the last
 one, never given to a request) at position 0.
+
+A prefill has a new length every time. One whole prompt of up to PREFILL_WIDTHS[-1] tokens
+(what a request arriving alone brings) is padded to the next of those widths and replayed
+too: launched eagerly, its few thousand kernels cost more host time than the GPU spends on
+a short prompt. The padding tokens write cache rows past the prompt, which the next pass
+overwrites before anything reads them, as a verify's rejected rows (kv_cache.py); a hybrid
+target's recurrence stops at each row's last real token. Anything else (several prompts,
+a chunk of a longer one) runs eagerly.
 
 Nothing inside a pass reads device values on the host: lengths travel as device tensors,
 and the attention kernel gets the cache capacity as its bound on the keys a row may read.
@@ -22,6 +29,11 @@ from dflash_trt import ops, plugins
 from dflash_trt.kv_cache import Batch, KVCache
 from dflash_trt.sequence import Sequence
 from dflash_trt.speculate import accepted_length
+
+# The padded widths of a graphed prefill. Up to a few hundred tokens a prefill at batch 1
+# reads the weights once and is bound by that, so padding costs little; larger buckets
+# would pad more compute (BENCHMARKS.md, "Prefill").
+PREFILL_WIDTHS = (32, 64, 128, 256, 512)
 
 
 @dataclass(frozen=True)
@@ -130,6 +142,28 @@ class DecodePasses:
             done.record()
         return Readback(host, done)
 
+    def prefill(self, slots: list[int], starts: list[int], chunks: list[list[int]],
+                dflash: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cache the prompt tokens chunks[i] of row i (slot slots[i]) from position starts[i] on
+        -> (final hidden [n, H], greedy next token [n]) at each row's last token; with `dflash`
+        the drafter's context K/V of those tokens too."""
+        counts = [len(c) for c in chunks]
+        ids = torch.zeros((len(chunks), max(counts)), dtype=torch.long)
+        for i, chunk in enumerate(chunks):
+            ids[i, : counts[i]] = torch.tensor(chunk)
+        batch = Batch.make(slots, starts, counts, max(counts), self.device)
+        return self._prefill(ids.to(self.device), batch, dflash, check_commit=True)
+
+    def _prefill(self, ids: torch.Tensor, batch: Batch, dflash: bool,
+                 check_commit: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, taps = self.target(ids, batch, self.target_cache, self.taps if dflash else ())
+        if check_commit:  # a prefill keeps every token: a hybrid checks that on the host (not in a graph)
+            self.target.commit(self.target_cache, batch, batch.num_tokens)
+        if dflash:
+            self.drafter.append_context(taps, batch, self.draft_cache)
+        last = hidden[torch.arange(batch.size, device=hidden.device), batch.num_tokens - 1]
+        return last, self.target.lm_head.argmax(last)
+
     def _batch(self, x: StepInputs, width: int, max_end: int | None = None) -> Batch:
         return Batch.full(x.slots, x.start, width, max_end or self.target_cache.capacity)
 
@@ -197,9 +231,16 @@ class GraphedPasses(DecodePasses):
         self.buckets = [b for b in (1, 2, 4, 8, 16, 24, 32, 48) if b < max_batch_size] + [max_batch_size]
         self.scratch_slot = self.target_cache.k.shape[1] - 1
         self._pool = torch.cuda.graph_pool_handle()
-        # (pass, bucket, verify width or 0) -> (graph, its static inputs, its outputs)
-        self._graphs: dict[tuple[str, int, int], tuple[torch.cuda.CUDAGraph, StepInputs, object]] = {}
+        # (pass, bucket, verify or prefill width, else 0) -> (graph, its static input, its outputs)
+        self._graphs: dict[tuple[str, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, object]] = {}
         self._kept: dict[int, torch.Tensor] = {}  # per bucket: the commit graph's kept counts
+        # A bucket wider than the target allows would read lengths on the host; for a stateful
+        # target one no wider than the block would be taken for a verify (its state kept apart).
+        widest = min(self.target.graph_prefill_tokens, self.target_cache.capacity)
+        self.prefill_widths = [w for w in PREFILL_WIDTHS if self.block_size < w <= widest]
+        # a prompt's slot, length and ids, for one async copy; reused once the previous
+        # prefill's token has been read (a host sync), which every prefill's caller does
+        self._prompt = torch.zeros(2 + max(PREFILL_WIDTHS), dtype=torch.long, pin_memory=True)
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
@@ -217,7 +258,11 @@ class GraphedPasses(DecodePasses):
     def capture_all(self, widths: tuple[int, ...] = ()) -> None:
         """Capture every bucket's graphs now (a capture costs about one eager pass), so no
         request waits for one later: the verify (and a hybrid's commit) at the whole block
-        and at each of `widths`. Padding rows write only the scratch slot."""
+        and at each of `widths`, and the prefills (with and without the drafter's context).
+        Padding rows write only the scratch slot."""
+        for dflash in (False, True) if self.drafter is not None else (False,):
+            for width in self.prefill_widths:
+                self._prefill_graph(width, dflash)
         for size in self.buckets:
             x = StepInputs(self._pad(torch.empty((3, size), dtype=torch.long, device=self.device), 0), size)
             self.ar(x)
@@ -245,6 +290,34 @@ class GraphedPasses(DecodePasses):
                 end.synchronize()
                 times[size][width] = start.elapsed_time(end) / reps
         return times
+
+    def prefill(self, slots: list[int], starts: list[int], chunks: list[list[int]],
+                dflash: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        n = len(chunks[0])
+        width = next((w for w in self.prefill_widths if w >= n), None)
+        if len(chunks) > 1 or starts[0] != 0 or width is None:
+            return super().prefill(slots, starts, chunks, dflash)
+        prompt = self._prompt[: 2 + width]
+        prompt[0], prompt[1] = slots[0], n
+        prompt[2: 2 + n] = torch.tensor(chunks[0])
+        prompt[2 + n:] = 0  # padding: any token, its rows are never read
+        return self._replay_graph(self._prefill_graph(width, dflash), prompt)
+
+    def _prefill_graph(self, width: int, dflash: bool) -> tuple[str, int, int]:
+        """The key of the prefill graph of one prompt padded to `width`, captured if new."""
+        key = ("prefill+context" if dflash else "prefill", 1, width)
+        if key not in self._graphs:
+            prompt = torch.zeros(2 + width, dtype=torch.long, device=self.device)
+            prompt[0], prompt[1] = self.scratch_slot, width
+            self._graphs[key] = self._capture(prompt, lambda p: self._padded_prefill(p, dflash))
+        return key
+
+    def _padded_prefill(self, prompt: torch.Tensor, dflash: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """prompt [2 + W] on the device: the slot, the prompt's length n, then its ids padded to W."""
+        width = prompt.shape[0] - 2
+        slots, num_tokens = prompt[:1], prompt[1:2]
+        batch = Batch.padded(slots, torch.zeros_like(slots), num_tokens, width, max_end=width)
+        return self._prefill(prompt[2:][None], batch, dflash, check_commit=False)
 
     def ar(self, x: StepInputs):
         hidden, token = self._replay("ar", x, lambda s: DecodePasses.ar(self, s))
@@ -282,15 +355,21 @@ class GraphedPasses(DecodePasses):
     def _replay(self, name: str, x: StepInputs, fn, width: int = 0):
         key = (name, self.bucket(x.size), width)
         if key not in self._graphs:
-            self._graphs[key] = self._capture(key[1], fn)
+            size = key[1]
+            padding = self._pad(torch.empty((3, size), dtype=torch.long, device=self.device), 0)
+            self._graphs[key] = self._capture(padding, lambda packed: fn(StepInputs(packed, size)))
+        return self._replay_graph(key, x.packed)  # padded to the bucket already (see inputs)
+
+    def _replay_graph(self, key: tuple[str, int, int], inputs: torch.Tensor):
         graph, static_in, outputs = self._graphs[key]
-        static_in.packed.copy_(x.packed)  # padded to the bucket already (see inputs)
+        static_in.copy_(inputs, non_blocking=True)
         graph.replay()
         return outputs
 
-    def _capture(self, size: int, fn):
+    def _capture(self, static_in: torch.Tensor, fn):
+        """The graph of fn(static_in), static_in's values those of padding (the scratch slot):
+        the warm-up run and the capture write nothing a request owns."""
         dev = self.device
-        static_in = StepInputs(self._pad(torch.empty((3, size), dtype=torch.long, device=dev), 0), size)
         # Warm up on a side stream (lazy initialisation, cuBLAS workspaces) before capturing.
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))

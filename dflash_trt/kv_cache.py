@@ -55,6 +55,14 @@ class Batch:
                    positions=start[:, None] + torch.arange(width, device=start.device), width=width, max_end=max_end,
                    full_rows=True)
 
+    @classmethod
+    def padded(cls, slots: torch.Tensor, start: torch.Tensor, num_tokens: torch.Tensor, width: int,
+               max_end: int) -> "Batch":
+        """Row i carries num_tokens[i] <= width tokens, the rest padding; all on the device (a
+        graph's prefill, whose prompt lengths change from replay to replay)."""
+        return cls(slots=slots, start=start, num_tokens=num_tokens,
+                   positions=start[:, None] + torch.arange(width, device=start.device), width=width, max_end=max_end)
+
     @property
     def size(self) -> int:
         return self.slots.shape[0]

@@ -1,9 +1,10 @@
-"""CUDA-graph decode passes equal the eager passes (GPU only).
+"""CUDA-graph passes equal the eager passes (GPU only).
 
-At a batch size that is a bucket, the graph replays the very kernels the eager passes
-launch (same shapes, same attention bound), so results are bit-identical; with padding
-rows the GEMM shapes differ and bf16 rounding may differ slightly, so outputs are compared
-numerically and the requests' own rows must not feel the padding rows at all.
+At a batch size that is a bucket, and a prompt as long as a prefill width, the graph replays
+the very kernels the eager passes launch (same shapes, same attention bound), so results are
+bit-identical; with padding (rows, or prompt tokens) the GEMM shapes differ and bf16 rounding
+may differ slightly, so those outputs are compared in fp32, and the requests' own rows must
+not feel the padding at all.
 """
 
 import random
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from dflash_trt.engine import Engine
-from dflash_trt.graphs import DecodePasses, GraphedPasses
+from dflash_trt.graphs import PREFILL_WIDTHS, DecodePasses, GraphedPasses
 from dflash_trt.loading import load_pair
 from dflash_trt.sampling import SamplingParams
 
@@ -29,9 +30,14 @@ def loaded(make_pair):
                      max_seq_len=256)
 
 
-def _prompts(n, seed=0):
+def _prompts(n, seed=0, lengths=None):
+    """n random prompts of 3 to 60 tokens, or of lengths drawn from `lengths`."""
     gen = random.Random(seed)
-    return [[gen.randrange(4000) for _ in range(gen.randint(3, 60))] for _ in range(n)]
+    sizes = [gen.choice(lengths) if lengths else gen.randint(3, 60) for _ in range(n)]
+    return [[gen.randrange(4000) for _ in range(size)] for size in sizes]
+
+
+WIDE = PREFILL_WIDTHS[:2]  # prompt lengths whose prefill graph has no padding: the eager shapes
 
 
 def run_joining(engine, prompts, sp):
@@ -53,7 +59,7 @@ def test_engine_uses_graphs_on_cuda(loaded):
 @pytest.mark.parametrize("n", [1, 2, 4])
 @pytest.mark.parametrize("mode", ["ar", "dflash"])
 def test_graphed_engine_outputs_equal_eager_engine_at_bucket_sizes(loaded, n, mode):
-    prompts = _prompts(n, seed=n)
+    prompts = _prompts(n, seed=n, lengths=WIDE)
     sp = SamplingParams(max_tokens=40, ignore_eos=True)
     graphed = Engine(loaded.target, loaded.drafter, max_batch_size=n, max_seq_len=256)
     eager = Engine(loaded.target, loaded.drafter, max_batch_size=n, max_seq_len=256, cuda_graphs=False)
@@ -90,7 +96,10 @@ def test_warm_up_captures_every_bucket_and_leaves_outputs_unchanged(loaded):
     cold = Engine(loaded.target, loaded.drafter, max_batch_size=3, max_seq_len=256)
     cold.warm_up()
     width = {"ar": 0, "draft": 0, "verify": cold.block_size}  # verify graphs are per width, the whole block here
-    assert sorted(cold.passes._graphs) == sorted((name, b, width[name]) for name in width for b in (1, 2, 3))
+    decode = [(name, b, width[name]) for name in width for b in (1, 2, 3)]
+    # one prompt at a time, padded to a width the cache holds (256 + the block)
+    prefill = [(name, 1, w) for name in ("prefill", "prefill+context") for w in (32, 64, 128, 256)]
+    assert sorted(cold.passes._graphs) == sorted(decode + prefill)
     assert [r.token_ids for r in cold.generate(prompts, sp, mode="dflash")] == before
 
 
@@ -110,7 +119,7 @@ def hybrid(make_pair, request):
 def test_a_hybrid_target_runs_through_graphs_like_the_eager_passes(hybrid, mode):
     """Gated DeltaNet layers in the graphs: the in-place state snapshots and the commit copy
     run without a host sync. At a bucket size the graphs replay the eager kernels exactly."""
-    prompts, sp = _prompts(4, seed=3), SamplingParams(max_tokens=40, ignore_eos=True)
+    prompts, sp = _prompts(4, seed=3, lengths=WIDE), SamplingParams(max_tokens=40, ignore_eos=True)
     eager = Engine(hybrid.target, hybrid.drafter, max_batch_size=4, max_seq_len=256, cuda_graphs=False)
     assert isinstance(hybrid.passes, GraphedPasses)
     a = [r.token_ids for r in hybrid.generate(prompts, sp, mode=mode)]
@@ -125,3 +134,57 @@ def test_hybrid_padding_rows_on_the_scratch_slot_do_not_change_real_rows(hybrid,
     engine = Engine(hybrid.target, hybrid.drafter, max_batch_size=4, max_seq_len=256, mode=mode)
     padded, full = run_joining(engine, prompts[:3], sp), run_joining(engine, prompts, sp)
     assert padded == full[:3]
+
+
+# -- prefill graphs --------------------------------------------------------------------------
+
+LENGTHS = [1, 5, 31, 33, 100, 200, 250]  # under, at and over widths, and past the widest (256)
+
+
+@pytest.fixture(scope="module")
+def loaded_fp32(make_pair):
+    pair = make_pair(**SMALL)
+    return load_pair(pair.target, pair.drafter, device="cuda", dtype=torch.float32, max_batch_size=2,
+                     max_seq_len=256)
+
+
+
+
+@pytest.mark.parametrize("mode", ["ar", "dflash"])
+@pytest.mark.parametrize("model", ["qwen3", "hybrid"])
+def test_prompts_prefilled_through_padded_graphs_generate_what_eager_prefill_does(loaded_fp32, hybrid, model, mode):
+    """fp32, one prompt at a time: each prefill replays the graph of the next width up (the
+    padding's K/V lies past the prompt, a hybrid's recurrence stops at its last token), so
+    the outputs are the eager engine's; a prompt past the widest graph prefills eagerly."""
+    loaded = loaded_fp32 if model == "qwen3" else hybrid
+    if loaded.target.lm_head.weight.dtype != torch.float32:
+        pytest.skip("padding changes the GEMM shapes: bf16 may round apart (fp32 compares outputs)")
+    graphed = Engine(loaded.target, loaded.drafter, max_batch_size=1, max_seq_len=320, mode=mode)
+    eager = Engine(loaded.target, loaded.drafter, max_batch_size=1, max_seq_len=320, mode=mode, cuda_graphs=False)
+    sp = SamplingParams(max_tokens=24, ignore_eos=True)
+    gen = random.Random(5)
+    prompts = [[gen.randrange(4000) for _ in range(n)] for n in LENGTHS + [290]]
+    assert [r.token_ids for r in graphed.generate(prompts, sp)] == [r.token_ids for r in eager.generate(prompts, sp)]
+    widths = sorted(key[2] for key in graphed.passes._graphs if key[0].startswith("prefill"))
+    assert widths == [32, 64, 128, 256], "290 tokens: past the widest graph that fits 320 + the block"
+
+
+@pytest.mark.parametrize("model", ["qwen3", "hybrid"])
+def test_a_prefill_graphs_padding_leaves_the_prompts_cache_rows_as_an_unpadded_pass_writes_them(loaded, hybrid,
+                                                                                                 model):
+    """bf16, the 32-token graph: a prompt of 20 tokens (12 of padding) writes the target's and
+    the drafter's K/V of its 20 rows bit for bit as the first 20 of a 32-token prompt do (no
+    padding): nothing of the padding reaches the prompt's rows."""
+    loaded = loaded if model == "qwen3" else hybrid
+    engine = Engine(loaded.target, loaded.drafter, max_batch_size=1, max_seq_len=256, mode="dflash")
+    prompt = _prompts(1, seed=13, lengths=[32])[0]
+    rows = {}
+    for n in (32, 20):
+        seq = engine.add_request(prompt[:n], SamplingParams(max_tokens=2, ignore_eos=True))
+        engine.step()  # the prefill
+        caches = (engine.target_cache.k, engine.target_cache.v, engine.draft_cache.k, engine.draft_cache.v)
+        rows[n] = [c[:, seq.slot, :20].clone() for c in caches]
+        while engine.has_work():
+            engine.step()
+    assert set(k for k in engine.passes._graphs if k[0].startswith("prefill")) == {("prefill+context", 1, 32)}
+    assert all(torch.equal(a, b) for a, b in zip(rows[32], rows[20]))

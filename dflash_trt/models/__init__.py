@@ -9,6 +9,8 @@ of each row that stay (all of them for prefill and AR, the accepted prefix + 1 a
 verify); attention-only targets roll back by length, have nothing to do there and say so
 with `stateful = False` (the decode passes then skip the call). A stateful target's
 `new_cache` also takes `num_snapshots`: the widest pass `commit` may cut back (the block).
+`graph_safe` says its decode passes read no device value on the host (so they may be CUDA
+graphs), and `graph_prefill_tokens` up to how wide a prefill that also holds.
 """
 
 from __future__ import annotations

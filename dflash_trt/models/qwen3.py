@@ -66,6 +66,7 @@ class Qwen3ForCausalLM(nn.Module):
     config_class = TargetConfig
     graph_safe = True  # no host sync in a pass: decode passes may run as CUDA graphs
     stateful = False  # rollback is by length alone: commit() has nothing to do
+    graph_prefill_tokens = 1 << 30  # a prefill of any width reads no device value on the host either
 
     def __init__(self, config: TargetConfig):
         super().__init__()

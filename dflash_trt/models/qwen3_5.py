@@ -331,8 +331,12 @@ class Qwen3_5ForCausalLM(nn.Module):
     stateful = True  # recurrent state: commit() restores the accepted prefix's snapshot
     # Decode passes (width <= snapshots) read no device value on the host and run the gated
     # delta rule on the cache in place; only a prefill's chunked head (gated_delta.py) reads
-    # one, and prefill runs eagerly.
+    # one, so only prefills that take the recurrence may be graphed.
     graph_safe = True
+
+    @property
+    def graph_prefill_tokens(self) -> int:
+        return RECURRENT_PREFILL_TOKENS
 
     def __init__(self, config: HybridTargetConfig):
         super().__init__()
