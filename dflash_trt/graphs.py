@@ -32,7 +32,7 @@ from dflash_trt.speculate import accepted_length
 
 # The padded widths of a graphed prefill. Up to a few hundred tokens a prefill at batch 1
 # reads the weights once and is bound by that, so padding costs little; larger buckets
-# would pad more compute (BENCHMARKS.md, "Prefill").
+# would pad more compute (BENCHMARKS.md, "Prefill graphs").
 PREFILL_WIDTHS = (32, 64, 128, 256, 512)
 
 

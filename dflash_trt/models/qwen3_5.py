@@ -364,7 +364,7 @@ class Qwen3_5ForCausalLM(nn.Module):
             return  # a one-token pass stepped the state in place (GatedDeltaNet.forward)
         S = cache.num_snapshots
         if batch.width > S:  # a prefill: it wrote its final state and window, so only a
-            # full commit is possible (checked on the host: prefills run eagerly)
+            # full commit is possible (checked on the host; a graphed prefill skips the check)
             kept = torch.as_tensor(num_committed, device=batch.num_tokens.device)
             assert torch.equal(kept, batch.num_tokens), (
                 f"a pass wider than {S} tokens (a prefill) commits all its tokens, "
