@@ -257,16 +257,14 @@ class Engine:
         sequence whose prompt is then all cached gets its first token and starts running."""
         starts = [s.num_cached for s in seqs]
         chunks = [s.prompt_ids[a: a + n] for s, a, n in zip(seqs, starts, counts)]
-        last, greedy = self.passes.prefill([s.slot for s in seqs], starts, chunks, self.mode == "dflash")
+        done = [i for i, (s, a, n) in enumerate(zip(seqs, starts, counts)) if a + n == len(s.prompt_ids)]
+        picked = self.passes.prefill([s.slot for s in seqs], starts, chunks, self.mode == "dflash", done)
         for s, n in zip(seqs, counts):
             s.num_cached += n
-        done = [i for i, s in enumerate(seqs) if s.num_cached == len(s.prompt_ids)]
         if not done:
             return []
+        last, greedy = picked
         finished = [seqs[i] for i in done]
-        if len(done) < len(seqs):
-            rows = torch.tensor(done, device=self.device)
-            last, greedy = last[rows], greedy[rows]
         tokens = self._pick(greedy, last, finished)
         for s in finished:
             if s in self.prefilling:

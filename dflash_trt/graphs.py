@@ -142,26 +142,30 @@ class DecodePasses:
             done.record()
         return Readback(host, done)
 
-    def prefill(self, slots: list[int], starts: list[int], chunks: list[list[int]],
-                dflash: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Cache the prompt tokens chunks[i] of row i (slot slots[i]) from position starts[i] on
-        -> (final hidden [n, H], greedy next token [n]) at each row's last token; with `dflash`
-        the drafter's context K/V of those tokens too."""
+    def prefill(self, slots: list[int], starts: list[int], chunks: list[list[int]], dflash: bool,
+                done: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Cache the prompt tokens chunks[i] of row i (slot slots[i]) from position starts[i] on,
+        with `dflash` the drafter's context K/V of those tokens too -> (final hidden [d, H],
+        greedy next token [d]) at the last token of the rows `done` (those whose prompt this
+        completes), None if there are none."""
         counts = [len(c) for c in chunks]
         ids = torch.zeros((len(chunks), max(counts)), dtype=torch.long)
         for i, chunk in enumerate(chunks):
             ids[i, : counts[i]] = torch.tensor(chunk)
         batch = Batch.make(slots, starts, counts, max(counts), self.device)
-        return self._prefill(ids.to(self.device), batch, dflash, check_commit=True)
+        rows = torch.tensor(done, device=self.device) if done else None
+        return self._prefill(ids.to(self.device), batch, dflash, rows, check_commit=True)
 
-    def _prefill(self, ids: torch.Tensor, batch: Batch, dflash: bool,
-                 check_commit: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _prefill(self, ids: torch.Tensor, batch: Batch, dflash: bool, rows: torch.Tensor | None,
+                 check_commit: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
         hidden, taps = self.target(ids, batch, self.target_cache, self.taps if dflash else ())
         if check_commit:  # a prefill keeps every token: a hybrid checks that on the host (not in a graph)
             self.target.commit(self.target_cache, batch, batch.num_tokens)
         if dflash:
             self.drafter.append_context(taps, batch, self.draft_cache)
-        last = hidden[torch.arange(batch.size, device=hidden.device), batch.num_tokens - 1]
+        if rows is None:
+            return None
+        last = hidden[rows, batch.num_tokens[rows] - 1]
         return last, self.target.lm_head.argmax(last)
 
     def _batch(self, x: StepInputs, width: int, max_end: int | None = None) -> Batch:
@@ -291,12 +295,12 @@ class GraphedPasses(DecodePasses):
                 times[size][width] = start.elapsed_time(end) / reps
         return times
 
-    def prefill(self, slots: list[int], starts: list[int], chunks: list[list[int]],
-                dflash: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def prefill(self, slots: list[int], starts: list[int], chunks: list[list[int]], dflash: bool,
+                done: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
         n = len(chunks[0])
         width = next((w for w in self.prefill_widths if w >= n), None)
-        if len(chunks) > 1 or starts[0] != 0 or width is None:
-            return super().prefill(slots, starts, chunks, dflash)
+        if done != [0] or len(chunks) > 1 or starts[0] != 0 or width is None:  # not one whole prompt
+            return super().prefill(slots, starts, chunks, dflash, done)
         prompt = self._prompt[: 2 + width]
         prompt[0], prompt[1] = slots[0], n
         prompt[2: 2 + n] = torch.tensor(chunks[0])
@@ -317,7 +321,7 @@ class GraphedPasses(DecodePasses):
         width = prompt.shape[0] - 2
         slots, num_tokens = prompt[:1], prompt[1:2]
         batch = Batch.padded(slots, torch.zeros_like(slots), num_tokens, width, max_end=width)
-        return self._prefill(prompt[2:][None], batch, dflash, check_commit=False)
+        return self._prefill(prompt[2:][None], batch, dflash, torch.zeros_like(slots), check_commit=False)
 
     def ar(self, x: StepInputs):
         hidden, token = self._replay("ar", x, lambda s: DecodePasses.ar(self, s))

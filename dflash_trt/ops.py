@@ -440,12 +440,13 @@ def moe_experts(x, gate_up, down, weights, ids, out_dtype=torch.float32):
     On CUDA once the plugins are built (bf16, fp16 or fp32; H and I multiples of 8): the fused
     kernels of plugins/moe.cu, which read each picked expert's weights once per 8 or 16 of its
     picks (one token in bf16 or fp16: once, on CUDA cores), read nothing back on the host and
-    size their launches from the shapes alone (CUDA graph capture works); for bf16 passes with MOE_GROUPED_MIN_PICKS_PER_EXPERT picks per
-    expert or more, two torch._grouped_mm GEMMs between the same device-side sort and weighted
-    sum. Both round where the reference rounds; their fp32 sums run in their own order, and
-    fp32 inputs go through three TF32 products per term (within a few fp32 units in the last
-    place of each product). A pick whose id is outside [0, E) adds nothing there (the reference
-    raises). Elsewhere (CPU, other shapes) the reference.
+    size their launches from the shapes alone (CUDA graph capture works); for bf16 passes with
+    MOE_GROUPED_MIN_PICKS_PER_EXPERT picks per expert or more, two torch._grouped_mm GEMMs
+    between the same device-side sort and weighted sum. Both round where the reference rounds;
+    their fp32 sums run in their own order, and fp32 inputs go through three TF32 products per
+    term (within a few fp32 units in the last place of each product). A pick whose id is
+    outside [0, E) adds nothing there (the reference raises). Elsewhere (CPU, other shapes) the
+    reference.
     """
     assert x.dim() == 2, f"x must be [N, H], got {tuple(x.shape)}"
     N, H = x.shape

@@ -148,8 +148,6 @@ def loaded_fp32(make_pair):
                      max_seq_len=256)
 
 
-
-
 @pytest.mark.parametrize("mode", ["ar", "dflash"])
 @pytest.mark.parametrize("model", ["qwen3", "hybrid"])
 def test_prompts_prefilled_through_padded_graphs_generate_what_eager_prefill_does(loaded_fp32, hybrid, model, mode):
