@@ -2,7 +2,8 @@
 // gated_delta.h): reads each row's committed state from state_cache, writes the state after
 // the row's last NS tokens into snapshot_cache, one launch per layer. The engine uses NS = 0
 // (outputs only: a verify pass) and NS = 1 in place (an AR step, and the replay of a verify's
-// accepted tokens at commit).
+// accepted tokens at commit). Two kernels: the token loop below for every pass, and for a
+// verify pass of up to 16 tokens the outputs-only form further down, which unrolls the chunk.
 //
 // Work split. Column j of the state S [dk, dv] evolves on its own: its update needs only the
 // sums S[:, j]^T k and S[:, j]^T q over dk, and v[j]. So a warp owns 16 value columns of one
@@ -209,6 +210,170 @@ __global__ void __launch_bounds__(kMaxWarps * 32) gated_delta_kernel(GatedDeltaP
   }
 }
 
+// -- Outputs only (NS = 0: a verify pass), T <= 16, dk <= 128: the chunk's recurrence unrolled.
+// With E_t = exp(g_0 + .. + g_t) and D[t][s] = exp(g_{s+1} + .. + g_t) (D[t][t] = 1), the state
+// before token t, decayed by exp(g_t), is E_t S0 + sum_{s<t} D[t][s] k_s delta_s^T, so with
+// P_t = S0^T k_t and Q_t = S0^T q_t (one sum over dk per column each)
+//   delta_t = beta_t (v_t - E_t P_t - sum_{s<t} D[t][s] (k_s . k_t) delta_s)
+//   out_t   = E_t Q_t + sum_{s<=t} D[t][s] (k_s . q_t) delta_s.
+// Every sum over dk (P, Q and the chunk's decayed Gram matrices) is independent of the others;
+// what stays sequential is a T-step recurrence of scalars per column, and no state is updated
+// (a verify pass writes none). The token loop above runs the T steps one after another on the
+// whole [dk, dv] state: at T = 16 that chain, not the bytes, is a verify's delta-rule time.
+// A CTA takes 32 columns of one (row, head): warp w computes P and Q for tokens w and w + 8 (a
+// lane per column), warp 0 runs the recurrence, and every warp writes its tokens' outputs.
+// Same algebra as the reference in another order: a few fp32 ulps.
+
+constexpr int kOutWidth = 16;                     // at most T tokens
+constexpr int kOutCols = 32;                      // value columns per CTA, a lane each
+constexpr int kOutGroups = 8;                     // token groups (warps)
+constexpr int kOutThreads = kOutCols * kOutGroups;
+constexpr int kOutMaxDk = 128;
+constexpr int kOutPad = 4;  // k/q rows 16-byte aligned, and rows t, t + 1 start in other banks
+static_assert(kOutWidth == 2 * kOutGroups, "a warp takes tokens group and group + kOutGroups");
+
+// Where it runs: its CTAs each redo the chunk's Gram matrices and stage the state through
+// shared memory, so once they fill the SMs a few times over (a verify of several rows) the
+// token loop, whose warps then run side by side, takes less time (BENCHMARKS.md, "Qwen3.5
+// hybrid").
+bool outputs_form_runs(const GatedDeltaParams& p) {
+  if (p.num_snapshots != 0 || p.width > kOutWidth || p.key_dim > kOutMaxDk || p.value_dim % kOutCols != 0)
+    return false;
+  const int64_t ctas = static_cast<int64_t>(p.batch) * p.num_v_heads * (p.value_dim / kOutCols);
+  const int sms = device_sms();
+  return sms > 0 && ctas <= 4 * static_cast<int64_t>(sms);
+}
+
+__global__ void __launch_bounds__(kOutThreads) gated_delta_outputs_kernel(GatedDeltaParams p) {
+  pdl_wait();
+  pdl_allow_dependents();
+  __shared__ __align__(16) float k_s[kOutWidth][kOutMaxDk + kOutPad];
+  __shared__ __align__(16) float q_s[kOutWidth][kOutMaxDk + kOutPad];
+  __shared__ __align__(16) float s_s[kOutMaxDk][kOutCols];  // S0's columns of the CTA
+  __shared__ __align__(16) float v_s[kOutWidth][kOutCols];
+  __shared__ float p_s[kOutWidth][kOutCols];   // P, then delta
+  __shared__ float q0_s[kOutWidth][kOutCols];  // Q
+  __shared__ float kk_s[kOutWidth][kOutWidth];  // D[t][s] (k_s . k_t), s < t
+  __shared__ float kq_s[kOutWidth][kOutWidth];  // D[t][s] (k_s . q_t), s <= t
+  __shared__ float g_s[kOutWidth], beta_s[kOutWidth], e_s[kOutWidth];
+
+  const int T = p.width, Hk = p.num_k_heads, Hv = p.num_v_heads, dk = p.key_dim, dv = p.value_dim;
+  const int b = blockIdx.z, h = blockIdx.y, kh = h / (Hv / Hk);
+  const int col0 = blockIdx.x * kOutCols;
+  const int tid = threadIdx.x, j = tid % kOutCols, group = tid / kOutCols;
+  const int64_t slot = p.slots[b];
+  const int n = min(max(p.num_tokens[b], 0), T);
+  const bool fresh = p.start[b] == 0;
+  const int64_t token0 = static_cast<int64_t>(b) * T;
+
+  const int dk4 = dk / 4;
+  for (int i = tid; i < n * dk4; i += kOutThreads) {
+    const int t = i / dk4, e = i % dk4 * 4;
+    const int64_t at = ((token0 + t) * Hk + kh) * dk + e;
+    *reinterpret_cast<float4*>(&k_s[t][e]) = __ldg(reinterpret_cast<const float4*>(p.k + at));
+    *reinterpret_cast<float4*>(&q_s[t][e]) = __ldg(reinterpret_cast<const float4*>(p.q + at));
+  }
+  constexpr int cols4 = kOutCols / 4;
+  for (int i = tid; i < n * cols4; i += kOutThreads) {
+    const int t = i / cols4, e = i % cols4 * 4;
+    const int64_t at = ((token0 + t) * Hv + h) * dv + col0 + e;
+    *reinterpret_cast<float4*>(&v_s[t][e]) = __ldg(reinterpret_cast<const float4*>(p.v + at));
+  }
+  if (!fresh) {  // a new sequence starts from zeros: P = Q = 0, nothing read
+    const float* state = p.state_cache + (slot * Hv + h) * static_cast<int64_t>(dk) * dv + col0;
+    for (int i = tid; i < dk * cols4; i += kOutThreads) {
+      const int row = i / cols4, e = i % cols4 * 4;
+      *reinterpret_cast<float4*>(&s_s[row][e]) =
+          __ldcs(reinterpret_cast<const float4*>(state + static_cast<int64_t>(row) * dv + e));
+    }
+  }
+  if (tid < n) {
+    const int64_t at = (token0 + tid) * Hv + h;
+    g_s[tid] = p.g[at];
+    beta_s[tid] = p.beta[at];
+  }
+  __syncthreads();
+
+  // The decayed Gram matrices (entry (t, s) of k.k, then of k.q) and E.
+  for (int i = tid; i < 2 * kOutWidth * kOutWidth; i += kOutThreads) {
+    const bool is_q = i >= kOutWidth * kOutWidth;
+    const int t = i / kOutWidth % kOutWidth, s = i % kOutWidth;
+    if (t >= n || s > t || (s == t && !is_q)) continue;
+    const float* x = is_q ? q_s[t] : k_s[t];
+    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int e = 0; e < dk; e += 4) {
+      const float4 a = *reinterpret_cast<const float4*>(&k_s[s][e]), c = *reinterpret_cast<const float4*>(&x[e]);
+      acc = make_float4(fmaf(a.x, c.x, acc.x), fmaf(a.y, c.y, acc.y), fmaf(a.z, c.z, acc.z), fmaf(a.w, c.w, acc.w));
+    }
+    float log_decay = 0.0f;
+    for (int u = s + 1; u <= t; ++u) log_decay += g_s[u];
+    (is_q ? kq_s : kk_s)[t][s] = expf(log_decay) * ((acc.x + acc.y) + (acc.z + acc.w));
+  }
+  if (tid < n) {
+    float log_decay = 0.0f;
+    for (int u = 0; u <= tid; ++u) log_decay += g_s[u];
+    e_s[tid] = expf(log_decay);
+  }
+  // P and Q of this warp's tokens (group and group + 8), a lane per column: each S element
+  // read from shared memory serves all four sums.
+  {
+    const int t0 = group, t1 = group + kOutGroups;
+    float4 pk0 = make_float4(0.0f, 0.0f, 0.0f, 0.0f), pq0 = pk0, pk1 = pk0, pq1 = pk0;
+    if (!fresh && t0 < n) {
+      const int u = t1 < n ? t1 : t0;  // a row that was loaded
+      for (int e = 0; e < dk; e += 4) {
+        const float s0 = s_s[e][j], s1 = s_s[e + 1][j], s2 = s_s[e + 2][j], s3 = s_s[e + 3][j];
+        const float4 k0 = *reinterpret_cast<const float4*>(&k_s[t0][e]);
+        const float4 q0 = *reinterpret_cast<const float4*>(&q_s[t0][e]);
+        const float4 k1 = *reinterpret_cast<const float4*>(&k_s[u][e]);
+        const float4 q1 = *reinterpret_cast<const float4*>(&q_s[u][e]);
+        pk0 = make_float4(fmaf(s0, k0.x, pk0.x), fmaf(s1, k0.y, pk0.y), fmaf(s2, k0.z, pk0.z), fmaf(s3, k0.w, pk0.w));
+        pq0 = make_float4(fmaf(s0, q0.x, pq0.x), fmaf(s1, q0.y, pq0.y), fmaf(s2, q0.z, pq0.z), fmaf(s3, q0.w, pq0.w));
+        pk1 = make_float4(fmaf(s0, k1.x, pk1.x), fmaf(s1, k1.y, pk1.y), fmaf(s2, k1.z, pk1.z), fmaf(s3, k1.w, pk1.w));
+        pq1 = make_float4(fmaf(s0, q1.x, pq1.x), fmaf(s1, q1.y, pq1.y), fmaf(s2, q1.z, pq1.z), fmaf(s3, q1.w, pq1.w));
+      }
+    }
+    if (t0 < n) {
+      p_s[t0][j] = (pk0.x + pk0.y) + (pk0.z + pk0.w);
+      q0_s[t0][j] = (pq0.x + pq0.y) + (pq0.z + pq0.w);
+    }
+    if (t1 < n) {
+      p_s[t1][j] = (pk1.x + pk1.y) + (pk1.z + pk1.w);
+      q0_s[t1][j] = (pq1.x + pq1.y) + (pq1.z + pq1.w);
+    }
+  }
+  __syncthreads();
+
+  if (group == 0) {  // the recurrence over the chunk, column j; delta replaces P
+    float delta[kOutWidth];
+#pragma unroll
+    for (int t = 0; t < kOutWidth; ++t) {
+      if (t < n) {
+        float x = v_s[t][j] - e_s[t] * p_s[t][j];
+#pragma unroll
+        for (int s = 0; s < t; ++s) x = fmaf(-kk_s[t][s], delta[s], x);
+        delta[t] = beta_s[t] * x;
+        p_s[t][j] = delta[t];
+      }
+    }
+  }
+  __syncthreads();
+
+  for (int t = group; t < T; t += kOutGroups) {
+    float out = 0.0f;  // padding tokens output zeros
+    if (t < n) {
+      out = e_s[t] * q0_s[t][j];
+      for (int s = 0; s <= t; ++s) out = fmaf(kq_s[t][s], p_s[s][j], out);
+    }
+    const int64_t at = ((token0 + t) * Hv + h) * dv + col0 + j;
+    switch (p.out_dtype) {
+      case DType::kBFloat16: static_cast<__nv_bfloat16*>(p.out)[at] = from_float<__nv_bfloat16>(out); break;
+      case DType::kFloat16: static_cast<__half*>(p.out)[at] = from_float<__half>(out); break;
+      default: static_cast<float*>(p.out)[at] = out;
+    }
+  }
+}
+
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
 // Warps per CTA: 4 while that still leaves two CTAs per SM, else fewer (batch 1 needs the
@@ -319,6 +484,10 @@ const char* gated_delta_recurrent_check(const GatedDeltaParams& p) {
 cudaError_t gated_delta_recurrent_launch(const GatedDeltaParams& p, cudaStream_t stream) {
   if (gated_delta_recurrent_check(p) != nullptr) return cudaErrorInvalidValue;
   if (p.batch == 0 || p.width == 0) return cudaSuccess;
+  if (outputs_form_runs(p)) {
+    const dim3 grid(p.value_dim / kOutCols, p.num_v_heads, p.batch);
+    return pdl_launch(gated_delta_outputs_kernel, grid, dim3(kOutThreads), 0, stream, true, p);
+  }
   const int warps = warps_per_cta(p);
   const dim3 grid(p.value_dim / (kWarpCols * warps), p.num_v_heads, p.batch);
   const dim3 block(32 * warps);
