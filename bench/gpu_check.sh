@@ -234,9 +234,9 @@ demo-target)
 demo-drafter)
   step plugins 300 python3 -c 'from dflash_trt import plugins; print(plugins.load())'
   step demo-drafter 585 dflash-trt train --target .gpu/demo/target --data .gpu/demo/drafter_prompts.jsonl \
-    -o .gpu/demo/drafter --block-size 16 --draft-layers 2 --target-layer-ids 1,3,5 --steps "${DEMO_DRAFTER_STEPS:-6000}" \
-    --batch-size 32 --max-length 512 --num-anchors 32 --lr 1.5e-3 --response-tokens 256 --generate-batch 128 --log-every 100 \
-    --checkpoint-every 500 --eval-temperature 0 --eval-temperature 0.7
+    -o .gpu/demo/drafter --block-size 16 --draft-layers 2 --target-layer-ids 1,3,5 --steps "${DEMO_DRAFTER_STEPS:-18000}" \
+    --batch-size 32 --max-length 512 --num-anchors 32 --lr 1.5e-3 --response-tokens 256 --generate-batch 256 --log-every 1000 \
+    --checkpoint-every 3000 --eval-temperature 0 --eval-temperature 0.7
   mkdir -p "$OUT/demo" && cp -r .gpu/demo/drafter "$OUT/demo/"
   ;;
 demo-eval)
