@@ -233,7 +233,10 @@ class Engine:
             events = self._prefill(*self._next_chunk()) if self.prefilling else []
             events += self._decode(decoding) if decoding else []
         elif admitted:
-            events = self._prefill(admitted, [len(s.prompt_ids) for s in admitted])
+            lengths = [len(s.prompt_ids) for s in admitted]
+            events = []
+            for group in prefill_groups(lengths):
+                events += self._prefill([admitted[i] for i in group], [lengths[i] for i in group])
         elif self.running:
             events = self._decode(self.running)
         else:
@@ -417,6 +420,30 @@ def check_verify_width(verify_width: str, graphed: bool | None = None, one_rank:
     if verify_width == "adaptive" and graphed is False:
         raise ConfigError("verify_width = 'adaptive' needs CUDA graphs (a CUDA device with the plugins built): it "
                           "chooses from step times measured on them")
+
+
+# A prefill pass reads every weight once, however many tokens it carries, and pads every
+# prompt to its longest. Up to a few hundred tokens the weight read, not the tokens' compute,
+# sets a pass's time, so this is what one more pass costs in padded tokens: prompts of very
+# different lengths admitted together prefill in several passes only where the padding they
+# save is worth more (BENCHMARKS.md, "Prefill of a burst").
+PREFILL_PASS_TOKENS = 256
+
+
+def prefill_groups(lengths: list[int], pass_tokens: int = PREFILL_PASS_TOKENS) -> list[list[int]]:
+    """The prompts (indices into `lengths`) of each prefill pass: in order of length, the
+    split that minimises the padded tokens (a pass as long as its longest prompt) plus
+    pass_tokens per pass."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    cost, cut = [0] * (len(order) + 1), [0] * (len(order) + 1)  # of the first j prompts
+    for j in range(1, len(order) + 1):
+        longest = lengths[order[j - 1]]
+        cost[j], cut[j] = min((cost[i] + longest * (j - i) + pass_tokens, i) for i in range(j))
+    groups, j = [], len(order)
+    while j:
+        groups.append(order[cut[j]:j])
+        j = cut[j]
+    return groups[::-1]
 
 
 def check_prefill_chunk(chunk: int) -> None:

@@ -8,6 +8,7 @@ from test_moe import QWEN3_5_MOE
 
 from dflash_trt.benchmark.prefill_stall import run_stall
 from dflash_trt.config import resolve_config
+from dflash_trt.engine import prefill_groups
 from dflash_trt.errors import ConfigError
 from dflash_trt.loading import load_pair
 from dflash_trt.sampling import SamplingParams
@@ -123,3 +124,29 @@ def test_the_stall_test_counts_the_decoding_requests_gaps_during_the_long_prefil
     assert all(r.long_ttft_s > 0 and r.gap_max_s >= r.gap_p99_s >= r.gap_p50_s > 0 for r in rows)
     with pytest.raises(ConfigError, match="raise --max-tokens"):
         run_stall(base, prompts, long_tokens=40, concurrency=2, chunks=(1,), max_tokens=20)
+
+
+def test_prompts_admitted_together_prefill_in_passes_of_like_lengths():
+    assert prefill_groups([100] * 8) == [list(range(8))]  # alike: one pass
+    # six short prompts and two long ones: padding the short to 600 costs far more than a pass
+    lengths = [600, 3, 4, 3, 610, 2, 3, 3]
+    assert prefill_groups(lengths) == [[5, 1, 3, 6, 7, 2], [0, 4]]
+    assert prefill_groups(lengths, pass_tokens=10**6) == [[5, 1, 3, 6, 7, 2, 0, 4]]  # passes too dear
+    assert prefill_groups([5, 1, 5], pass_tokens=0) == [[1], [0, 2]]  # free passes: no padding at all
+    assert prefill_groups([]) == []
+
+
+def test_a_burst_of_short_and_long_prompts_gives_each_prompt_its_own_output(make_pair, monkeypatch):
+    """Several prefill passes in one step (as grouped above): each prompt's output is what it
+    gets alone, in both modes (CPU, fp32)."""
+    pair = make_pair(**TARGETS["qwen3"])
+    e = load_pair(pair.target, pair.drafter, device="cpu", max_seq_len=700, max_batch_size=8)
+    prompts = [[i % 500 for i in range(1, 600)], [7, 8], [3, 1, 4], [i % 500 for i in range(50, 640)], [9], [5, 6, 7]]
+    passes = []
+    prefill = e.passes.prefill
+    monkeypatch.setattr(e.passes, "prefill", lambda slots, *a: passes.append(len(slots)) or prefill(slots, *a))
+    alone = [e.generate([p], PARAMS, mode="ar")[0].token_ids for p in prompts]
+    for mode in ("ar", "dflash"):
+        passes.clear()
+        assert [r.token_ids for r in e.generate(prompts, PARAMS, mode=mode)] == alone, mode
+        assert sorted(passes) == [2, 4], passes  # the two long prompts, then the four short ones
