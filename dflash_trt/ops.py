@@ -1,7 +1,10 @@
 """Custom ops: asserting wrappers with a pure-PyTorch reference for each.
 
 The reference is the CPU path and the test oracle; CUDA kernels (plugins/) slot in behind
-the same signatures.
+the same signatures. A wrapper rejects (or routes to the reference) what its kernel's own
+checks would: with some torch builds a check that fires inside an extension op takes the
+whole process down instead of raising (the GPU image's torch 2.11+cu130 with the system
+g++), so the Python side is where bad input must stop.
 """
 
 from __future__ import annotations
@@ -114,12 +117,15 @@ def paged_block_attention(q, k_cache, v_cache, slots, ctx_len, q_start, k_blk=No
     assert k_cache.shape[3] == d and Hq % Hkv == 0, (q.shape, k_cache.shape)
     assert k_cache.dtype == v_cache.dtype == q.dtype, (q.dtype, k_cache.dtype, v_cache.dtype)
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "last dim must be contiguous"
+    assert k_cache.device == v_cache.device == q.device, f"the caches must be on q's {q.device}"
     for name, t in (("slots", slots), ("ctx_len", ctx_len), ("q_start", q_start)):
-        assert t.dtype == torch.int32 and t.shape == (bs,) and t.device == q.device, (name, t.dtype, t.shape, t.device)
+        assert t.dtype == torch.int32 and t.shape == (bs,) and t.device == q.device and t.is_contiguous(), \
+            f"{name} must be a contiguous int32 [{bs}] on {q.device}, got {t.dtype} {tuple(t.shape)} on {t.device}"
     assert (k_blk is None) == (v_blk is None), "k_blk and v_blk go together"
     if k_blk is not None:
         assert k_blk.shape == v_blk.shape == (bs, T, Hkv, d), (k_blk.shape, v_blk.shape)
         assert k_blk.dtype == v_blk.dtype == q.dtype and k_blk.stride(-1) == 1 and v_blk.stride(-1) == 1
+        assert k_blk.device == v_blk.device == q.device, f"k_blk and v_blk must be on q's {q.device}"
     scale = d ** -0.5 if scale is None else scale
     window = 0 if window is None else window
     if _cuda_block_attention_supported(q):
@@ -211,7 +217,8 @@ def silu_mul_reference(gate_up):
 
 
 def _check_rms_args(x, delta, weight, delta_name="delta"):
-    assert weight.dim() == 1 and weight.is_contiguous(), f"weight must be a contiguous [H] tensor, got {weight.shape}"
+    assert weight.dim() == 1 and weight.shape[0] > 0 and weight.is_contiguous(), \
+        f"weight must be a contiguous [H > 0] tensor, got {weight.shape}"
     assert x.dim() >= 1 and x.shape[-1] == weight.shape[0], f"x must be [..., {weight.shape[0]}], got {x.shape}"
     assert x.dtype in (torch.float32, weight.dtype), f"x must be fp32 or weight's {weight.dtype}, got {x.dtype}"
     assert x.device == weight.device, f"x on {x.device}, weight on {weight.device}"
@@ -329,6 +336,8 @@ def gemv(x, weight, bias=None):
     assert x.dtype == weight.dtype and (bias is None or (bias.dtype == x.dtype and bias.shape == weight.shape[:1])), \
         f"x, weight and bias must share a dtype and bias be [N], got {x.dtype}, {weight.dtype}, " \
         f"{None if bias is None else (bias.dtype, tuple(bias.shape))}"
+    assert weight.device == x.device and (bias is None or bias.device == x.device), \
+        f"weight and bias must be on x's {x.device}"
     if _gemv_kernel_fits(x, weight, bias):
         return torch.ops.dflash.gemv(x, weight, bias)
     _log_fallback("gemv", x)
@@ -336,6 +345,11 @@ def gemv(x, weight, bias=None):
 
 
 def _gemv_kernel_fits(x, weight, bias) -> bool:
+    # what the op checks too (linear passes anything: F.linear then says what is wrong)
+    if not (weight.dim() == 2 and weight.shape[1] == x.shape[1] and weight.dtype == x.dtype
+            and weight.device == x.device and (bias is None or (bias.shape == weight.shape[:1]
+                                                               and bias.dtype == x.dtype and bias.device == x.device))):
+        return False
     return (0 < x.shape[0] <= GEMV_MAX_ROWS and x.shape[1] > 0 and x.shape[1] % 8 == 0 and x.is_contiguous()
             and weight.is_contiguous() and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
             and (bias is None or bias.is_contiguous()) and _layer_kernel_ready(x))
@@ -460,6 +474,7 @@ def moe_experts(x, gate_up, down, weights, ids, out_dtype=torch.float32):
     assert weights.shape == ids.shape, f"weights must be ids' shape {tuple(ids.shape)}, got {tuple(weights.shape)}"
     assert weights.dtype == torch.float32, f"weights must be fp32, got {weights.dtype}"
     assert ids.dtype == torch.int32, f"ids must be int32, got {ids.dtype}"
+    assert E >= 1, "gate_up must hold at least one expert"
     for name, t in (("gate_up", gate_up), ("down", down), ("weights", weights), ("ids", ids)):
         assert t.device == x.device, f"{name} is on {t.device}, x on {x.device}"
     assert out_dtype in (torch.float32, x.dtype), f"out_dtype must be fp32 or x's {x.dtype}, got {out_dtype}"
@@ -618,7 +633,8 @@ def gated_delta_prepare(qkv, a, b, neg_a, dt_bias, num_k_heads: int, key_dim: in
     for name, t in (("neg_a", neg_a), ("dt_bias", dt_bias)):
         assert t.shape == (Hv,) and t.dtype == torch.float32 and t.device == qkv.device and t.is_contiguous(), \
             f"{name} must be a contiguous fp32 [{Hv}] on qkv's device"
-    if qkv.is_cuda and 1 <= key_dim <= 256 and a.dim() == 3 and a.stride() == b.stride() and \
+    if qkv.is_cuda and qkv.dtype in (torch.bfloat16, torch.float16, torch.float32) and 1 <= key_dim <= 256 and \
+            a.dim() == 3 and a.stride() == b.stride() and \
             a.stride(0) == a.stride(1) * a.shape[1] and _plugins_loaded():
         return torch.ops.dflash.gated_delta_prepare(qkv, a, b, neg_a, dt_bias, num_k_heads, key_dim, value_dim,
                                                     float(eps), float(q_scale))

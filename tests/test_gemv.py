@@ -44,6 +44,8 @@ def test_linear_takes_empty_inputs_as_nn_linear_does():
     ((torch.ones(8), torch.ones(3, 8)), "x must be \\[M, K\\]"),
     ((torch.ones(2, 8), torch.ones(3, 8, dtype=torch.float64)), "share a dtype"),
     ((torch.ones(2, 8), torch.ones(3, 8), torch.ones(4)), "bias be \\[N\\]"),
+    ((torch.ones(2, 8), torch.ones(3, 8, device="meta")), "weight and bias must be on x's"),
+    ((torch.ones(2, 8), torch.ones(3, 8), torch.ones(3, device="meta")), "weight and bias must be on x's"),
 ])
 def test_gemv_rejects_bad_arguments_naming_them(args, message):
     with pytest.raises(AssertionError, match=message):

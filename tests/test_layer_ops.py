@@ -406,6 +406,8 @@ def bad_calls():
                                                                                rotary_dim=4)),
         "qk q_gate without gate rows": ("qkv must be", lambda: qk_norm_rope(qkv, 2, 1, w8, w8, EPS, cs, cs,
                                                                             q_gate=True)),
+        "rms_norm empty weight": ("weight must be a contiguous \\[H > 0\\]",
+                                  lambda: rms_norm(torch.randn(2, 0), torch.randn(0), EPS)),
         "silu_mul odd width": ("gate_up must be", lambda: silu_mul(torch.randn(3, 7))),
         "silu_mul strided": ("gate_up must be contiguous", lambda: silu_mul(torch.randn(8, 3).t())),
     }

@@ -170,6 +170,7 @@ def bad_calls():
         "weights fp16": ("weights must be fp32", {"weights": weights.half()}),
         "ids int64": ("ids must be int32", {"ids": ids.long()}),
         "out_dtype": ("out_dtype must be fp32 or x's", {"out_dtype": torch.float16}),
+        "no experts": ("at least one expert", {"gate_up": gate_up[:0], "down": down[:0]}),
     }, ok
 
 

@@ -137,11 +137,27 @@ def test_query_that_sees_no_key_outputs_zeros():
     assert torch.equal(out, torch.zeros_like(out))
 
 
-def test_wrapper_rejects_int64_index_tensors():
-    c = make_case(1, 2, 4, 2, 8, [3], "given")
-    c["slots"] = c["slots"].long()
-    with pytest.raises(AssertionError):
-        paged_block_attention(**c, causal=False, window=None, scale=0.3)
+def bad_attention_calls():
+    """What the kernel's own checks would reject, which the wrapper must (an error in the op
+    itself may crash the process): name -> (message, change to a good call)."""
+    def strided(c):  # a [bs] view with stride 2
+        return torch.stack([c["slots"], c["slots"]], 1)[:, 0]
+    return {
+        "int64 slots": ("slots must be a contiguous int32", lambda c: {"slots": c["slots"].long()}),
+        "strided slots": ("slots must be a contiguous int32", lambda c: {"slots": strided(c)}),
+        "caches elsewhere": ("the caches must be on q's", lambda c: {"k_cache": c["k_cache"].to("meta"),
+                                                                      "v_cache": c["v_cache"].to("meta")}),
+        "block elsewhere": ("k_blk and v_blk must be on q's", lambda c: {"k_blk": c["k_blk"].to("meta"),
+                                                                          "v_blk": c["v_blk"].to("meta")}),
+    }
+
+
+@pytest.mark.parametrize("name", bad_attention_calls())
+def test_wrapper_rejects_bad_index_tensors_and_tensors_on_other_devices_naming_them(name):
+    c = make_case(2, 2, 4, 2, 8, [3, 1], "given")
+    message, change = bad_attention_calls()[name]
+    with pytest.raises(AssertionError, match=message):
+        paged_block_attention(**{**c, **change(c)}, causal=False, window=None, scale=0.3)
 
 
 def test_plugins_are_not_loaded_without_a_gpu():
