@@ -114,7 +114,7 @@ def paged_block_attention(q, k_cache, v_cache, slots, ctx_len, q_start, k_blk=No
     assert q.dim() == 4 and k_cache.dim() == 4 and k_cache.shape == v_cache.shape, (q.shape, k_cache.shape)
     bs, T, Hq, d = q.shape
     Hkv = k_cache.shape[2]
-    assert k_cache.shape[3] == d and Hq % Hkv == 0, (q.shape, k_cache.shape)
+    assert k_cache.shape[3] == d and Hkv > 0 and Hq > 0 and Hq % Hkv == 0, (q.shape, k_cache.shape)
     assert k_cache.dtype == v_cache.dtype == q.dtype, (q.dtype, k_cache.dtype, v_cache.dtype)
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "last dim must be contiguous"
     assert k_cache.device == v_cache.device == q.device, f"the caches must be on q's {q.device}"
@@ -128,7 +128,7 @@ def paged_block_attention(q, k_cache, v_cache, slots, ctx_len, q_start, k_blk=No
         assert k_blk.device == v_blk.device == q.device, f"k_blk and v_blk must be on q's {q.device}"
     scale = d ** -0.5 if scale is None else scale
     window = 0 if window is None else window
-    if _cuda_block_attention_supported(q):
+    if _cuda_block_attention_supported(q) and q.numel() and k_cache.numel():  # empty: nothing to launch
         return torch.ops.dflash.block_attention(q, k_cache, v_cache, slots, ctx_len, q_start, k_blk, v_blk,
                                                 bool(causal), int(window), float(scale), int(max_keys or 0))
     _log_fallback("block_attention", q)
@@ -297,8 +297,8 @@ def qk_norm_rope(qkv, num_q_heads: int, num_kv_heads: int, q_weight, k_weight, e
         "k_cache, v_cache, slots and positions go together"
     if k_cache is not None:
         for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-            assert c.dim() == 4 and c.shape[2:] == (num_kv_heads, d), \
-                f"{name} must be [num_slots, capacity, {num_kv_heads}, {d}], got {c.shape}"
+            assert c.dim() == 4 and c.shape[2:] == (num_kv_heads, d) and c.shape[0] * c.shape[1] > 0, \
+                f"{name} must be [num_slots, capacity, {num_kv_heads}, {d}] with rows, got {c.shape}"
             assert c.dtype == qkv.dtype and c.device == qkv.device and c.stride(-1) == 1, \
                 f"{name} must have qkv's dtype and device and a contiguous last dim"
         for name, t in (("slots", slots), ("positions", positions)):
@@ -586,8 +586,10 @@ def causal_conv(x, weight, conv_cache, snapshots, slots, start):
     for name, t in (("weight", weight), ("conv_cache", conv_cache), ("snapshots", snapshots)):
         assert t is None or (t.dtype == x.dtype and t.device == x.device), f"{name} must have x's dtype and device"
     for name, t in (("slots", slots), ("start", start)):
-        assert t.dtype == torch.int32 and t.shape == (bs,) and t.device == x.device, f"{name} must be int32 [{bs}]"
-    if _layer_kernel_ready(x) and W + 1 <= 8 and x.stride(0) == x.stride(1) * T:
+        assert t.dtype == torch.int32 and t.shape == (bs,) and t.device == x.device and t.is_contiguous(), \
+            f"{name} must be contiguous int32 [{bs}]"
+    assert C > 0, "x must have channels"
+    if _layer_kernel_ready(x) and 1 <= W <= 7 and x.stride(0) == x.stride(1) * T:
         return torch.ops.dflash.causal_conv(x, weight, conv_cache, snapshots, slots, start)
     _log_fallback("causal_conv", x)
     return causal_conv_reference(x, weight, conv_cache, snapshots, slots, start)
@@ -716,12 +718,13 @@ def gated_delta_recurrent(q, k, v, g, beta, state_cache, snapshot_cache, slots, 
     """
     assert q.dim() == 4, f"q must be [bs, T, Hk, dk], got {tuple(q.shape)}"
     bs, T, Hk, dk = q.shape
-    assert Hk > 0 and v.dim() == 4 and v.shape[:2] == (bs, T) and v.shape[2] % Hk == 0, \
-        f"v must be [{bs}, {T}, Hv, dv] with Hv a multiple of {Hk}, got {tuple(v.shape)}"
+    assert Hk > 0 and v.dim() == 4 and v.shape[:2] == (bs, T) and v.shape[2] > 0 and v.shape[2] % Hk == 0, \
+        f"v must be [{bs}, {T}, Hv, dv] with Hv a positive multiple of {Hk}, got {tuple(v.shape)}"
     Hv, dv = v.shape[2:]
     assert snapshot_cache.dim() == 5, \
         f"snapshot_cache must be [num_slots, NS, {Hv}, {dk}, {dv}], got {tuple(snapshot_cache.shape)}"
     num_slots, NS = snapshot_cache.shape[:2]
+    assert num_slots > 0 or bs * T == 0, "the caches must hold slots"
     shapes = {"q": (q, (bs, T, Hk, dk)), "k": (k, (bs, T, Hk, dk)), "v": (v, (bs, T, Hv, dv)), "g": (g, (bs, T, Hv)),
               "beta": (beta, (bs, T, Hv)), "state_cache": (state_cache, (num_slots, Hv, dk, dv)),
               "snapshot_cache": (snapshot_cache, (num_slots, NS, Hv, dk, dv))}
@@ -735,7 +738,8 @@ def gated_delta_recurrent(q, k, v, g, beta, state_cache, snapshot_cache, slots, 
             f"{name} must be contiguous int32 [{bs}] on q's device, got {t.dtype} {tuple(t.shape)} {t.device}"
     assert out_dtype in (torch.float32, torch.bfloat16, torch.float16), \
         f"out_dtype must be fp32, bf16 or fp16, got {out_dtype}"
-    if q.is_cuda and gated_delta_kernel_supports(dk, dv) and _plugins_loaded():
+    aligned = all(t.data_ptr() % 16 == 0 for t in (q, k, v, state_cache) + ((snapshot_cache,) if NS else ()))
+    if q.is_cuda and gated_delta_kernel_supports(dk, dv) and aligned and _plugins_loaded():
         return torch.ops.dflash.gated_delta_recurrent(q, k, v, g, beta, state_cache, snapshot_cache, slots, start,
                                                       num_tokens, out_dtype)
     _log_fallback("gated_delta_recurrent", q)

@@ -244,6 +244,9 @@ def bad_calls():
         "slots int64": ("slots must be", call(slots=ok["slots"].long())),
         "start size": ("start must be", call(start=ok["start"][:1])),
         "num_tokens dtype": ("num_tokens must be", call(num_tokens=ok["num_tokens"].float())),
+        "no value heads": ("v must be", call(v=ok["v"][:, :, :0])),
+        "no slots": ("the caches must hold slots", call(state_cache=ok["state_cache"][:0],
+                                                         snapshot_cache=ok["snapshot_cache"][:0])),
     }
 
 

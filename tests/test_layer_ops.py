@@ -386,6 +386,9 @@ def bad_calls():
                                     lambda: causal_conv(**{**conv_case(2, 3, 8, 4, 0), "weight": torch.ones(8, 3)})),
         "causal_conv int64 slots": ("slots must be",
                                     lambda: causal_conv(**{**conv_case(2, 1, 8, 4, 0), "slots": torch.zeros(2).long()})),
+        "causal_conv strided slots": ("slots must be contiguous", lambda: causal_conv(**{
+            **conv_case(2, 1, 8, 4, 0), "slots": torch.zeros(2, 2, dtype=torch.int32)[:, 0]})),
+        "causal_conv no channels": ("x must have channels", lambda: causal_conv(**conv_case(2, 1, 0, 4, 0))),
         "gated_rms_norm gate shape": ("gate must have x's shape", lambda: gated_rms_norm(x, x[:2], w, EPS)),
         "gated_rms_norm strided gate": ("gate must be contiguous",
                                         lambda: gated_rms_norm(x, torch.randn(16, 3).t(), w, EPS)),
@@ -396,6 +399,8 @@ def bad_calls():
         "qk cache without slots": ("go together", lambda: qk_norm_rope(qkv, 2, 1, w8, w8, EPS, cs, cs, cache, cache)),
         "qk int64 positions": ("positions must be", lambda: qk_norm_rope(qkv, 2, 1, w8, w8, EPS, cs, cs, cache, cache,
                                                                          i32, i32.long())),
+        "qk empty cache": ("k_cache must be", lambda: qk_norm_rope(qkv, 2, 1, w8, w8, EPS, cs, cs, cache[:0],
+                                                                   cache, i32, i32)),
         "qk cache heads": ("k_cache must be", lambda: qk_norm_rope(qkv, 2, 1, w8, w8, EPS, cs, cs, cache[..., None, :],
                                                                    cache, i32, i32)),
         "qk odd rotary_dim": ("rotary_dim must be", lambda: qk_norm_rope(qkv, 2, 1, w8, w8, EPS, cs[:, :3], cs[:, :3],

@@ -149,7 +149,15 @@ def bad_attention_calls():
                                                                       "v_cache": c["v_cache"].to("meta")}),
         "block elsewhere": ("k_blk and v_blk must be on q's", lambda c: {"k_blk": c["k_blk"].to("meta"),
                                                                           "v_blk": c["v_blk"].to("meta")}),
+        "no query heads": ("torch.Size", lambda c: {"q": c["q"][:, :, :0]}),
     }
+
+
+def test_an_empty_block_attends_to_nothing():
+    c = make_case(2, 2, 4, 2, 8, [3, 1], "given")
+    c.update(q=c["q"][:, :0], k_blk=c["k_blk"][:, :0], v_blk=c["v_blk"][:, :0])
+    out = paged_block_attention(**c, causal=False, window=None, scale=0.3)
+    assert out.shape == (2, 0, 4, 8)
 
 
 @pytest.mark.parametrize("name", bad_attention_calls())
