@@ -19,6 +19,8 @@ from dflash_trt import plugins
 
 log = logging.getLogger(__name__)
 
+GRID_LIMIT = 65535  # a CUDA grid's y and z extents: the kernels put rows or heads there
+
 
 def attention_mask(q_pos, k_pos, k_valid, causal: bool, window: int | None) -> torch.Tensor:
     """[bs, T, L] bool, True where query t may see key l: q_pos [bs, T] and k_pos [bs, L] are
@@ -128,7 +130,7 @@ def paged_block_attention(q, k_cache, v_cache, slots, ctx_len, q_start, k_blk=No
         assert k_blk.device == v_blk.device == q.device, f"k_blk and v_blk must be on q's {q.device}"
     scale = d ** -0.5 if scale is None else scale
     window = 0 if window is None else window
-    if _cuda_block_attention_supported(q) and q.numel() and k_cache.numel():  # empty: nothing to launch
+    if _cuda_block_attention_supported(q) and q.numel() and k_cache.numel() and bs <= GRID_LIMIT:  # empty: no launch
         return torch.ops.dflash.block_attention(q, k_cache, v_cache, slots, ctx_len, q_start, k_blk, v_blk,
                                                 bool(causal), int(window), float(scale), int(max_keys or 0))
     _log_fallback("block_attention", q)
@@ -496,6 +498,7 @@ def _moe_kernel_fits(x, gate_up, down) -> bool:
     return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and H >= 8 and H % 8 == 0
             and I2 >= 16 and I2 % 16 == 0 and E <= MOE_MAX_EXPERTS and gate_up.is_contiguous()
             and down.is_contiguous() and gate_up.data_ptr() % 16 == 0 and down.data_ptr() % 16 == 0
+            and (x.data_ptr() % 16 == 0 or not x.is_contiguous())  # moe_experts copies a strided x, aligned
             and torch.cuda.get_device_capability(x.device) >= (8, 0) and _plugins_loaded())
 
 
@@ -589,7 +592,7 @@ def causal_conv(x, weight, conv_cache, snapshots, slots, start):
         assert t.dtype == torch.int32 and t.shape == (bs,) and t.device == x.device and t.is_contiguous(), \
             f"{name} must be contiguous int32 [{bs}]"
     assert C > 0, "x must have channels"
-    if _layer_kernel_ready(x) and 1 <= W <= 7 and x.stride(0) == x.stride(1) * T:
+    if _layer_kernel_ready(x) and 1 <= W <= 7 and x.stride(0) == x.stride(1) * T and x.stride(1) >= C:
         return torch.ops.dflash.causal_conv(x, weight, conv_cache, snapshots, slots, start)
     _log_fallback("causal_conv", x)
     return causal_conv_reference(x, weight, conv_cache, snapshots, slots, start)
@@ -636,7 +639,7 @@ def gated_delta_prepare(qkv, a, b, neg_a, dt_bias, num_k_heads: int, key_dim: in
         assert t.shape == (Hv,) and t.dtype == torch.float32 and t.device == qkv.device and t.is_contiguous(), \
             f"{name} must be a contiguous fp32 [{Hv}] on qkv's device"
     if qkv.is_cuda and qkv.dtype in (torch.bfloat16, torch.float16, torch.float32) and 1 <= key_dim <= 256 and \
-            a.dim() == 3 and a.stride() == b.stride() and \
+            a.dim() == 3 and a.stride() == b.stride() and a.stride(1) >= Hv and num_k_heads <= GRID_LIMIT and \
             a.stride(0) == a.stride(1) * a.shape[1] and _plugins_loaded():
         return torch.ops.dflash.gated_delta_prepare(qkv, a, b, neg_a, dt_bias, num_k_heads, key_dim, value_dim,
                                                     float(eps), float(q_scale))
@@ -739,7 +742,8 @@ def gated_delta_recurrent(q, k, v, g, beta, state_cache, snapshot_cache, slots, 
     assert out_dtype in (torch.float32, torch.bfloat16, torch.float16), \
         f"out_dtype must be fp32, bf16 or fp16, got {out_dtype}"
     aligned = all(t.data_ptr() % 16 == 0 for t in (q, k, v, state_cache) + ((snapshot_cache,) if NS else ()))
-    if q.is_cuda and gated_delta_kernel_supports(dk, dv) and aligned and _plugins_loaded():
+    if q.is_cuda and gated_delta_kernel_supports(dk, dv) and aligned and max(bs, Hv) <= GRID_LIMIT and \
+            _plugins_loaded():
         return torch.ops.dflash.gated_delta_recurrent(q, k, v, g, beta, state_cache, snapshot_cache, slots, start,
                                                       num_tokens, out_dtype)
     _log_fallback("gated_delta_recurrent", q)
