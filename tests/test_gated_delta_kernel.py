@@ -428,3 +428,16 @@ def test_with_one_snapshot_the_state_can_be_stepped_in_place(device, T):
     others = torch.ones(5, dtype=torch.bool, device=device)
     others[slots] = False
     assert torch.equal(state[others], case["state_cache"][others]), "other slots must stay as they were"
+
+
+@pytest.mark.cuda
+def test_cuda_misaligned_inputs_take_the_reference_instead_of_failing_in_the_kernel():
+    """The kernel needs q, k, v and the caches 16-byte aligned; a view that is not goes to the
+    reference (a check failing inside the op would crash the process on some torch builds)."""
+    assert plugins.load() is not None
+    case = make_case(2, 4, 1, 2, 16, 32, 0, [4, 3], [1, 0], device="cuda")
+    flat = torch.empty(case["q"].numel() + 1, device="cuda")
+    q = flat[1:].view_as(case["q"])
+    q.copy_(case["q"])
+    assert q.data_ptr() % 16 != 0
+    assert torch.equal(gated_delta_recurrent(**{**case, "q": q}), gated_delta_recurrent_reference(**case))

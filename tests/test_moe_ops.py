@@ -389,3 +389,15 @@ def test_cuda_route_kernel_matches_the_reference(dtype, E, k, renormalize, share
     # dtype (relative spacing up to 2^-7 for bf16's 8-bit significand, 2^-10 for fp16's 11)
     ulp = {torch.float32: 1e-6, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}[dtype]
     assert torch.allclose(weights, want_w, rtol=ulp, atol=0)
+
+
+@pytest.mark.cuda
+def test_cuda_a_misaligned_input_takes_the_reference_instead_of_failing_in_the_kernel():
+    """The kernels need x 16-byte aligned; a contiguous view that is not goes to the reference
+    (a check failing inside the op would crash the process on some torch builds)."""
+    (x, *rest), ref, _ = run_case(torch.float32, "35b-a3b", 16, 8, 4)
+    flat = torch.empty(x.numel() + 1, dtype=x.dtype, device=x.device)
+    shifted = flat[1:].view_as(x)
+    shifted.copy_(x)
+    assert shifted.data_ptr() % 16 != 0 and shifted.is_contiguous()
+    assert torch.equal(ops.moe_experts(shifted, *rest), ref)

@@ -160,6 +160,17 @@ def test_an_empty_block_attends_to_nothing():
     assert out.shape == (2, 0, 4, 8)
 
 
+@pytest.mark.cuda
+def test_cuda_an_empty_block_launches_nothing():
+    """Freshly allocated empty tensors have no data pointer, which the kernel's checks reject
+    (a check failing inside the op would crash the process on some torch builds)."""
+    assert plugins.load() is not None
+    c = make_case(2, 2, 4, 2, 64, [3, 1], "given", dtype=torch.bfloat16, device="cuda")
+    empty = lambda *shape: torch.empty(*shape, dtype=torch.bfloat16, device="cuda")  # noqa: E731
+    c.update(q=empty(2, 0, 4, 64), k_blk=empty(2, 0, 2, 64), v_blk=empty(2, 0, 2, 64))
+    assert paged_block_attention(**c, causal=False, window=None, scale=0.3).shape == (2, 0, 4, 64)
+
+
 @pytest.mark.parametrize("name", bad_attention_calls())
 def test_wrapper_rejects_bad_index_tensors_and_tensors_on_other_devices_naming_them(name):
     c = make_case(2, 2, 4, 2, 8, [3, 1], "given")
