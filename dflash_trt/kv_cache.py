@@ -14,7 +14,7 @@ write free of data-dependent indexing, which CUDA graphs need.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -51,9 +51,7 @@ class Batch:
     @classmethod
     def full(cls, slots: torch.Tensor, start: torch.Tensor, width: int, max_end: int) -> "Batch":
         """Every row carries `width` tokens; built from device tensors without a host sync."""
-        return cls(slots=slots, start=start, num_tokens=torch.full_like(start, width),
-                   positions=start[:, None] + torch.arange(width, device=start.device), width=width, max_end=max_end,
-                   full_rows=True)
+        return replace(cls.padded(slots, start, torch.full_like(start, width), width, max_end), full_rows=True)
 
     @classmethod
     def padded(cls, slots: torch.Tensor, start: torch.Tensor, num_tokens: torch.Tensor, width: int,
