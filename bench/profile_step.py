@@ -30,6 +30,8 @@ from collections import defaultdict
 import torch
 
 from dflash_trt import ops
+from dflash_trt.benchmark.bench import encode_prompts
+from dflash_trt.benchmark.datasets import load_prompts
 from dflash_trt.benchmark.random_weights import random_engine
 from dflash_trt.engine import cache_bytes
 from dflash_trt.graphs import DecodePasses
@@ -229,6 +231,46 @@ def prefill_profile(engine, num_tokens: int, steps: int = 5) -> dict:
                              for e in host[:15]]}
 
 
+def burst_profile(engine, prompt_ids: list[list[int]], steps: int = 3) -> dict:
+    """The step that admits all these prompts at once (the bench's first step at its
+    concurrency): wall ms as the engine runs it (passes of like lengths, engine.prefill_groups),
+    and per prefill pass; GPU kernel ms by family, launches, the host ops that cost the most."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from dflash_trt.engine import prefill_groups
+
+    lengths = [len(p) for p in prompt_ids]
+    groups = prefill_groups(lengths)
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+
+    def burst(ids=prompt_ids):
+        for p in ids:
+            engine.add_request(p, params)
+        engine.step()
+
+    wall = wall_ms(burst, reps=5)
+    passes = []
+    for g in groups:
+        ids = [prompt_ids[i] for i in g]
+        passes.append(dict(prompts=len(g), width=max(lengths[i] for i in g), tokens=sum(lengths[i] for i in g),
+                           wall_ms=wall_ms(lambda ids=ids: burst(ids), reps=5)))
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            burst()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    kernels = [e for e in events if e.device_type.name == "CUDA" and e.device_time_total > 0]
+    host = sorted((e for e in events if e.device_type.name == "CPU"), key=lambda e: -e.self_cpu_time_total)
+    return {"prompts": len(prompt_ids), "tokens": sum(lengths), "wall_ms": wall, "passes": passes,
+            "gpu_kernel_ms": sum(e.device_time_total for e in kernels) / steps / 1e3,
+            "kernel_launches": sum(e.count for e in kernels) / steps,
+            "gpu_ms_by_family": profile(burst, steps=2, top=15),
+            "top_host_ops": [dict(op=e.key[:100], self_ms=e.self_cpu_time_total / steps / 1e3, calls=e.count / steps)
+                             for e in host[:15]]}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="qwen3-8b")
@@ -240,6 +282,8 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-vocab-size", type=int, default=0,
                     help="the drafter proposes from K tokens only (their choice does not change the time)")
     ap.add_argument("--prefill", default="", help="also profile one prefill of each of these prompt lengths")
+    ap.add_argument("--prefill-burst", default="", metavar="DATASET:N",
+                    help="also profile the step that admits the first N prompts of DATASET at once (chat template)")
     ap.add_argument("--recurrent-prefill-tokens", type=int,
                     help="hybrids: the widest prefill that runs the recurrent kernel (default: the model's)")
     ap.add_argument("--top-kernels", type=int, default=12, help="how many of each pass's costliest kernels to list")
@@ -253,7 +297,10 @@ def main(argv=None) -> int:
     if args.recurrent_prefill_tokens is not None:
         qwen3_5.RECURRENT_PREFILL_TOKENS = args.recurrent_prefill_tokens
     prefills = [int(t) for t in args.prefill.split(",") if t]
-    loaded = random_engine(args.preset, max_batch_size=max(batches), max_seq_len=max([args.context, *prefills]) + 512,
+    burst_dataset, _, burst_n = args.prefill_burst.partition(":")
+    burst_n = int(burst_n or 32) if burst_dataset else 0
+    loaded = random_engine(args.preset, max_batch_size=max(*batches, burst_n),
+                           max_seq_len=max([args.context, *prefills]) + 512,
                            num_layers=args.layers, draft_window=args.draft_window_size)
     engine, passes = loaded.engine, loaded.engine.passes
     if args.draft_vocab_size:  # before the first pass: graphs are captured on first use
@@ -326,6 +373,12 @@ def main(argv=None) -> int:
             result[f"prefill{n}"] = row = prefill_profile(engine, n)
             print(f"prefill of {n} tokens: {row['wall_ms']:.2f} ms wall ({'graphed' if row['graphed'] else 'eager'}), "
                   f"eagerly {row['eager_wall_ms']:.2f} ms wall, {row['gpu_kernel_ms']:.2f} ms of kernels "
+                  f"({row['kernel_launches']:.0f} launches)", file=sys.stderr)
+        if burst_dataset:
+            ids = encode_prompts(loaded.tokenizer, load_prompts(burst_dataset, burst_n))
+            result["prefill_burst"] = row = burst_profile(engine, ids)
+            print(f"burst of {row['prompts']} {burst_dataset} prompts ({row['tokens']} tokens): "
+                  f"{row['wall_ms']:.2f} ms wall, passes {row['passes']}, {row['gpu_kernel_ms']:.2f} ms of kernels "
                   f"({row['kernel_launches']:.0f} launches)", file=sys.stderr)
     if 1 in batches:  # AR at batch 1: the bytes one token's step really reads, at copy bandwidth
         result["roofline_tok_s"] = bw / (result["batch1"]["ar_bytes_gb"] * 1e9)

@@ -553,15 +553,18 @@ def causal_conv1d(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor, n
     return out, snapshots
 
 
-def causal_conv_reference(x, weight, conv_cache, snapshots, slots, start):
+def causal_conv_reference(x, weight, conv_cache, snapshots, slots, start, num_tokens=None):
     """The kernel's semantics (layer_ops.h, CausalConvParams) through causal_conv1d,
     the path of every pass: the window from the cache (zeros for a new sequence), then the
-    window after all T tokens into conv_cache, or after each of the last NS into snapshots."""
+    window after all T tokens (after each row's num_tokens, when given) into conv_cache, or
+    after each of the last NS into snapshots."""
     slots = slots.long()
     window = conv_cache[slots].masked_fill((start == 0)[:, None, None], 0)
-    num_tokens = torch.full((x.shape[0],), x.shape[1], device=x.device)
-    out, windows = causal_conv1d(x, window, weight, num_tokens, 1 if snapshots is None else snapshots.shape[1],
-                                 full_rows=True)
+    full_rows = num_tokens is None
+    if full_rows:
+        num_tokens = torch.full((x.shape[0],), x.shape[1], device=x.device)
+    out, windows = causal_conv1d(x, window, weight, num_tokens.long().clamp(0, x.shape[1]),
+                                 1 if snapshots is None else snapshots.shape[1], full_rows=full_rows)
     if snapshots is None:
         conv_cache[slots] = windows[:, 0]
     else:
@@ -569,13 +572,15 @@ def causal_conv_reference(x, weight, conv_cache, snapshots, slots, start):
     return out
 
 
-def causal_conv(x, weight, conv_cache, snapshots, slots, start):
-    """The causal conv + SiLU of a Gated DeltaNet decode pass (every row T tokens) -> out
-    [bs, T, C] in x's dtype, continuing each row's window in conv_cache [num_slots, K-1, C]
-    (zeros where start == 0); the window after the pass goes back to conv_cache (snapshots
-    None), or the one after each of the last NS <= T + 1 tokens to snapshots [num_slots, NS,
-    K-1, C]. x [bs, T, C] may be a view of a packed projection (channels contiguous); weight
-    [C, K]; slots, start [bs] int32. plugins/layer_ops.cu on CUDA for bf16/fp16 (K <= 8)."""
+def causal_conv(x, weight, conv_cache, snapshots, slots, start, num_tokens=None):
+    """The causal conv + SiLU of a Gated DeltaNet pass -> out [bs, T, C] in x's dtype,
+    continuing each row's window in conv_cache [num_slots, K-1, C] (zeros where start == 0);
+    the window after the pass goes back to conv_cache (snapshots None), or the one after each
+    of the last NS <= T + 1 tokens to snapshots [num_slots, NS, K-1, C]. num_tokens [bs] int32
+    (with snapshots None only: a padded prefill) has row b's window taken after its first
+    num_tokens[b] tokens instead of all T. x [bs, T, C] may be a view of a packed projection
+    (channels contiguous); weight [C, K]; slots, start [bs] int32. plugins/layer_ops.cu on
+    CUDA for bf16/fp16 (K <= 8)."""
     assert x.dim() == 3 and x.stride(-1) == 1, f"x must be [bs, T, C] with contiguous channels, got {tuple(x.shape)}"
     bs, T, C = x.shape
     assert weight.dim() == 2 and weight.shape[0] == C and weight.is_contiguous(), f"weight must be [{C}, K]"
@@ -588,14 +593,15 @@ def causal_conv(x, weight, conv_cache, snapshots, slots, start):
             f"snapshots must be [num_slots, 1 <= NS <= {T + 1}, {W}, {C}] contiguous, got {tuple(snapshots.shape)}"
     for name, t in (("weight", weight), ("conv_cache", conv_cache), ("snapshots", snapshots)):
         assert t is None or (t.dtype == x.dtype and t.device == x.device), f"{name} must have x's dtype and device"
-    for name, t in (("slots", slots), ("start", start)):
-        assert t.dtype == torch.int32 and t.shape == (bs,) and t.device == x.device and t.is_contiguous(), \
-            f"{name} must be contiguous int32 [{bs}]"
+    assert num_tokens is None or snapshots is None, "num_tokens (ragged rows) only without snapshots"
+    for name, t in (("slots", slots), ("start", start), ("num_tokens", num_tokens)):
+        assert t is None and name == "num_tokens" or t.dtype == torch.int32 and t.shape == (bs,) \
+            and t.device == x.device and t.is_contiguous(), f"{name} must be contiguous int32 [{bs}]"
     assert C > 0, "x must have channels"
     if _layer_kernel_ready(x) and 1 <= W <= 7 and x.stride(0) == x.stride(1) * T and x.stride(1) >= C:
-        return torch.ops.dflash.causal_conv(x, weight, conv_cache, snapshots, slots, start)
+        return torch.ops.dflash.causal_conv(x, weight, conv_cache, snapshots, slots, start, num_tokens)
     _log_fallback("causal_conv", x)
-    return causal_conv_reference(x, weight, conv_cache, snapshots, slots, start)
+    return causal_conv_reference(x, weight, conv_cache, snapshots, slots, start, num_tokens)
 
 
 def gated_delta_kernel_supports(key_dim: int, value_dim: int) -> bool:

@@ -330,6 +330,14 @@ __global__ void __launch_bounds__(kConvThreads) causal_conv_kernel(CausalConvPar
     for (int k = 0; k < W; ++k) snapshots[(static_cast<int64_t>(j) * W + k) * C] = from_float<T>(win[k]);
   };
   snapshot(0);
+  // NS == 0: the window after the row's own tokens goes to the cache (a padded prefill's
+  // row stops before the pass does; its padding's outputs are computed and never read)
+  const int keep = p.num_tokens != nullptr ? max(0, min(p.num_tokens[b], T_)) : T_;
+  auto to_cache = [&](int n) {
+    if (snapshots != nullptr || n != keep) return;
+    for (int k = 0; k < W; ++k) cache[static_cast<int64_t>(k) * C] = from_float<T>(win[k]);
+  };
+  to_cache(0);
   const T* x = static_cast<const T*>(p.x) + static_cast<int64_t>(b) * T_ * p.x_stride + c;
   T* out = static_cast<T*>(p.out) + static_cast<int64_t>(b) * T_ * C + c;
   for (int t = 0; t < T_; ++t) {
@@ -346,9 +354,7 @@ __global__ void __launch_bounds__(kConvThreads) causal_conv_kernel(CausalConvPar
       if (j < W) win[j] = win[j + 1];
     }
     snapshot(t + 1);
-  }
-  if (snapshots == nullptr) {
-    for (int k = 0; k < W; ++k) cache[static_cast<int64_t>(k) * C] = from_float<T>(win[k]);
+    to_cache(t + 1);
   }
 }
 
@@ -454,6 +460,7 @@ const char* causal_conv_check(const CausalConvParams& p) {
   if (p.kernel_size < 2 || p.kernel_size > kConvMaxTaps) return "kernel_size must be in [2, 8]";
   if (p.num_snapshots < 0 || p.num_snapshots > p.width + 1) return "num_snapshots must be in [0, width + 1]";
   if (p.x_stride < p.channels) return "x_stride must be at least channels";
+  if (p.num_tokens && p.num_snapshots > 0) return "num_tokens (ragged rows) only with num_snapshots = 0";
   if (p.batch > 0 && (!p.x || !p.weight || !p.conv_cache || !p.slots || !p.start || !p.out ||
                       (p.num_snapshots > 0 && !p.snapshots)))
     return "null pointer";

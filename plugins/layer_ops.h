@@ -117,8 +117,10 @@ cudaError_t silu_mul_launch(const SiluMulParams& p, cudaStream_t stream);
 //   full = [window (W inputs; zeros when start[b] == 0), x[b, 0..T-1]]   (the inputs, in dtype)
 //   acc_t = round(full[t] w[0]); acc_t = round(acc_t + round(full[t + j] w[j])) for j = 1..W
 //   out[b, t] = round(acc_t / (1 + exp(-acc_t)))                         (torch's silu, fp32)
-// and then, with NS == 0, conv_cache[slots[b]] = full[T .. T + W - 1] (the window after all T
-// tokens, in place); with NS > 0 (NS <= T + 1), snapshots[slots[b], j] = full[n .. n + W - 1]
+// and then, with NS == 0, conv_cache[slots[b]] = full[n .. n + W - 1] for n = min(num_tokens[b],
+// T) (the window after the row's tokens, in place; n = T when num_tokens is null: every row
+// full, a padded prefill's rows each their own length); with NS > 0 (NS <= T + 1, every row
+// full), snapshots[slots[b], j] = full[n .. n + W - 1]
 // for n = T - NS + 1 + j (the window after each of the last NS tokens; conv_cache is read only).
 // Every value is an input, copied: the writes are exact.
 struct CausalConvParams {
@@ -135,6 +137,7 @@ struct CausalConvParams {
   void* snapshots = nullptr;       // [num_slots, NS, W, C] contiguous, when NS > 0
   const int32_t* slots = nullptr;  // [bs] device
   const int32_t* start = nullptr;  // [bs] device: 0 starts from a zero window
+  const int32_t* num_tokens = nullptr;  // [bs] device, or null (every row T tokens); NS == 0 only
   void* out = nullptr;             // [bs, T, C] contiguous
 };
 

@@ -375,7 +375,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> qk_norm_rope_meta(
 // the window goes to conv_cache in place); weight [C, K]; slots, start [bs] int32.
 at::Tensor causal_conv_cuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& conv_cache,
                             const std::optional<at::Tensor>& snapshots, const at::Tensor& slots,
-                            const at::Tensor& start) {
+                            const at::Tensor& start, const std::optional<at::Tensor>& num_tokens) {
   const dflash::DType dtype = model_dtype(x, "x");
   TORCH_CHECK(x.is_cuda() && x.dim() == 3 && x.stride(2) == 1 && x.stride(0) == x.stride(1) * x.size(1),
               "x must be a [bs, T, C] CUDA tensor with contiguous channels and evenly spaced tokens");
@@ -396,6 +396,7 @@ at::Tensor causal_conv_cuda(const at::Tensor& x, const at::Tensor& weight, const
   }
   check_index(slots, "slots", x);
   check_index(start, "start", x);
+  if (num_tokens) check_index(*num_tokens, "num_tokens", x);
   const c10::cuda::CUDAGuard guard(x.device());
   auto out = at::empty({bs, T, C}, x.options());
   dflash::CausalConvParams p;
@@ -412,6 +413,7 @@ at::Tensor causal_conv_cuda(const at::Tensor& x, const at::Tensor& weight, const
   p.snapshots = snapshots ? snapshots->data_ptr() : nullptr;
   p.slots = slots.data_ptr<int32_t>();
   p.start = start.data_ptr<int32_t>();
+  p.num_tokens = num_tokens ? num_tokens->data_ptr<int32_t>() : nullptr;
   p.out = out.data_ptr();
   if (const char* why = dflash::causal_conv_check(p)) TORCH_CHECK(false, "causal_conv: ", why);
   check_launch(dflash::causal_conv_launch(p, c10::cuda::getCurrentCUDAStream().stream()), "causal_conv");
@@ -419,7 +421,8 @@ at::Tensor causal_conv_cuda(const at::Tensor& x, const at::Tensor& weight, const
 }
 
 at::Tensor causal_conv_meta(const at::Tensor& x, const at::Tensor&, const at::Tensor&,
-                            const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&) {
+                            const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&,
+                            const std::optional<at::Tensor>&) {
   return at::empty(x.sizes(), x.options());
 }
 
@@ -772,7 +775,7 @@ TORCH_LIBRARY(dflash, m) {
   m.def("gemv(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
   m.def(
       "causal_conv(Tensor x, Tensor weight, Tensor(a!) conv_cache, Tensor(b!)? snapshots, Tensor slots, "
-      "Tensor start) -> Tensor");
+      "Tensor start, Tensor? num_tokens=None) -> Tensor");
   m.def(
       "gated_delta_recurrent(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor state_cache, "
       "Tensor(a!) snapshot_cache, Tensor slots, Tensor start, Tensor num_tokens, ScalarType? out_dtype=None) "

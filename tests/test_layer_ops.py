@@ -184,6 +184,22 @@ def test_causal_conv_reference_is_the_layer_conv_with_its_window(dtype, T, NS):
         assert torch.equal(case["snapshots"], snaps)
 
 
+def test_causal_conv_keeps_each_padded_rows_window_after_its_own_tokens():
+    """A padded prefill: row b's window in the cache is the K-1 inputs before its
+    num_tokens[b]-th token (reaching into its old window, zeros for a new sequence), and
+    the outputs are the full-rows conv's (padding outputs included, never read)."""
+    case = conv_case(4, 6, 24, 4, 0)
+    old_cache = case["conv_cache"].clone()
+    num_tokens = torch.tensor([6, 2, 0, 5], dtype=torch.int32)
+    full_out = causal_conv(**{**case, "conv_cache": old_cache.clone()})
+    out = causal_conv(**case, num_tokens=num_tokens)
+    assert torch.equal(out, full_out)
+    for b, (slot, start, n) in enumerate(zip(case["slots"].tolist(), case["start"].tolist(), num_tokens.tolist())):
+        window = old_cache[slot] if start else torch.zeros_like(old_cache[slot])
+        inputs = torch.cat([window, case["x"][b]])  # input t of the row at 3 + t
+        assert torch.equal(case["conv_cache"][slot], inputs[n: n + 3]), (b, n)
+
+
 # (Hq, Hkv, d)
 QKV_SHAPES = {"GQA 2:1 d=16": (4, 2, 16), "MHA d=8": (3, 3, 8), "GQA 4:1 d=64": (8, 2, 64), "d=128": (2, 1, 128)}
 
@@ -389,6 +405,8 @@ def bad_calls():
         "causal_conv strided slots": ("slots must be contiguous", lambda: causal_conv(**{
             **conv_case(2, 1, 8, 4, 0), "slots": torch.zeros(2, 2, dtype=torch.int32)[:, 0]})),
         "causal_conv no channels": ("x must have channels", lambda: causal_conv(**conv_case(2, 1, 0, 4, 0))),
+        "causal_conv ragged snapshots": (r"num_tokens \(ragged rows\) only", lambda: causal_conv(
+            **conv_case(2, 3, 8, 4, 1), num_tokens=torch.ones(2, dtype=torch.int32))),
         "gated_rms_norm gate shape": ("gate must have x's shape", lambda: gated_rms_norm(x, x[:2], w, EPS)),
         "gated_rms_norm strided gate": ("gate must be contiguous",
                                         lambda: gated_rms_norm(x, torch.randn(16, 3).t(), w, EPS)),
@@ -553,6 +571,19 @@ def test_cuda_causal_conv_equals_the_reference_bit_for_bit(dtype, shape):
     assert torch.equal(case["conv_cache"], ref["conv_cache"])
     if case["snapshots"] is not None:
         assert torch.equal(case["snapshots"], ref["snapshots"])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", CUDA_DTYPES.values(), ids=CUDA_DTYPES.keys())
+def test_cuda_causal_conv_of_padded_rows_equals_the_reference_bit_for_bit(dtype):
+    assert plugins.load() is not None
+    case = conv_case(5, 98, 8192, 4, 0, dtype=dtype, device="cuda")
+    num_tokens = torch.tensor([98, 1, 0, 57, 200], dtype=torch.int32, device="cuda")  # 200: clamped to the width
+    ref_cache = case["conv_cache"].clone()
+    out = causal_conv(**case, num_tokens=num_tokens)
+    ref_out = causal_conv_reference(**{**case, "conv_cache": ref_cache}, num_tokens=num_tokens)
+    assert torch.equal(out, ref_out)
+    assert torch.equal(case["conv_cache"], ref_cache)
 
 
 @pytest.mark.cuda

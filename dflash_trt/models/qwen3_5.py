@@ -227,15 +227,14 @@ class GatedDeltaNet(nn.Module):
         layer, S = self.cache_layer, cache.num_snapshots
         weight = self.conv1d.weight[:, 0]
         snapshots = None if to_cache else cache.conv_snapshots[layer]
-        if batch.full_rows and (to_cache or batch.width <= S <= batch.width + 1):
-            slots, _, start, _, _ = lengths  # one kernel on CUDA: any width to the cache, S snapshots of a verify
-            return ops.causal_conv(qkv, weight, cache.conv[layer], snapshots, slots, start)
+        if to_cache or (batch.full_rows and batch.width <= S <= batch.width + 1):
+            # one kernel on CUDA: any width to the cache (padded rows each keep the window after
+            # their own tokens), S snapshots of a verify
+            slots, _, start, num_tokens, _ = lengths
+            return ops.causal_conv(qkv, weight, cache.conv[layer], snapshots, slots, start,
+                                   None if batch.full_rows else num_tokens)
         window = cache.conv[layer, batch.slots].masked_fill((batch.start == 0)[:, None, None], 0)
-        qkv, windows = causal_conv1d(qkv, window, weight, batch.num_tokens, 1 if to_cache else S, batch.full_rows)
-        if to_cache:
-            cache.conv[layer, batch.slots] = windows[:, 0]
-        else:
-            snapshots[batch.slots] = windows
+        qkv, snapshots[batch.slots] = causal_conv1d(qkv, window, weight, batch.num_tokens, S, batch.full_rows)
         return qkv
 
     def forward(self, x, batch: Batch, cache: HybridCache, lengths):
