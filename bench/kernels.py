@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
+from dflash_trt import fa3 as fa3_backend  # noqa: E402
 from dflash_trt import plugins  # noqa: E402
 from dflash_trt.ops import attention_mask  # noqa: E402
 
@@ -327,6 +328,21 @@ def gated_delta_rows() -> list[dict]:
     return rows
 
 
+def fa3_choice_rows() -> list[dict]:
+    """Ours and FA3 on the graph shapes of a Qwen3-8B engine (buckets 1, 8, 32; the AR step and
+    the verify widths), timed as warm-up times them (fa3.time_shapes), at each context; the
+    backend an engine of 8,192-token sequences runs (choice at fa3.CHOICE_CONTEXT)."""
+    if not fa3_backend.installed():
+        sys.exit("--fa3-choice needs the fa3-fwd wheel on a Hopper GPU")
+    shapes = [fa3_backend.Shape(b, t, HQ, HKV, D) for b in BATCHES for t in (1, 4, 8, 12, 16)]
+    by_context = {ctx: fa3_backend.time_shapes(shapes, ctx) for ctx in CONTEXTS}
+    picked = fa3_backend.choose(by_context.get(fa3_backend.CHOICE_CONTEXT) or
+                                fa3_backend.time_shapes(shapes, fa3_backend.CHOICE_CONTEXT))
+    return [dict(batch=s.rows, T=s.tokens, context=ctx, ours_us=1e3 * times[s][0], fa3_us=1e3 * times[s][1],
+                 engine_runs="FA3" if s in picked else "ours")
+            for ctx, times in by_context.items() for s in shapes]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path, help="write the results here")
@@ -341,6 +357,9 @@ def main() -> None:
     parser.add_argument("--gemv", action="store_true", help="time only Qwen3-8B's linear layers (cuBLAS, cuBLASLt)")
     parser.add_argument("--gated-delta", action="store_true",
                         help="time only the Gated DeltaNet decode/verify kernel (gated_delta.cu)")
+    parser.add_argument("--fa3-choice", action="store_true",
+                        help="the engine's attention backend choice (fa3.py): ours vs FA3 per graph shape of "
+                             "Qwen3-8B's layout (causal, full rows) at the contexts of the table")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/kernels.py needs a CUDA GPU")
@@ -379,6 +398,13 @@ def main() -> None:
                     ([r["layer"], f"{r['n']}x{r['k']}", r["m"], r["blas"], f"{r['us']:.1f}",
                       f"{100 * r['copy_share']:.0f}%"] for r in rows))
         write_json(args.json, gemv=rows)
+        return
+    if args.fa3_choice:
+        rows = fa3_choice_rows()
+        print_table(["batch", "T", "context", "ours us", "FA3 us", "FA3 / ours", "engine runs"],
+                    ([r["batch"], r["T"], r["context"], f"{r['ours_us']:.1f}", f"{r['fa3_us']:.1f}",
+                      f"{r['fa3_us'] / r['ours_us']:.2f}", r["engine_runs"]] for r in rows))
+        write_json(args.json, fa3_choice=rows, choice_context=fa3_backend.CHOICE_CONTEXT)
         return
     if args.layer_ops:
         rows = layer_ops_rows()

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import click
 
-from dflash_trt import __version__
+from dflash_trt import __version__, fa3
 from dflash_trt.config import preset_names, resolve_config
 from dflash_trt.errors import DFlashError
 
@@ -510,7 +510,9 @@ def bench(output_dir, random_weights, urls, compare_transformers, datasets, conc
     if json_file:
         engine = str(output_dir) if output_dir else f"random:{random_weights}" if random_weights else None
         json_file.write_text(bench_lib.report_to_json(report, engine=engine, urls=list(urls), max_tokens=max_tokens,
-                                                      gpu=bench_lib.device_name(loaded)) + "\n")
+                                                      gpu=bench_lib.device_name(loaded),
+                                                      fa3_shapes=sorted((s.rows, s.tokens) for s in fa3.chosen()))
+                             + "\n")
 
 
 def main():  # pragma: no cover - `python -m dflash_trt`

@@ -24,6 +24,7 @@ from typing import Iterable
 
 import torch
 
+from dflash_trt import fa3
 from dflash_trt.errors import ConfigError, RequestError
 from dflash_trt.graphs import DecodePasses, GraphedPasses, Readback, StepInputs, graphs_supported
 from dflash_trt.models.dflash import DFlashDrafter
@@ -128,7 +129,12 @@ class Engine:
     @torch.inference_mode()
     def warm_up(self) -> None:
         """Capture the CUDA graphs of every batch-size bucket (no-op on the eager path), and
-        time the verify widths an adaptive engine chooses from."""
+        time the verify widths an adaptive engine chooses from. Before any capture, where
+        FlashAttention-3 is installed, each attention shape the graphs run takes the faster
+        backend (fa3.py)."""
+        if isinstance(self.passes, GraphedPasses):
+            widths = [1] + ([] if self.drafter is None else [*candidate_widths(self.block_size), self.block_size])
+            fa3.choose_for(self.target, self.passes.buckets, sorted(set(widths)), self.max_seq_len)
         self.passes.capture_all()
         self._start_width_policy()
 

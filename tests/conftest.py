@@ -4,6 +4,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dflash_trt import fa3
 from dflash_trt.fixtures.pair import TinyPairSpec, write_tiny_pair
 
 
@@ -14,6 +15,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def attention_backend_choice_reset():
+    """Engine.warm_up may let FlashAttention-3 run some shapes (dflash_trt/fa3.py, process
+    state, where the wheel is installed): no test inherits another's choice."""
+    yield
+    fa3.use(set())
 
 
 @pytest.fixture(scope="session")

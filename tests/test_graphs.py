@@ -89,12 +89,12 @@ def test_sampling_requests_run_through_graphs(loaded):
 
 
 def test_warm_up_captures_every_bucket_and_leaves_outputs_unchanged(loaded):
+    cold = Engine(loaded.target, loaded.drafter, max_batch_size=3, max_seq_len=256)
+    cold.warm_up()  # first: where FA3 is installed, both engines then capture the backends it chose
     engine = Engine(loaded.target, loaded.drafter, max_batch_size=3, max_seq_len=256)
     prompts = _prompts(3, seed=11)
     sp = SamplingParams(max_tokens=20, ignore_eos=True)
     before = [r.token_ids for r in engine.generate(prompts, sp, mode="dflash")]
-    cold = Engine(loaded.target, loaded.drafter, max_batch_size=3, max_seq_len=256)
-    cold.warm_up()
     width = {"ar": 0, "draft": 0, "verify": cold.block_size}  # verify graphs are per width, the whole block here
     decode = [(name, b, width[name]) for name in width for b in (1, 2, 3)]
     # one prompt at a time, padded to a width the cache holds (256 + the block)

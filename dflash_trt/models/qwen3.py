@@ -28,7 +28,8 @@ class Qwen3Attention(AttentionProjections):
         q, _, _ = self.qkv(x, cos, sin, cache.layer(self.layer_idx, rows))  # k, v go to the cache
         # keys: the slot's cache rows [0, start + num_tokens), the new ones included; causal
         out = paged_block_attention(q, cache.k[self.layer_idx], cache.v[self.layer_idx], slots, end, start,
-                                    causal=True, scale=self.scale, max_keys=batch.max_end)
+                                    causal=True, scale=self.scale, max_keys=batch.max_end,
+                                    full_rows=batch.full_rows)
         return self.o_proj(out.flatten(2))
 
 
