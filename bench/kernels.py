@@ -329,16 +329,19 @@ def gated_delta_rows() -> list[dict]:
 
 
 def fa3_choice_rows() -> list[dict]:
-    """Ours and FA3 on the graph shapes of a Qwen3-8B engine (buckets 1, 8, 32; the AR step and
-    the verify widths), timed as warm-up times them (fa3.time_shapes), at each context; the
-    backend an engine of 8,192-token sequences runs (choice at fa3.CHOICE_CONTEXT)."""
+    """Ours and FA3 on the graph shapes of a Qwen3-8B engine (buckets 1, 8, 32; the target's AR
+    step and verify widths, causal; the drafter's 16-token block, not), timed as warm-up times
+    them (fa3.time_shapes), at each context; the backend an engine of 8,192-token sequences
+    runs (choice at fa3.CHOICE_CONTEXT)."""
     if not fa3_backend.installed():
         sys.exit("--fa3-choice needs the fa3-fwd wheel on a Hopper GPU")
     shapes = [fa3_backend.Shape(b, t, HQ, HKV, D) for b in BATCHES for t in (1, 4, 8, 12, 16)]
+    shapes += [fa3_backend.Shape(b, 16, HQ, HKV, D, causal=False) for b in BATCHES]
     by_context = {ctx: fa3_backend.time_shapes(shapes, ctx) for ctx in CONTEXTS}
     picked = fa3_backend.choose(by_context.get(fa3_backend.CHOICE_CONTEXT) or
                                 fa3_backend.time_shapes(shapes, fa3_backend.CHOICE_CONTEXT))
-    return [dict(batch=s.rows, T=s.tokens, context=ctx, ours_us=1e3 * times[s][0], fa3_us=1e3 * times[s][1],
+    return [dict(mode="causal" if s.causal else "non-causal", batch=s.rows, T=s.tokens, context=ctx,
+                 ours_us=1e3 * times[s][0], fa3_us=1e3 * times[s][1],
                  engine_runs="FA3" if s in picked else "ours")
             for ctx, times in by_context.items() for s in shapes]
 
@@ -401,8 +404,8 @@ def main() -> None:
         return
     if args.fa3_choice:
         rows = fa3_choice_rows()
-        print_table(["batch", "T", "context", "ours us", "FA3 us", "FA3 / ours", "engine runs"],
-                    ([r["batch"], r["T"], r["context"], f"{r['ours_us']:.1f}", f"{r['fa3_us']:.1f}",
+        print_table(["mode", "batch", "T", "context", "ours us", "FA3 us", "FA3 / ours", "engine runs"],
+                    ([r["mode"], r["batch"], r["T"], r["context"], f"{r['ours_us']:.1f}", f"{r['fa3_us']:.1f}",
                       f"{r['fa3_us'] / r['ours_us']:.2f}", r["engine_runs"]] for r in rows))
         write_json(args.json, fa3_choice=rows, choice_context=fa3_backend.CHOICE_CONTEXT)
         return

@@ -134,7 +134,9 @@ class Engine:
         backend (fa3.py)."""
         if isinstance(self.passes, GraphedPasses):
             widths = [1] + ([] if self.drafter is None else [*candidate_widths(self.block_size), self.block_size])
-            fa3.choose_for(self.target, self.passes.buckets, sorted(set(widths)), self.max_seq_len)
+            # a draft window's cache stores rows twice: FA3 would write one copy
+            fa3.choose_for(self.target, self.passes.buckets, sorted(set(widths)), self.max_seq_len,
+                           None if self.draft_window else self.drafter, self.block_size)
         self.passes.capture_all()
         self._start_width_policy()
 

@@ -1,14 +1,17 @@
-"""FlashAttention-3 as an optional backend of the target's cache attention.
+"""FlashAttention-3 as an optional backend of the cache attention.
 
 Where the `fa3-fwd` wheel (FA3's forward, Hopper, bf16) is installed, Engine.warm_up times
 FA3's flash_attn_with_kvcache against our block attention (ops.paged_block_attention) for
 every shape its CUDA graphs run, at one context, and FA3 then runs the shapes where it was
 faster (BENCHMARKS.md, "Block attention kernel": ours is behind FA3 on most verify shapes).
 Both compute the same attention, so the choice changes rounding, never which keys a query
-sees. FA3 takes only what it computes the same way: causal passes whose rows are all full
-(a decode step or a verify; FA3 aligns each row's causal mask to the end of its keys, which
-is wrong for a padded prefill row), no sliding window, bf16, head sizes 64/128/256.
-Without the wheel nothing changes.
+sees. FA3 takes two kinds of call, where the caller allows it (paged_block_attention's
+`fa3`): the target's causal pass over its cache when every row is full (a decode step or a
+verify; FA3 aligns each row's causal mask to the end of its keys, wrong for a padded
+prefill row), and the drafter's non-causal block after its context (FA3 appends the block's
+K/V to the cache rows right after the context, which are dead: the next verify rewrites
+them before any pass reads them). No sliding window or draft window; bf16; head sizes
+64/128/256. Without the wheel nothing changes.
 """
 
 from __future__ import annotations
@@ -29,13 +32,15 @@ HEAD_DIMS = (64, 128, 256)
 
 @dataclass(frozen=True)
 class Shape:
-    """An attention call's shape: rows (batch), tokens per row, query/KV heads, head size."""
+    """An attention call's shape: rows (batch), tokens per row, query/KV heads, head size, and
+    its kind: causal (the target's, block in the cache) or not (the drafter's, block apart)."""
 
     rows: int
     tokens: int
     q_heads: int
     kv_heads: int
     head_dim: int
+    causal: bool = True
 
 
 _chosen: set[Shape] = set()  # the shapes FA3 runs, in this process
@@ -52,23 +57,26 @@ def installed() -> bool:
     return True
 
 
-def runs(q: torch.Tensor, k_cache: torch.Tensor, causal: bool, window: int | None, full_rows: bool) -> bool:
-    """Whether this cache attention call goes to FA3: chosen for its shape at warm-up, and one
-    FA3 computes as ours does."""
-    if not _chosen or not (full_rows and causal and not window and q.is_cuda and q.dtype == torch.bfloat16):
+def runs(q: torch.Tensor, k_cache: torch.Tensor, causal: bool, window: int | None, block: bool) -> bool:
+    """Whether a cache attention call the caller allows FA3 for goes to it: chosen for its
+    shape at warm-up, and of a kind FA3 computes as ours does (`block`: the block's K/V come
+    apart from the cache, as the drafter's do; a causal call has its block in the cache)."""
+    if not _chosen or window or causal == block or not (q.is_cuda and q.dtype == torch.bfloat16):
         return False
     bs, T, Hq, d = q.shape
-    return Shape(bs, T, Hq, k_cache.shape[2], d) in _chosen
+    return Shape(bs, T, Hq, k_cache.shape[2], d, causal) in _chosen
 
 
-def attention(q, k_cache, v_cache, slots, end, scale: float) -> torch.Tensor:
-    """ops.paged_block_attention's causal pass of full rows on FA3: q [bs, T, Hq, d]; the caches
-    [num_slots, capacity, Hkv, d] hold each row's keys at [0, end) of slot slots[b], the
-    block's T included (written by qk_norm_rope), so query t sits at end - T + t."""
+def attention(q, k_cache, v_cache, slots, ctx_len, scale: float, k_blk=None, v_blk=None) -> torch.Tensor:
+    """ops.paged_block_attention on FA3, for q [bs, T, Hq, d] and caches [num_slots, capacity,
+    Hkv, d] (row b in slot slots[b]). Without k_blk: causal, each row's keys at [0, ctx_len) of
+    its slot with the block's T last (query t at ctx_len - T + t). With k_blk, v_blk [bs, T,
+    Hkv, d]: non-causal over the context [0, ctx_len) and the block, which FA3 writes into the
+    cache at [ctx_len, ctx_len + T) first."""
     from fa3_fwd_interface import flash_attn_with_kvcache
 
-    return flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=end, cache_batch_idx=slots, causal=True,
-                                   softmax_scale=scale)
+    return flash_attn_with_kvcache(q, k_cache, v_cache, k=k_blk, v=v_blk, cache_seqlens=ctx_len, cache_batch_idx=slots,
+                                   causal=k_blk is None, softmax_scale=scale)
 
 
 def choose(times_ms: dict[Shape, tuple[float, float]]) -> set[Shape]:
@@ -90,11 +98,16 @@ def _time_shape(s: Shape, context: int, reps: int, gen: torch.Generator) -> tupl
                                     dtype=torch.bfloat16, generator=gen) for _ in range(2))
     q = torch.randn(s.rows, s.tokens, s.q_heads, s.head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
     slots = torch.arange(s.rows, dtype=torch.int32, device="cuda")
-    end = torch.full((s.rows,), context + s.tokens, dtype=torch.int32, device="cuda")
-    start, scale = end - s.tokens, s.head_dim ** -0.5
-    ours = _replay_ms(lambda: paged_block_attention(q, k_cache, v_cache, slots, end, start, causal=True, scale=scale),
-                      reps)
-    return ours, _replay_ms(lambda: attention(q, k_cache, v_cache, slots, end, scale), reps)
+    scale = s.head_dim ** -0.5
+    if s.causal:  # the target's: the block last in the cache
+        end = torch.full((s.rows,), context + s.tokens, dtype=torch.int32, device="cuda")
+        args, block = (slots, end, end - s.tokens), (None, None)
+    else:  # the drafter's: the block apart, after `context` cached keys
+        ctx = torch.full((s.rows,), context, dtype=torch.int32, device="cuda")
+        args, block = (slots, ctx, ctx), tuple(torch.randn_like(q[:, :, :s.kv_heads]) for _ in range(2))
+    ours = _replay_ms(lambda: paged_block_attention(q, k_cache, v_cache, *args, *block, causal=s.causal,
+                                                    scale=scale), reps)
+    return ours, _replay_ms(lambda: attention(q, k_cache, v_cache, args[0], args[1], scale, *block), reps)
 
 
 def _replay_ms(call, reps: int) -> float:
@@ -126,18 +139,26 @@ def chosen() -> set[Shape]:
     return set(_chosen)
 
 
-def choose_for(target, buckets: list[int], widths: list[int], max_seq_len: int) -> set[Shape]:
-    """At warm-up: time the target's attention shapes (every bucket x every pass width) on both
-    backends at context min(max_seq_len / 2, CHOICE_CONTEXT) and let FA3 run where it was
-    faster. No-op (empty) without the wheel, or for a target whose attention FA3 does not take."""
-    dims = target.config.dims
-    if not installed() or target.lm_head.weight.dtype != torch.bfloat16 or dims.head_dim not in HEAD_DIMS:
+def choose_for(target, buckets: list[int], widths: list[int], max_seq_len: int, drafter=None,
+               block_size: int = 0) -> set[Shape]:
+    """At warm-up: time the attention shapes of the graphs (the target's at every bucket x pass
+    width; the drafter's, when given, at every bucket x block_size) on both backends at context
+    min(max_seq_len / 2, CHOICE_CONTEXT), and let FA3 run where it was faster. No-op (empty)
+    without the wheel, or for models whose attention FA3 does not take."""
+    if not installed():
         return set()
-    shapes = [Shape(b, w, dims.num_attention_heads, dims.num_key_value_heads, dims.head_dim)
-              for b in buckets for w in widths]
-    times = time_shapes(shapes, max(1, min(max_seq_len // 2, CHOICE_CONTEXT)))
-    picked = choose(times)
+    shapes = []
+    for model, tokens, causal in ((target, widths, True), (drafter, [block_size], False)):
+        if model is None or model.lm_head.weight.dtype != torch.bfloat16:
+            continue
+        dims = model.config.dims
+        if dims.head_dim in HEAD_DIMS:
+            shapes += [Shape(b, w, dims.num_attention_heads, dims.num_key_value_heads, dims.head_dim, causal)
+                       for b in buckets for w in tokens]
+    if not shapes:
+        return set()
+    picked = choose(time_shapes(shapes, max(1, min(max_seq_len // 2, CHOICE_CONTEXT))))
     use(picked | (chosen() - set(shapes)))  # another engine's shapes stay as they were chosen
-    log.info("attention: FA3 runs %d of %d shapes (rows x tokens): %s", len(picked), len(shapes),
-             sorted((s.rows, s.tokens) for s in picked))
+    log.info("attention: FA3 runs %d of %d shapes (rows x tokens, causal): %s", len(picked), len(shapes),
+             sorted((s.rows, s.tokens, s.causal) for s in picked))
     return picked

@@ -104,16 +104,17 @@ def _cuda_block_attention_supported(q: torch.Tensor) -> bool:
 
 
 def paged_block_attention(q, k_cache, v_cache, slots, ctx_len, q_start, k_blk=None, v_blk=None, causal=False,
-                          window=None, scale=None, *, max_keys: int | None = None, full_rows: bool = False):
+                          window=None, scale=None, *, max_keys: int | None = None, fa3_ok: bool = False):
     """Block attention over a KV cache -> [bs, T, Hq, d]; semantics of the reference above.
 
     Runs the CUDA kernel on CUDA tensors once the plugins are built, for the dtypes and head
     sizes block_attention_kernel_supports lists (bf16/fp16: 64, 128 or 256; fp32: multiples of
     8 up to 256), else the reference (CPU, other head sizes). `max_keys` is a host-side
     upper bound on ctx_len + block length (e.g. batch.max_end); it only tunes how the kernel
-    splits long contexts, and defaults to the cache capacity. `full_rows` (known on the host:
-    every row's T tokens are real and the block is in the cache, ctx_len = q_start + T) lets
-    FlashAttention-3 run the call where warm-up chose it for the shape (fa3.py).
+    splits long contexts, and defaults to the cache capacity. `fa3_ok` lets FlashAttention-3
+    run the call where warm-up chose it for the shape (fa3.py); the caller vouches that every
+    row's T tokens are real (a causal block in the cache: ctx_len = q_start + T) and, with
+    k_blk (then q_start = ctx_len), that cache rows [ctx_len, ctx_len + T) may be written.
     """
     assert q.dim() == 4 and k_cache.dim() == 4 and k_cache.shape == v_cache.shape, (q.shape, k_cache.shape)
     bs, T, Hq, d = q.shape
@@ -132,8 +133,8 @@ def paged_block_attention(q, k_cache, v_cache, slots, ctx_len, q_start, k_blk=No
         assert k_blk.device == v_blk.device == q.device, f"k_blk and v_blk must be on q's {q.device}"
     scale = d ** -0.5 if scale is None else scale
     window = 0 if window is None else window
-    if full_rows and k_blk is None and fa3.runs(q, k_cache, causal, window, full_rows):
-        return fa3.attention(q, k_cache, v_cache, slots, ctx_len, scale)
+    if fa3_ok and fa3.runs(q, k_cache, causal, window, k_blk is not None):
+        return fa3.attention(q, k_cache, v_cache, slots, ctx_len, scale, k_blk, v_blk)
     if _cuda_block_attention_supported(q) and q.numel() and k_cache.numel() and bs <= GRID_LIMIT:  # empty: no launch
         return torch.ops.dflash.block_attention(q, k_cache, v_cache, slots, ctx_len, q_start, k_blk, v_blk,
                                                 bool(causal), int(window), float(scale), int(max_keys or 0))

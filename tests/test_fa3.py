@@ -39,34 +39,62 @@ def cache_case(rows, tokens, hq=32, hkv=8, d=128, capacity=700, seed=0):
     return q, k_cache, v_cache, slots, start + tokens, start
 
 
+def close_to_exact(out, q, k_cache, v_cache, slots, ctx_len, q_start, k_blk, v_blk, causal, scale):
+    """Within a few bf16 steps of the fp32 reference (both backends round a softmax of fp32
+    scores to bf16)."""
+    exact = paged_block_attention_reference(q.float(), k_cache.float(), v_cache.float(), slots, ctx_len, q_start,
+                                            None if k_blk is None else k_blk.float(),
+                                            None if v_blk is None else v_blk.float(), causal, None, scale)
+    return (out.float() - exact).abs().max().item() < 2e-2
+
+
 @pytest.mark.cuda
 @needs_fa3
 @pytest.mark.parametrize("rows, tokens", [(1, 1), (1, 16), (5, 8), (4, 16)])
 @pytest.mark.parametrize("heads", [(32, 8, 128), (16, 4, 256)], ids=["qwen3-8b", "qwen3.5"])
-def test_fa3_computes_the_causal_attention_of_full_rows_as_ours_does(rows, tokens, heads):
+def test_fa3_computes_the_targets_causal_attention_of_full_rows_as_ours_does(rows, tokens, heads):
     q, k_cache, v_cache, slots, end, start = cache_case(rows, tokens, *heads)
     scale = heads[2] ** -0.5
     ours = paged_block_attention(q, k_cache, v_cache, slots, end, start, causal=True, scale=scale)
     fa3.use({fa3.Shape(rows, tokens, *heads)})
-    theirs = paged_block_attention(q, k_cache, v_cache, slots, end, start, causal=True, scale=scale, full_rows=True)
-    exact = paged_block_attention_reference(q.float(), k_cache.float(), v_cache.float(), slots, end, start, None,
-                                            None, True, None, scale)
-    # both round a softmax of fp32 scores to bf16: each within a few bf16 steps of the exact one
+    theirs = paged_block_attention(q, k_cache, v_cache, slots, end, start, causal=True, scale=scale, fa3_ok=True)
     for out in (ours, theirs):
-        assert (out.float() - exact).abs().max().item() < 2e-2
+        assert close_to_exact(out, q, k_cache, v_cache, slots, end, start, None, None, True, scale)
     assert not torch.equal(ours, theirs) or rows * tokens == 1  # FA3 did run (its rounding differs)
 
 
 @pytest.mark.cuda
 @needs_fa3
-def test_fa3_runs_only_where_chosen_and_only_for_full_causal_rows():
+@pytest.mark.parametrize("rows", [1, 6])
+def test_fa3_computes_the_drafters_block_attention_and_writes_the_block_after_the_context(rows):
+    q, k_cache, v_cache, slots, ctx, _ = cache_case(rows, 16)
+    k_blk, v_blk = (torch.randn_like(q[:, :, :8]) for _ in range(2))
+    ours = paged_block_attention(q, k_cache, v_cache, slots, ctx, ctx, k_blk, v_blk, scale=0.1)
+    fa3.use({fa3.Shape(rows, 16, 32, 8, 128, causal=False)})
+    before = k_cache.clone()
+    theirs = paged_block_attention(q, k_cache, v_cache, slots, ctx, ctx, k_blk, v_blk, scale=0.1, fa3_ok=True)
+    for out in (ours, theirs):
+        assert close_to_exact(out, q, before, v_cache, slots, ctx, ctx, k_blk, v_blk, False, 0.1)
+    assert not torch.equal(ours, theirs)
+    for b, (slot, n) in enumerate(zip(slots.tolist(), ctx.tolist())):
+        assert torch.equal(k_cache[slot, n: n + 16], k_blk[b])  # the dead rows after the context
+        assert torch.equal(k_cache[slot, :n], before[slot, :n]) and torch.equal(k_cache[slot, n + 16:],
+                                                                                before[slot, n + 16:])
+
+
+@pytest.mark.cuda
+@needs_fa3
+def test_fa3_runs_only_where_chosen_and_only_the_kinds_it_computes_as_ours():
     q, k_cache, v_cache, slots, end, start = cache_case(2, 8)
-    fa3.use({shape(2, 8)})
-    assert fa3.runs(q, k_cache, causal=True, window=0, full_rows=True)
-    assert not fa3.runs(q, k_cache, causal=True, window=0, full_rows=False)  # a padded prefill
-    assert not fa3.runs(q, k_cache, causal=False, window=0, full_rows=True)  # the drafter's block
-    assert not fa3.runs(q, k_cache, causal=True, window=128, full_rows=True)
-    assert not fa3.runs(q[:1], k_cache, causal=True, window=0, full_rows=True)  # a shape not chosen
+    fa3.use({shape(2, 8), fa3.Shape(2, 8, 32, 8, 128, causal=False)})
+    assert fa3.runs(q, k_cache, causal=True, window=0, block=False)
+    assert fa3.runs(q, k_cache, causal=False, window=0, block=True)
+    assert not fa3.runs(q, k_cache, causal=True, window=0, block=True)  # a causal block apart from the cache
+    assert not fa3.runs(q, k_cache, causal=False, window=0, block=False)
+    assert not fa3.runs(q, k_cache, causal=True, window=128, block=False)  # a sliding window
+    assert not fa3.runs(q[:1], k_cache, causal=True, window=0, block=False)  # a shape not chosen
+    ours = paged_block_attention(q, k_cache, v_cache, slots, end, start, causal=True, scale=0.1)
+    assert torch.equal(paged_block_attention(q, k_cache, v_cache, slots, end, start, causal=True, scale=0.1), ours)
 
 
 @pytest.mark.cuda
@@ -91,7 +119,8 @@ def test_warm_up_chooses_among_the_graphs_shapes_and_a_verify_with_fa3_matches_o
     engine = load_pair(pair.target, pair.drafter, device="cuda", dtype=torch.bfloat16, max_batch_size=4,
                        max_seq_len=512)
     engine.warm_up()
-    assert fa3.chosen() <= {fa3.Shape(b, w, 8, 2, 128) for b in engine.passes.buckets for w in (1, 2, 4, 6, 8)}
+    graphs = {fa3.Shape(b, w, 8, 2, 128) for b in engine.passes.buckets for w in (1, 2, 4, 6, 8)}
+    assert fa3.chosen() <= graphs | {fa3.Shape(b, 8, 8, 2, 128, causal=False) for b in engine.passes.buckets}
     # one verify of 4 rows with 100-400 committed rows (whatever the cache holds), eagerly,
     # through the model with FA3 and with ours: the same hidden states to bf16 noise
     rows = []

@@ -37,10 +37,12 @@ class DFlashAttention(AttentionProjections):
     def forward(self, h, cos, sin, context: Context, batch: Batch, cache: KVCache):
         q, k, v = self.qkv(h, cos, sin)
         # keys: the row's context (cache.context) plus the block's own transient k/v right
-        # after it; full layers are non-causal, sliding layers causal with a window
+        # after it; full layers are non-causal, sliding layers causal with a window. The rows
+        # after a plain cache's context are dead (the next verify rewrites them), so FA3 may
+        # append the block there; a draft window's rows are a ring stored twice.
         out = paged_block_attention(q, *cache.keys(self.layer_idx), context.slots, context.ctx_len, context.q_start,
                                     k, v, causal=self.window is not None, window=self.window, scale=self.scale,
-                                    max_keys=context.max_keys)
+                                    max_keys=context.max_keys, fa3_ok=not isinstance(cache, DraftWindowCache))
         return self.o_proj(out.flatten(2))
 
 

@@ -29,7 +29,7 @@ class Qwen3Attention(AttentionProjections):
         # keys: the slot's cache rows [0, start + num_tokens), the new ones included; causal
         out = paged_block_attention(q, cache.k[self.layer_idx], cache.v[self.layer_idx], slots, end, start,
                                     causal=True, scale=self.scale, max_keys=batch.max_end,
-                                    full_rows=batch.full_rows)
+                                    fa3_ok=batch.full_rows)
         return self.o_proj(out.flatten(2))
 
 

@@ -189,7 +189,7 @@ class GatedAttention(nn.Module):
         gate = qkv[..., :2 * d.q_size].unflatten(-1, (d.num_attention_heads, 2 * d.head_dim))[..., d.head_dim:]
         out = paged_block_attention(q.unflatten(0, (bs, T)), cache.k[self.cache_layer], cache.v[self.cache_layer],
                                     slots, end, start, causal=True, scale=self.scale, max_keys=batch.max_end,
-                                    full_rows=batch.full_rows)
+                                    fa3_ok=batch.full_rows)
         return self.o_proj(out.flatten(2) * torch.sigmoid(gate.flatten(2)))
 
 
