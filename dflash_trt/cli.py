@@ -17,7 +17,7 @@ from pathlib import Path
 
 import click
 
-from dflash_trt import __version__, fa3
+from dflash_trt import __version__
 from dflash_trt.config import preset_names, resolve_config
 from dflash_trt.errors import DFlashError
 
@@ -477,6 +477,7 @@ def bench(output_dir, random_weights, urls, compare_transformers, datasets, conc
     dflash-trt bench --url localhost:8001 --url http://localhost:9000   # gRPC vs the OpenAI API
     dflash-trt bench --random-weights qwen3-8b --stall-prompt 30000 --prefill-chunk-size 2048 --concurrency 8
     """
+    from dflash_trt import fa3
     from dflash_trt.benchmark import bench as bench_lib
 
     if output_dir is not None and random_weights is not None:
