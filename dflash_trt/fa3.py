@@ -6,7 +6,7 @@ every shape its CUDA graphs run, at one context, and FA3 then runs the shapes wh
 faster (BENCHMARKS.md, "Block attention kernel": ours is behind FA3 on most verify shapes).
 Both compute the same attention, so the choice changes rounding, never which keys a query
 sees. FA3 takes two kinds of call, where the caller allows it (paged_block_attention's
-`fa3`): the target's causal pass over its cache when every row is full (a decode step or a
+`fa3_ok`): the target's causal pass over its cache when every row is full (a decode step or a
 verify; FA3 aligns each row's causal mask to the end of its keys, wrong for a padded
 prefill row), and the drafter's non-causal block after its context (FA3 appends the block's
 K/V to the cache rows right after the context, which are dead: the next verify rewrites
