@@ -714,9 +714,11 @@ def gated_delta_recurrent_reference(q, k, v, g, beta, state_cache, snapshot_cach
 
 
 def gated_delta_recurrent(q, k, v, g, beta, state_cache, snapshot_cache, slots, start, num_tokens,
-                          out_dtype=torch.float32):
+                          out_dtype=torch.float32, outputs: bool = True):
     """One decode/verify pass of the gated delta rule, on the cache in place -> out [bs, T, Hv, dv]
-    fp32, or rounded to out_dtype (bf16/fp16: what the model casts it to, without a kernel more).
+    fp32, or rounded to out_dtype (bf16/fp16: what the model casts it to, without a kernel more);
+    with outputs False None (a commit's replay, which wants only the state: the kernel then
+    skips q and the outputs' arithmetic).
 
     q, k [bs, T, Hk, dk] (L2-normalised, q scaled); v [bs, T, Hv, dv]; g (log decay) and beta
     [bs, T, Hv]; state_cache [num_slots, Hv, dk, dv], one layer of HybridCache.state, read
@@ -755,8 +757,10 @@ def gated_delta_recurrent(q, k, v, g, beta, state_cache, snapshot_cache, slots, 
     aligned = all(t.data_ptr() % 16 == 0 for t in (q, k, v, state_cache) + ((snapshot_cache,) if NS else ()))
     if q.is_cuda and gated_delta_kernel_supports(dk, dv) and aligned and max(bs, Hv) <= GRID_LIMIT and \
             _plugins_loaded():
-        return torch.ops.dflash.gated_delta_recurrent(q, k, v, g, beta, state_cache, snapshot_cache, slots, start,
-                                                      num_tokens, out_dtype)
+        out = torch.ops.dflash.gated_delta_recurrent(q, k, v, g, beta, state_cache, snapshot_cache, slots, start,
+                                                     num_tokens, out_dtype, outputs)
+        return out if outputs else None
     _log_fallback("gated_delta_recurrent", q)
-    return gated_delta_recurrent_reference(q, k, v, g, beta, state_cache, snapshot_cache, slots, start, num_tokens,
-                                           out_dtype)
+    out = gated_delta_recurrent_reference(q, k, v, g, beta, state_cache, snapshot_cache, slots, start, num_tokens,
+                                          out_dtype)
+    return out if outputs else None

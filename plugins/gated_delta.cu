@@ -45,6 +45,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace dflash {
 namespace {
@@ -78,8 +79,10 @@ __device__ __forceinline__ void store_out4(const GatedDeltaParams& p, int64_t at
 
 // kRows: rows of S per lane, a power of two with dk <= 8 kRows; lanes hold rows r + 8 m for
 // m < dk / 8 (the same bound for every lane, so the guards never split a warp).
-template <int kRows>
-__global__ void __launch_bounds__(kMaxWarps * 32) gated_delta_kernel(GatedDeltaParams p) {
+// kOutputs false (out null): a commit's replay wants only the state, so q, k . q, S^T q and the
+// outputs are left out (a third of the token loop's arithmetic and its q staging).
+template <int kRows, bool kOutputs>
+__global__ void __launch_bounds__(kMaxWarps * 32, kOutputs || kRows > 16 ? 0 : 5) gated_delta_kernel(GatedDeltaParams p) {
   pdl_wait();
   pdl_allow_dependents();
   constexpr int kMaxDk = kRowLanes * kRows;
@@ -126,7 +129,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32) gated_delta_kernel(GatedDeltaP
       const int tt = i / dk4, e = i % dk4 * 4;
       const int64_t at = ((token0 + t0 + tt) * Hk + kh) * dk + e;
       *reinterpret_cast<float4*>(&k_s[tt][e]) = __ldg(reinterpret_cast<const float4*>(p.k + at));
-      *reinterpret_cast<float4*>(&q_s[tt][e]) = __ldg(reinterpret_cast<const float4*>(p.q + at));
+      if (kOutputs) *reinterpret_cast<float4*>(&q_s[tt][e]) = __ldg(reinterpret_cast<const float4*>(p.q + at));
     }
     const int cols4 = cta_cols / 4;
     for (int i = threadIdx.x; i < len * cols4; i += blockDim.x) {
@@ -147,16 +150,19 @@ __global__ void __launch_bounds__(kMaxWarps * 32) gated_delta_kernel(GatedDeltaP
 #pragma unroll
       for (int m = 0; m < kRows; ++m) {
         if (m < rows) {
-          const float km = k_s[tt][r + kRowLanes * m], qm = q_s[tt][r + kRowLanes * m];
+          const float km = k_s[tt][r + kRowLanes * m];
           sk[0] = fmaf(S[m].x, km, sk[0]);
           sk[1] = fmaf(S[m].y, km, sk[1]);
           sk[2] = fmaf(S[m].z, km, sk[2]);
           sk[3] = fmaf(S[m].w, km, sk[3]);
-          sq[0] = fmaf(S[m].x, qm, sq[0]);
-          sq[1] = fmaf(S[m].y, qm, sq[1]);
-          sq[2] = fmaf(S[m].z, qm, sq[2]);
-          sq[3] = fmaf(S[m].w, qm, sq[3]);
-          kq = fmaf(km, qm, kq);
+          if (kOutputs) {
+            const float qm = q_s[tt][r + kRowLanes * m];
+            sq[0] = fmaf(S[m].x, qm, sq[0]);
+            sq[1] = fmaf(S[m].y, qm, sq[1]);
+            sq[2] = fmaf(S[m].z, qm, sq[2]);
+            sq[3] = fmaf(S[m].w, qm, sq[3]);
+            kq = fmaf(km, qm, kq);
+          }
         }
       }
       // Sum over the 8 row lanes (lane bits 2..4); the xor butterfly leaves the same bits in
@@ -166,9 +172,9 @@ __global__ void __launch_bounds__(kMaxWarps * 32) gated_delta_kernel(GatedDeltaP
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           sk[e] += __shfl_xor_sync(0xffffffffu, sk[e], o);
-          sq[e] += __shfl_xor_sync(0xffffffffu, sq[e], o);
+          if (kOutputs) sq[e] += __shfl_xor_sync(0xffffffffu, sq[e], o);
         }
-        kq += __shfl_xor_sync(0xffffffffu, kq, o);
+        if (kOutputs) kq += __shfl_xor_sync(0xffffffffu, kq, o);
       }
       const float a = decay_s[tt], beta = beta_s[tt];
       const float4 v = load4(&v_s[tt][wcol]);
@@ -191,7 +197,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32) gated_delta_kernel(GatedDeltaP
       }
 
       const int64_t token = token0 + t0 + tt;
-      if (r == 0) store_out4(p, (token * Hv + h) * dv + col, out4[0], out4[1], out4[2], out4[3]);
+      if (kOutputs && r == 0) store_out4(p, (token * Hv + h) * dv + col, out4[0], out4[1], out4[2], out4[3]);
       const int j = t0 + tt + first_snapshot;
       if (j >= 0) {
         float* snapshot = p.snapshot_cache + ((slot * p.num_snapshots + j) * Hv + h) * head_size + col;
@@ -205,7 +211,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32) gated_delta_kernel(GatedDeltaP
   }
 
   // Padding tokens output zeros.
-  if (r == 0) {
+  if (kOutputs && r == 0) {
     for (int t = n; t < T; ++t) store_out4(p, ((token0 + t) * Hv + h) * dv + col, 0.0f, 0.0f, 0.0f, 0.0f);
   }
 }
@@ -472,18 +478,18 @@ const char* gated_delta_recurrent_check(const GatedDeltaParams& p) {
   if (p.num_snapshots < 0) return "num_snapshots must not be negative";
   if (p.batch == 0 || p.width == 0) return nullptr;  // nothing to read: empty tensors may have null data
   const bool snapshots = p.num_snapshots > 0;  // else snapshot_cache is never written and may be null
-  if (!p.q || !p.k || !p.v || !p.g || !p.beta || !p.state_cache || (snapshots && !p.snapshot_cache) || !p.slots ||
-      !p.start || !p.num_tokens || !p.out)
+  if ((p.out && !p.q) || !p.k || !p.v || !p.g || !p.beta || !p.state_cache || (snapshots && !p.snapshot_cache) ||
+      !p.slots || !p.start || !p.num_tokens)
     return "null pointer";
-  if (!aligned16(p.q) || !aligned16(p.k) || !aligned16(p.v) || !aligned16(p.state_cache) ||
-      (snapshots && !aligned16(p.snapshot_cache)) || !aligned16(p.out))
+  if ((p.out && (!aligned16(p.q) || !aligned16(p.out))) || !aligned16(p.k) || !aligned16(p.v) ||
+      !aligned16(p.state_cache) || (snapshots && !aligned16(p.snapshot_cache)))
     return "q, k, v, out and the caches must be 16-byte aligned";
   return nullptr;
 }
 
 cudaError_t gated_delta_recurrent_launch(const GatedDeltaParams& p, cudaStream_t stream) {
   if (gated_delta_recurrent_check(p) != nullptr) return cudaErrorInvalidValue;
-  if (p.batch == 0 || p.width == 0) return cudaSuccess;
+  if (p.batch == 0 || p.width == 0 || (p.out == nullptr && p.num_snapshots == 0)) return cudaSuccess;
   if (outputs_form_runs(p)) {
     const dim3 grid(p.value_dim / kOutCols, p.num_v_heads, p.batch);
     return pdl_launch(gated_delta_outputs_kernel, grid, dim3(kOutThreads), 0, stream, true, p);
@@ -492,11 +498,15 @@ cudaError_t gated_delta_recurrent_launch(const GatedDeltaParams& p, cudaStream_t
   const dim3 grid(p.value_dim / (kWarpCols * warps), p.num_v_heads, p.batch);
   const dim3 block(32 * warps);
   const int rows = p.key_dim / kRowLanes;  // 2 .. 32
-  const auto kernel = rows <= 2    ? gated_delta_kernel<2>
-                      : rows <= 4  ? gated_delta_kernel<4>
-                      : rows <= 8  ? gated_delta_kernel<8>
-                      : rows <= 16 ? gated_delta_kernel<16>
-                                   : gated_delta_kernel<32>;
+  const auto pick = [&](auto outputs) {
+    constexpr bool kOut = decltype(outputs)::value;
+    return rows <= 2    ? gated_delta_kernel<2, kOut>
+           : rows <= 4  ? gated_delta_kernel<4, kOut>
+           : rows <= 8  ? gated_delta_kernel<8, kOut>
+           : rows <= 16 ? gated_delta_kernel<16, kOut>
+                        : gated_delta_kernel<32, kOut>;
+  };
+  const auto kernel = p.out != nullptr ? pick(std::true_type{}) : pick(std::false_type{});
   return pdl_launch(kernel, grid, block, 0, stream, true, p);
 }
 

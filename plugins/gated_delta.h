@@ -63,7 +63,7 @@ struct GatedDeltaParams {
   const int32_t* start = nullptr;      // [bs] device: 0 starts from zeros
   const int32_t* num_tokens = nullptr; // [bs] device: real tokens of the row, in [0, T]
   DType out_dtype = DType::kFloat32;  // of out: fp32, or rounded to bf16 / fp16 (what the model casts to)
-  void* out = nullptr;         // [bs, T, Hv, dv]
+  void* out = nullptr;         // [bs, T, Hv, dv], or null: no outputs, q unread (a commit's replay)
 };
 
 // Non-null when the parameters are unsupported (the message says why).

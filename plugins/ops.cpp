@@ -454,7 +454,7 @@ at::Tensor gated_delta_recurrent_cuda(const at::Tensor& q, const at::Tensor& k, 
                                       const at::Tensor& g, const at::Tensor& beta, const at::Tensor& state_cache,
                                       const at::Tensor& snapshot_cache, const at::Tensor& slots,
                                       const at::Tensor& start, const at::Tensor& num_tokens,
-                                      std::optional<at::ScalarType> out_dtype) {
+                                      std::optional<at::ScalarType> out_dtype, bool outputs) {
   TORCH_CHECK(q.is_cuda(), "q must be a CUDA tensor");
   TORCH_CHECK(q.dim() == 4, "q must be [bs, T, Hk, dk], got ", q.sizes());
   TORCH_CHECK(v.dim() == 4, "v must be [bs, T, Hv, dv], got ", v.sizes());
@@ -477,7 +477,8 @@ at::Tensor gated_delta_recurrent_cuda(const at::Tensor& q, const at::Tensor& k, 
   const std::optional<dflash::DType> out_kind = attention_dtype(out_type);
   TORCH_CHECK(out_kind.has_value(), "gated_delta_recurrent: out_dtype must be fp32, bf16 or fp16, got ", out_type);
   const c10::cuda::CUDAGuard guard(q.device());
-  auto out = at::empty({bs, T, Hv, dv}, q.options().dtype(out_type));
+  // without outputs (a commit's replay) an empty tensor: the kernel writes only the state
+  auto out = at::empty({outputs ? bs : 0, T, Hv, dv}, q.options().dtype(out_type));
 
   dflash::GatedDeltaParams p;
   p.out_dtype = *out_kind;
@@ -498,7 +499,7 @@ at::Tensor gated_delta_recurrent_cuda(const at::Tensor& q, const at::Tensor& k, 
   p.slots = slots.data_ptr<int32_t>();
   p.start = start.data_ptr<int32_t>();
   p.num_tokens = num_tokens.data_ptr<int32_t>();
-  p.out = out.data_ptr();
+  p.out = outputs ? out.data_ptr() : nullptr;
   if (const char* why = dflash::gated_delta_recurrent_check(p)) TORCH_CHECK(false, "gated_delta_recurrent: ", why);
   check_launch(dflash::gated_delta_recurrent_launch(p, c10::cuda::getCurrentCUDAStream().stream()),
                "gated_delta_recurrent");
@@ -587,8 +588,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_del
 
 at::Tensor gated_delta_recurrent_meta(const at::Tensor& q, const at::Tensor&, const at::Tensor& v, const at::Tensor&,
                                       const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                      const at::Tensor&, const at::Tensor&, std::optional<at::ScalarType> out_dtype) {
-  return at::empty({q.size(0), q.size(1), v.size(2), v.size(3)}, v.options().dtype(out_dtype.value_or(at::kFloat)));
+                                      const at::Tensor&, const at::Tensor&, std::optional<at::ScalarType> out_dtype,
+                                      bool outputs) {
+  return at::empty({outputs ? q.size(0) : 0, q.size(1), v.size(2), v.size(3)},
+                   v.options().dtype(out_dtype.value_or(at::kFloat)));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -778,8 +781,8 @@ TORCH_LIBRARY(dflash, m) {
       "Tensor start, Tensor? num_tokens=None) -> Tensor");
   m.def(
       "gated_delta_recurrent(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor state_cache, "
-      "Tensor(a!) snapshot_cache, Tensor slots, Tensor start, Tensor num_tokens, ScalarType? out_dtype=None) "
-      "-> Tensor");
+      "Tensor(a!) snapshot_cache, Tensor slots, Tensor start, Tensor num_tokens, ScalarType? out_dtype=None, "
+      "bool outputs=True) -> Tensor");
   m.def(
       "gated_delta_prepare(Tensor qkv, Tensor a, Tensor b, Tensor neg_a, Tensor dt_bias, int num_k_heads, "
       "int key_dim, int value_dim, float eps, float q_scale) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");

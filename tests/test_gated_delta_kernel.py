@@ -172,6 +172,21 @@ def test_replaying_the_kept_tokens_in_place_gives_the_snapshot_of_that_prefix(de
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("dk", [32, 128])
+def test_a_replay_without_outputs_leaves_the_state_a_replay_with_them_leaves(device, dk):
+    """Commit asks for no outputs (models/qwen3_5.py): the kernel then skips q and the
+    outputs' arithmetic, and the state is the same bit for bit (the same k-side sums)."""
+    kept = [16, 1, 0, 9, 3, 12]
+    case = make_case(6, 16, 2, 4, dk, 32, 1, kept, [3, 0, 9, 1, 0, 4], device=device)
+    with_out = {**case, "state_cache": case["state_cache"].clone()}
+    with_out["snapshot_cache"] = with_out["state_cache"].unsqueeze(1)
+    case["snapshot_cache"] = case["state_cache"].unsqueeze(1)
+    assert gated_delta_recurrent(**with_out).shape == (6, 16, 4, 32)
+    assert gated_delta_recurrent(**case, outputs=False) is None
+    assert torch.equal(case["state_cache"], with_out["state_cache"])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_a_row_without_tokens_writes_nothing_even_on_a_slot_another_row_writes(device):
     """Commit's replay over every layer at once gives rows it does not use no tokens; they
     may share a slot with a row that writes it, which must keep that row's write."""

@@ -371,9 +371,8 @@ class Qwen3_5ForCausalLM(nn.Module):
                 f"asked to keep {kept.tolist()} of {batch.num_tokens.tolist()}")
             return
         num_committed = torch.as_tensor(num_committed, device=batch.slots.device)  # a host list: one copy
-        # (the kernel also writes the replayed tokens' outputs, unused: bf16, the cheapest)
         replay = cache.all_replay_inputs(batch.slots.shape[0])
-        gated_delta_recurrent(*replay, *cache.all_layer_rows(batch, num_committed), out_dtype=torch.bfloat16)
+        gated_delta_recurrent(*replay, *cache.all_layer_rows(batch, num_committed), outputs=False)
         dropped = batch.num_tokens - num_committed  # 0 <= dropped < num_tokens, by the engine
         cache.conv[:, batch.slots] = cache.conv_snapshots[:, batch.slots, S - 1 - dropped]
 
