@@ -15,6 +15,8 @@
 #   bash bench/gpu_check.sh flashinfer # the block attention table with its FlashInfer column
 #   bash bench/gpu_check.sh fa3        # the block attention table with its FlashAttention-3 column
 #                                      # (carry .gpu/fa3: fa3-fwd 0.0.3, FA3's forward for torch 2.10+)
+#   bash bench/gpu_check.sh fa3-engine # the engine's FA3 choice per shape; 8B and 9B benches without / with it
+#   bash bench/gpu_check.sh burst      # the 9B's prefill of 32 GSM8K prompts admitted at once, profiled
 #   bash bench/gpu_check.sh splits     # the causal attention table per forced key-split count, uniform
 #                                      # and ragged batches
 #   bash bench/gpu_check.sh moe        # build the plugins, the MoE op's GPU tests, its microbenchmark
@@ -47,7 +49,7 @@
 # The machine has no `unzip`: zips are opened with `python3 -m zipfile`, which drops the
 # executable bits, so they are set again.
 set -u
-usage="usage: gpu_check.sh STAGE... (tests hybrid benches roofline bench8b overlap identity triton window flashinfer splits moe moe-models moe-bench moe-split draft-vocab prefill stall fa3 demo-target demo-drafter demo-eval)"
+usage="usage: gpu_check.sh STAGE... (tests hybrid benches roofline bench8b overlap identity triton window flashinfer splits moe moe-models moe-bench moe-split draft-vocab prefill stall fa3 fa3-engine burst demo-target demo-drafter demo-eval)"
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
@@ -100,6 +102,24 @@ roofline)
 fa3)
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/fa3/*.whl
   step fa3 500 python3 bench/kernels.py --json "$OUT/attention_fa3.json"
+  ;;
+fa3-engine)
+  # the engine's backend choice per shape and context, then the 8B and 9B benches without and
+  # with the wheel (installed apart, so that the first pair runs without it)
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fa3 .gpu/fa3/*.whl
+  PYTHONPATH=/tmp/site:/tmp/fa3 step fa3-choice 120 python3 bench/kernels.py --fa3-choice --json "$OUT/fa3_choice.json"
+  for fa in none fa3; do
+    [ $fa = fa3 ] && path=/tmp/site:/tmp/fa3 || path=/tmp/site
+    PYTHONPATH=$path step "bench8b-$fa" 250 dflash-trt bench --random-weights qwen3-8b --oracle-tau 6.5 --dataset gsm8k \
+      --num-prompts 32 --max-tokens 256 --concurrency 1,32 --json "$OUT/bench8b_$fa.json"
+    PYTHONPATH=$path step "bench9b-$fa" 250 dflash-trt bench --random-weights qwen3.5-9b --oracle-tau 7 --dataset gsm8k \
+      --num-prompts 32 --max-tokens 128 --concurrency 1,32 --json "$OUT/bench9b_$fa.json"
+  done
+  ;;
+burst)
+  # the step that admits 32 GSM8K prompts at once, broken down (BENCHMARKS.md, "Prefill of a burst")
+  step burst9b 150 python3 bench/profile_step.py --preset qwen3.5-9b --batch 1 --prefill-burst gsm8k:32 \
+    --json "$OUT/prefill_burst_9b.json"
   ;;
 prefill)
   step prefill9b 200 python3 bench/profile_step.py --preset qwen3.5-9b --batch 1 --prefill 128,256,512,1024 \
