@@ -86,6 +86,7 @@ def test_fa3_computes_the_drafters_block_attention_and_writes_the_block_after_th
 @needs_fa3
 def test_fa3_runs_only_where_chosen_and_only_the_kinds_it_computes_as_ours():
     q, k_cache, v_cache, slots, end, start = cache_case(2, 8)
+    ours = paged_block_attention(q, k_cache, v_cache, slots, end, start, causal=True, scale=0.1)
     fa3.use({shape(2, 8), fa3.Shape(2, 8, 32, 8, 128, causal=False)})
     assert fa3.runs(q, k_cache, causal=True, window=0, block=False)
     assert fa3.runs(q, k_cache, causal=False, window=0, block=True)
@@ -93,8 +94,10 @@ def test_fa3_runs_only_where_chosen_and_only_the_kinds_it_computes_as_ours():
     assert not fa3.runs(q, k_cache, causal=False, window=0, block=False)
     assert not fa3.runs(q, k_cache, causal=True, window=128, block=False)  # a sliding window
     assert not fa3.runs(q[:1], k_cache, causal=True, window=0, block=False)  # a shape not chosen
-    ours = paged_block_attention(q, k_cache, v_cache, slots, end, start, causal=True, scale=0.1)
+    # a chosen shape still runs ours unless the caller allows FA3 (a padded prefill does not)
     assert torch.equal(paged_block_attention(q, k_cache, v_cache, slots, end, start, causal=True, scale=0.1), ours)
+    assert not torch.equal(paged_block_attention(q, k_cache, v_cache, slots, end, start, causal=True, scale=0.1,
+                                                 fa3_ok=True), ours)
 
 
 @pytest.mark.cuda
