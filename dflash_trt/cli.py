@@ -510,10 +510,9 @@ def bench(output_dir, random_weights, urls, compare_transformers, datasets, conc
     click.echo(bench_lib.format_report(report))
     if json_file:
         engine = str(output_dir) if output_dir else f"random:{random_weights}" if random_weights else None
+        fa3_shapes = sorted((s.rows, s.tokens, "target" if s.causal else "drafter") for s in fa3.chosen())
         json_file.write_text(bench_lib.report_to_json(report, engine=engine, urls=list(urls), max_tokens=max_tokens,
-                                                      gpu=bench_lib.device_name(loaded),
-                                                      fa3_shapes=sorted((s.rows, s.tokens) for s in fa3.chosen()))
-                             + "\n")
+                                                      gpu=bench_lib.device_name(loaded), fa3_shapes=fa3_shapes) + "\n")
 
 
 def main():  # pragma: no cover - `python -m dflash_trt`
