@@ -202,6 +202,9 @@ def _ints(ctx, param, value):
 @click.option("--resume", is_flag=True, help="Continue the run whose checkpoint OUTPUT holds.")
 @click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True,
               help="Processes (one per GPU; gloo on the CPU), data-parallel. torchrun works too.")
+@click.option("--shard-target", is_flag=True,
+              help="Shard the frozen target's layers over the processes (FSDP), for a target one device cannot "
+                   "hold; its data generation and evaluation then run on every process in lockstep.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]))
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--chat/--no-chat", default=True, show_default=True, help="Prompts through the chat template.")
@@ -215,12 +218,13 @@ def _ints(ctx, param, value):
 def train(target, source, output, block_size, draft_layers, target_layer_ids, mask_token_id, sliding_layers,
           sliding_window, intermediate_size, steps, batch_size, max_length, num_anchors, lr, warmup, decay,
           checkpoint_every, log_every, eval_prompts, eval_max_tokens, eval_temperature, init_from, resume, nproc,
-          device, seed, chat, thinking, response_tokens, response_temperature, num_prompts, generate_batch):
+          shard_target, device, seed, chat, thinking, response_tokens, response_temperature, num_prompts, generate_batch):
     """Train a DFlash drafter for a target on responses the target writes itself.
 
     \b
     dflash-trt train --target models/Qwen3-4B --data prompts.jsonl -o drafters/q4 --steps 4000
     dflash-trt train --target out/t --data out/d/data -o out/d --resume   # after a stop or a kill
+    dflash-trt train --target models/Qwen3.6-35B-A3B --data prompts.jsonl -o drafters/q36 --nproc 8 --shard-target
     """
     from dflash_trt.training.drafter_files import DrafterShape
     from dflash_trt.training.trainer import DataConfig, TrainConfig, train_processes
@@ -228,7 +232,7 @@ def train(target, source, output, block_size, draft_layers, target_layer_ids, ma
 
     kwargs = dict(
         target_dir=target, source=source, out_dir=output, init_from=init_from, resume=resume, device=device,
-        temperatures=eval_temperature or (0.0,), progress=_progress,
+        temperatures=eval_temperature or (0.0,), shard_target=shard_target, progress=_progress,
         shape=DrafterShape(block_size, draft_layers, target_layer_ids, mask_token_id, sliding_window, sliding_layers,
                            intermediate_size),
         cfg=TrainConfig(steps=steps, batch_size=batch_size, max_length=max_length, num_anchors=num_anchors, lr=lr,

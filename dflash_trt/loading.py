@@ -65,27 +65,45 @@ def check_weights_fit(model: torch.nn.Module, device: torch.device) -> None:
             "free: shard it over several GPUs (build --tensor-parallel N)")
 
 
-def _build(model_cls, config, checkpoint: Checkpoint, device, dtype, prefixes=("",), group=None):
+def _build(model_cls, config, checkpoint: Checkpoint, device, dtype, prefixes=("",), group=None, fsdp=None):
     """The model with its weights; with a tensor-parallel `group`, this rank's shard, read
-    tensor by tensor (parallel.plan), never the whole model."""
-    if group is None:
+    tensor by tensor (parallel.plan), never the whole model; with an `fsdp` device mesh, each
+    decoder layer's weights sharded over it (shard_layers), read the same way."""
+    if group is None and fsdp is None:
         model = empty_model(model_cls, config, device, dtype)
         load_weights(model, checkpoint, prefixes)
         return model.eval()
     with torch.device("meta"):
         model = model_cls(config).to(dtype)
+    if fsdp is not None:
+        shard_layers(model, fsdp)
+        model = model.to_empty(device=device)
     if hasattr(model, "tie_weights"):
         model.tie_weights()
-    load_weights(model, checkpoint, prefixes, cuts=parallel.plan(model, group), device=device)
+    load_weights(model, checkpoint, prefixes, cuts=parallel.plan(model, group) if group else None, device=device)
     if hasattr(model, "tie_weights"):
-        model.tie_weights()  # the embedding's new shard, into the LM head as well
+        model.tie_weights()  # a tensor-parallel embedding's new shard, into the LM head as well
     return model.eval()
 
 
-def load_target(directory: Path, device="cpu", dtype=torch.float32, group=None) -> Qwen3ForCausalLM:
-    """`group`: a tensor-parallel rank's (parallel.Group), for its shard only."""
+def load_target(directory: Path, device="cpu", dtype=torch.float32, group=None, fsdp=None) -> Qwen3ForCausalLM:
+    """`group`: a tensor-parallel rank's (parallel.Group), for its shard only. `fsdp`: a device
+    mesh to shard the decoder layers over (training a drafter for a target one device cannot
+    hold)."""
     config = load_target_config(directory)
-    return _build(target_class(config.model_type), config, Checkpoint(directory), device, dtype, group=group)
+    return _build(target_class(config.model_type), config, Checkpoint(directory), device, dtype, group=group,
+                  fsdp=fsdp)
+
+
+def shard_layers(model: torch.nn.Module, mesh) -> None:
+    """FSDP (fully_shard) over each decoder layer of `model`: every rank keeps 1/N of a layer's
+    weights and gathers the whole layer for its forward only, so every rank must run the same
+    passes in the same order. The embedding, final norm and LM head stay whole on every rank:
+    a drafter borrows them, and they are a small part of a large target."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
 
 
 def load_drafter(directory: Path, target: Qwen3ForCausalLM, device="cpu", dtype=torch.float32,

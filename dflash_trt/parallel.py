@@ -343,40 +343,46 @@ class Leader(Engine):
         if not params.greedy and params.seed is None:  # every rank must draw the same numbers
             params = dataclasses.replace(params, seed=int(torch.randint(0, 2**62, ()).item()))
         seq = super().add_request(prompt_ids, params)  # a bad request raises before any rank hears of it
-        _broadcast(("add_request", (list(prompt_ids), params)))
+        broadcast(("add_request", (list(prompt_ids), params)))
         return seq
 
     def abort(self, seq) -> None:
-        _broadcast(("abort", seq.request_id))
+        broadcast(("abort", seq.request_id))
         super().abort(seq)
 
     def step(self):
-        _broadcast(("step", None))
+        broadcast(("step", None))
         return super().step()
 
     def set_mode(self, mode: str) -> None:
         super().set_mode(mode)
-        _broadcast(("set_mode", mode))
+        broadcast(("set_mode", mode))
 
     def warm_up(self) -> None:
-        _broadcast(("warm_up", None))
+        broadcast(("warm_up", None))
         super().warm_up()
 
     def sibling(self, **changes) -> "Leader":
-        _broadcast(("sibling", changes))  # the followers' engine becomes its sibling too
+        broadcast(("sibling", changes))  # the followers' engine becomes its sibling too
         return super().sibling(**changes)
 
     def set_oracle(self, oracle) -> None:
-        _broadcast(("set_oracle", oracle))  # pickled: references, the draw (its RNG unused yet), forced
+        broadcast(("set_oracle", oracle))  # pickled: references, the draw (its RNG unused yet), forced
         super().set_oracle(oracle)
+
+    def release(self) -> None:
+        """End the followers' `follow` loops (serving never does: they end with the leader)."""
+        broadcast(("stop", None))
 
 
 def follow(engine: Engine) -> None:
-    """Repeat the leader's calls on this rank's engine, for as long as the leader lives (a
-    follower ends with it: launch_followers)."""
+    """Repeat the leader's calls on this rank's engine until it releases them, or for as long
+    as the leader lives (a follower ends with it: launch_followers)."""
     seqs = {}
     while True:
-        op, arg = _broadcast(None)
+        op, arg = broadcast(None)
+        if op == "stop":
+            return
         if op == "add_request":
             seq = engine.add_request(*arg)
             seqs[seq.request_id] = seq
@@ -397,7 +403,8 @@ def follow(engine: Engine) -> None:
             engine.set_oracle(arg)
 
 
-def _broadcast(message):
+def broadcast(message):
+    """Rank 0's `message` (any picklable object), on every rank."""
     box = [message]
     dist.broadcast_object_list(box, src=0)
     return box[0]

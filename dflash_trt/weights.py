@@ -158,7 +158,18 @@ def load_weights(model: nn.Module, checkpoint: Checkpoint, prefixes: tuple[str, 
             set_parameter(model, param_name, cuts.get(param_name, lambda t: t)(tensor).to(device, param.dtype))
             continue
         with torch.no_grad():
-            param.copy_(tensor)
+            param.copy_(_own_part(param, tensor))
+
+
+def _own_part(param: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` as `param` holds it: for a parameter sharded by FSDP (a DTensor), this rank's
+    part of it, cut here from the whole tensor every rank read (no communication)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(param, DTensor):
+        return tensor
+    return distribute_tensor(tensor.to(param.device, param.dtype), param.device_mesh, param.placements,
+                             src_data_rank=None)
 
 
 def set_parameter(model: nn.Module, name: str, tensor: torch.Tensor) -> None:

@@ -2,7 +2,10 @@
 
 One process per device; with several (torchrun, or `train --nproc N`) the drafter is wrapped
 in DistributedDataParallel and rank r takes every N-th batch. The frozen target computes its
-tapped hidden states online for each batch (nothing is dumped to disk). A checkpoint holds the
+tapped hidden states online for each batch (nothing is dumped to disk). A target one device
+cannot hold is sharded over the ranks (`shard_target`: FSDP over its decoder layers,
+loading.shard_layers); the engine that writes the data and evaluates the drafter then runs on
+every rank in lockstep (lockstep_engine). A checkpoint holds the
 drafter, the optimizer, the step and the data cursor; resuming from it continues the same run
 (`tests/test_train.py` checks a resumed run ends with the uninterrupted run's weights).
 """
@@ -23,6 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
+from dflash_trt import parallel
 from dflash_trt.config import read_json
 from dflash_trt.engine import Engine
 from dflash_trt.errors import ConfigError
@@ -103,24 +107,55 @@ def _target_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def prepare_data(conversations: list[list[dict]], target_dir: Path, out_dir: Path, cfg: DataConfig,
-                 device: torch.device, progress=print) -> Path:
+def _mesh(device: torch.device, world: int):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device.type, (world,))
+
+
+def lockstep_engine(target, drafter, rank: int, mesh, **kwargs) -> Engine | None:
+    """An engine over `target`. Over an FSDP-sharded target (`mesh`) every rank must run the
+    same passes: rank 0's engine is a parallel.Leader, built with rank 0's kwargs, whose calls
+    the other ranks repeat on their own (parallel.follow) until it releases them; they get None."""
+    if mesh is None:
+        return Engine(target, drafter, **kwargs)
+    # eager passes: FSDP gathers each layer on streams of its own, outside any CUDA graph
+    kwargs = parallel.broadcast({**kwargs, "cuda_graphs": False} if rank == 0 else None)
+    if rank == 0:
+        return parallel.Leader(target, drafter, **kwargs)
+    parallel.follow(Engine(target, drafter, **kwargs))
+    return None
+
+
+def prepare_data(conversations: list[list[dict]] | None, target_dir: Path, out_dir: Path, cfg: DataConfig,
+                 device: torch.device, progress=print, rank: int = 0, mesh=None) -> Path:
     """The target's responses to `conversations`, generated once into out_dir/data as a token
-    dataset (a resumed run finds it there)."""
+    dataset (a resumed run finds it there). Over a sharded target (`mesh`) every rank calls
+    this; rank 0's conversations are the ones."""
     where = out_dir / DATA
-    if (where / data.INDEX_FILE).is_file():
+    reuse = (where / data.INDEX_FILE).is_file()
+    if mesh is not None:
+        reuse = parallel.broadcast(reuse if rank == 0 else None)
+    if reuse:
         progress(f"data: reusing {where}")
+        return where
+    target = load_target(target_dir, device, _target_dtype(device), fsdp=mesh)
+    if rank != 0:
+        lockstep_engine(target, None, rank, mesh)
         return where
     tokenizer = Tokenizer.from_dir(target_dir)
     prompts = [data.encode_conversation(tokenizer, c, cfg.chat, cfg.thinking) for c in conversations[:cfg.limit]]
-    target = load_target(target_dir, device, _target_dtype(device))
     longest = max(map(len, prompts)) + cfg.max_tokens
-    engine = Engine(target, max_batch_size=cfg.generate_batch, max_seq_len=longest)
-    engine.warm_up()
+    engine = lockstep_engine(target, None, rank, mesh, max_batch_size=cfg.generate_batch, max_seq_len=longest)
     params = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature, seed=0)
     start = time.perf_counter()
-    data.generate_responses(engine, prompts, params, where,
-                            lambda done, total: progress(f"data: {done}/{total} responses"))
+    try:
+        engine.warm_up()
+        data.generate_responses(engine, prompts, params, where,
+                                lambda done, total: progress(f"data: {done}/{total} responses"))
+    finally:
+        if mesh is not None:
+            engine.release()
     made = data.TokenDataset(where)
     progress(f"data: {len(made)} sequences, {made.num_response_tokens()} response tokens in "
              f"{time.perf_counter() - start:.0f} s -> {where}")
@@ -163,10 +198,11 @@ class _Window:
 
 class Trainer:
     def __init__(self, target_dir: Path, dataset: data.TokenDataset, out_dir: Path, cfg: TrainConfig,
-                 device: torch.device, rank: int = 0, world: int = 1, progress=print):
+                 device: torch.device, rank: int = 0, world: int = 1, progress=print, shard_target: bool = False):
         self.cfg, self.out_dir, self.device, self.rank, self.world = cfg, out_dir, device, rank, world
         self.progress = progress if rank == 0 else (lambda *_: None)
-        self.target = load_target(target_dir, device, _target_dtype(device))
+        self.mesh = _mesh(device, world) if shard_target else None
+        self.target = load_target(target_dir, device, _target_dtype(device), fsdp=self.mesh)
         self.target.requires_grad_(False)
         self.drafter = load_drafter(out_dir, self.target, device, torch.float32)  # fp32 master weights
         self.drafter.requires_grad_(True)
@@ -268,7 +304,8 @@ class Trainer:
     # -- the closing evaluation ---------------------------------------------------------
 
     def evaluate(self, temperatures: tuple[float, ...] = (0.0,)) -> dict:
-        """Real acceptance of the written drafter on the held-out prompts, through the engine."""
+        """Real acceptance of the written drafter on the held-out prompts, through the engine
+        (over a sharded target every rank calls this; rank 0 gets the report)."""
         prompts = [list(map(int, self.dataset[i][0][:self.dataset[i][1]]))
                    for i in range(self.train_size, len(self.dataset))]
         if not prompts:
@@ -276,26 +313,39 @@ class Trainer:
         target = self.target  # the written drafter in the target's dtype, as `build` would pair them
         drafter = load_drafter(self.out_dir, target, self.device, target.lm_head.weight.dtype)
         longest = max(map(len, prompts)) + self.cfg.eval_max_tokens
-        engine = Engine(target, drafter, max_batch_size=min(16, len(prompts)), max_seq_len=longest)
-        engine.warm_up()
+        engine = lockstep_engine(target, drafter, self.rank, self.mesh, max_batch_size=min(16, len(prompts)),
+                                 max_seq_len=longest)
+        if engine is None:
+            return {}
         report = {"prompts": len(prompts), "block_size": drafter.config.block_size}
-        for temperature in temperatures:
-            params = [SamplingParams(max_tokens=self.cfg.eval_max_tokens, temperature=temperature, seed=i)
-                      for i in range(len(prompts))]
-            results = engine.generate(prompts, params, mode="dflash")
-            report[f"temperature_{temperature:g}"] = acceptance_summary([r.stats for r in results],
-                                                                        drafter.config.block_size)
+        try:
+            engine.warm_up()
+            for temperature in temperatures:
+                params = [SamplingParams(max_tokens=self.cfg.eval_max_tokens, temperature=temperature, seed=i)
+                          for i in range(len(prompts))]
+                results = engine.generate(prompts, params, mode="dflash")
+                report[f"temperature_{temperature:g}"] = acceptance_summary([r.stats for r in results],
+                                                                            drafter.config.block_size)
+        finally:
+            if self.mesh is not None:
+                engine.release()
         return report
 
 
 def train(target_dir: Path, source: str, out_dir: Path, *, shape: DrafterShape = DrafterShape(),
           cfg: TrainConfig = TrainConfig(), data_cfg: DataConfig = DataConfig(), init_from: Path | None = None,
           resume: bool = False, device: str | None = None, temperatures: tuple[float, ...] = (0.0,),
-          progress=print) -> dict:
-    """Train a drafter for the target into out_dir (z-lab layout); returns the evaluation."""
+          shard_target: bool = False, progress=print) -> dict:
+    """Train a drafter for the target into out_dir (z-lab layout); returns the evaluation.
+    `shard_target`: FSDP over the ranks for a target one device cannot hold."""
     rank, world = _distributed()
+    if shard_target and world == 1:
+        raise ConfigError("shard_target shards the target over several processes: train with --nproc N (N > 1) "
+                          "or under torchrun")
     dev = _device(rank, device)
     progress = progress if rank == 0 else (lambda *_: None)
+    mesh = _mesh(dev, world) if shard_target else None
+    given = conversations = start_from = None
     if rank == 0:
         if (out_dir / CHECKPOINT).is_file() and not resume:
             raise ConfigError(f"{out_dir} already holds a training run ({CHECKPOINT}): pass --resume to continue it, "
@@ -306,23 +356,31 @@ def train(target_dir: Path, source: str, out_dir: Path, *, shape: DrafterShape =
         conversations = None if given else data.read_conversations(source)  # read before anything is written
         start_from = None if resume else initial_drafter(target_dir, shape, init_from, cfg.seed)
         out_dir.mkdir(parents=True, exist_ok=True)
-        dataset_dir = given or prepare_data(conversations, target_dir, out_dir, data_cfg, dev, progress)
-        if start_from:
-            write_drafter(out_dir, *start_from, torch.float32)
-            (out_dir / LOG).unlink(missing_ok=True)
+    if mesh is not None:
+        given = parallel.broadcast(given)  # without one, every rank runs the engine that writes the data
+    dataset_dir = given
+    if dataset_dir is None and (rank == 0 or mesh is not None):
+        dataset_dir = prepare_data(conversations, target_dir, out_dir, data_cfg, dev, progress, rank, mesh)
+    if start_from:
+        write_drafter(out_dir, *start_from, torch.float32)
+        (out_dir / LOG).unlink(missing_ok=True)
     if world > 1:
-        shared = [dataset_dir if rank == 0 else None]
-        dist.broadcast_object_list(shared)
-        dataset_dir = shared[0]
-    trainer = Trainer(target_dir, data.TokenDataset(dataset_dir), out_dir, cfg, dev, rank, world, progress)
+        dataset_dir = parallel.broadcast(dataset_dir)
+    trainer = Trainer(target_dir, data.TokenDataset(dataset_dir), out_dir, cfg, dev, rank, world, progress,
+                      shard_target)
     if resume:
         trainer.restore()
     start = time.perf_counter()
     trainer.run()
-    if rank != 0 or trainer.stop_requested:
+    seconds = round(time.perf_counter() - start, 1)
+    if trainer.stop_requested:
         return {}
-    report = {"train_seconds": round(time.perf_counter() - start, 1), "steps": trainer.step,
-              **trainer.evaluate(temperatures)}
+    if mesh is not None:
+        dist.barrier()  # the drafter rank 0 wrote, before every rank reads it to evaluate in lockstep
+    evaluation = trainer.evaluate(temperatures) if rank == 0 or mesh is not None else {}
+    if rank != 0:
+        return {}
+    report = {"train_seconds": seconds, "steps": trainer.step, **evaluation}
     if dev.type == "cuda":
         report["peak_gpu_memory_gb"] = round(torch.cuda.max_memory_allocated(dev) / 1e9, 2)
     (out_dir / EVAL).write_text(json.dumps(report, indent=1) + "\n")
@@ -337,6 +395,7 @@ def _rank_main(rank: int, world: int, init: str, kwargs: dict) -> None:
         report = train(**kwargs)
         if rank == 0:
             kwargs["out_dir"].joinpath(f".{EVAL}.rank0").write_text(json.dumps(report))
+        dist.barrier()  # no rank tears the group down while another still talks to it
     finally:
         dist.destroy_process_group()
 
