@@ -1,6 +1,7 @@
 """Training drafters: the training forward is the inference drafter's, anchors and labels follow
 the recipe, a tiny drafter learns and `build` loads it, a killed run resumes to the same
-weights, and data-parallel ranks step with the averaged gradients of their halves."""
+weights, data-parallel ranks step with the averaged gradients of their halves, and a target
+sharded over the ranks (FSDP) computes what the whole one does."""
 
 import json
 import os
@@ -14,12 +15,16 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
+from torch.distributed.device_mesh import init_device_mesh
 
+from dflash_trt.engine import Engine
+from dflash_trt.fixtures import DEMO_DIR
 from dflash_trt.kv_cache import Batch
 from dflash_trt.loading import load_drafter, load_target
+from dflash_trt.sampling import SamplingParams
 from dflash_trt.training import data
 from dflash_trt.training.objective import IGNORE, Blocks, DraftObjective, attention_mask, block_inputs, sample_anchors
-from dflash_trt.training.trainer import TrainConfig, Trainer
+from dflash_trt.training.trainer import TrainConfig, Trainer, lockstep_engine
 
 SLIDING = dict(draft_layer_types=("sliding_attention", "full_attention"), sliding_window=3)
 
@@ -145,6 +150,8 @@ def test_bad_training_input_fails_by_name_and_leaves_no_run(make_pair, tmp_path)
     assert not (tmp_path / "d2").exists() and not (tmp_path / "d").exists()
     no_run = dflash_trt("train", "--target", pair.target, "--data", "gsm8k", "-o", tmp_path / "d3", "--resume")
     assert no_run.returncode == 1 and "no checkpoint to resume from" in no_run.stderr
+    alone = dflash_trt("train", "--target", pair.target, "--data", "gsm8k", "-o", tmp_path / "d4", "--shard-target")
+    assert alone.returncode == 1 and "--nproc N" in alone.stderr and not (tmp_path / "d4").exists()
 
 
 # no clipping: a rank clips the averaged gradient, one process would clip each half
@@ -186,3 +193,69 @@ def test_data_parallel_ranks_step_with_the_mean_of_their_halves_gradients(traine
         alone.drafter.load_state_dict(load_drafter(out, alone.target).state_dict())  # undo the step
     for name, g in ddp.items():
         torch.testing.assert_close(g, (grads[0][name] + grads[1][name]) / 2, rtol=1e-4, atol=1e-6)
+
+
+DEMO_TRAIN = ["--init-from", DEMO_DIR / "drafter", "--data", "gsm8k", "--num-prompts", 12, "--steps", 2, "--lr", 1e-6,
+              "--batch-size", 4, "--max-length", 320, "--num-anchors", 16, "--eval-prompts", 4,
+              "--eval-max-tokens", 32, "--response-tokens", 64, "--eval-temperature", 0, "--eval-temperature", 0.7,
+              "--nproc", 2]
+
+
+@pytest.mark.slow
+def test_a_target_sharded_over_the_ranks_writes_the_same_data_drafter_and_evaluation(tmp_path):
+    """FSDP changes where the target's weights live, not one number: the data its lockstep
+    engine writes, the drafter trained on its taps and the lockstep evaluation are the
+    unsharded run's (CPU, fp32). The demo pair, so that the evaluation accepts drafts."""
+    runs = {}
+    for name, extra in (("whole", []), ("sharded", ["--shard-target"])):
+        done = dflash_trt("train", "--target", DEMO_DIR / "target", *DEMO_TRAIN, *extra, "-o", tmp_path / name)
+        assert done.returncode == 0, done.stderr
+        runs[name] = tmp_path / name
+    whole, sharded = runs["whole"], runs["sharded"]
+    for name in ("tokens.bin", "index.json"):
+        assert (whole / "data" / name).read_bytes() == (sharded / "data" / name).read_bytes(), name
+    a, b = load_file(whole / "model.safetensors"), load_file(sharded / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    reports = [json.loads((run / "eval.json").read_text()) for run in (whole, sharded)]
+    for report in reports:
+        report.pop("train_seconds")
+    assert reports[0] == reports[1]
+    assert reports[1]["temperature_0"]["tau"] > 1.5 and reports[1]["temperature_0.7"]["verify_steps"] > 0
+
+
+def _sharded_rank(rank: int, world: int, init: str, pair, result: str) -> None:
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank))
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        target = load_target(pair.target, fsdp=mesh)
+        ids = torch.randint(0, 500, (1, 24), generator=torch.Generator().manual_seed(rank))  # each rank its own
+        taps = tapped(target, ids)
+        engine = lockstep_engine(target, load_drafter(pair.drafter, target), rank, mesh, max_batch_size=2,
+                                 max_seq_len=64)
+        outputs = None
+        if engine is not None:  # rank 0; the others followed until it released them
+            outputs = [r.token_ids for r in engine.generate([[1, 5, 9, 14], [3, 3, 8]], SamplingParams(max_tokens=12),
+                                                            mode="dflash")]
+            engine.release()
+        torch.save({"ids": ids, "taps": taps, "outputs": outputs}, f"{result}.{rank}")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", [dict(target_type="qwen3_5", num_experts=4), dict(num_experts=4)],
+                         ids=["qwen3_5_moe", "qwen3_moe"])
+def test_sharded_targets_tap_and_generate_as_the_whole_target(make_pair, no_tokenizer, spec, tmp_path):
+    pair = make_pair(**spec, **no_tokenizer)
+    mp.start_processes(_sharded_rank, args=(2, str(tmp_path / "init"), pair, str(tmp_path / "r")), nprocs=2,
+                       start_method="spawn")
+    target = load_target(pair.target)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"r.{rank}", weights_only=True)
+        assert torch.equal(got["taps"], tapped(target, got["ids"]))
+    engine = Engine(target, load_drafter(pair.drafter, target), max_batch_size=2, max_seq_len=64)
+    want = [r.token_ids for r in engine.generate([[1, 5, 9, 14], [3, 3, 8]], SamplingParams(max_tokens=12),
+                                                 mode="dflash")]
+    assert torch.load(tmp_path / "r.0", weights_only=True)["outputs"] == want
