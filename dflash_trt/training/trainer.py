@@ -1,13 +1,13 @@
 """`dflash-trt train`: data, the training loop, checkpoints and the closing evaluation.
 
-One process per device; with several (torchrun, or `train --nproc N`) the drafter is wrapped
-in DistributedDataParallel and rank r takes every N-th batch. The frozen target computes its
-tapped hidden states online for each batch (nothing is dumped to disk). A target one device
-cannot hold is sharded over the ranks (`shard_target`: FSDP over its decoder layers,
-loading.shard_layers); the engine that writes the data and evaluates the drafter then runs on
-every rank in lockstep (lockstep_engine). A checkpoint holds the
-drafter, the optimizer, the step and the data cursor; resuming from it continues the same run
-(`tests/test_train.py` checks a resumed run ends with the uninterrupted run's weights).
+One process per device; with several (torchrun, or `train --nproc N`) the drafter is wrapped in
+DistributedDataParallel and rank r takes every N-th batch. The frozen target computes its tapped
+hidden states online for each batch (nothing is dumped to disk). A target one device cannot hold
+is sharded over the ranks (`shard_target`: FSDP over its decoder layers, loading.shard_layers);
+the engine that writes the data and evaluates the drafter then runs on every rank in lockstep
+(lockstep_engine). A checkpoint holds the drafter, the optimizer, the step and the data cursor;
+resuming from it continues the same run (`tests/test_train.py` checks a resumed run ends with
+the uninterrupted run's weights).
 """
 
 from __future__ import annotations
@@ -198,10 +198,11 @@ class _Window:
 
 class Trainer:
     def __init__(self, target_dir: Path, dataset: data.TokenDataset, out_dir: Path, cfg: TrainConfig,
-                 device: torch.device, rank: int = 0, world: int = 1, progress=print, shard_target: bool = False):
+                 device: torch.device, rank: int = 0, world: int = 1, progress=print, mesh=None):
+        """`mesh`: the device mesh to shard the target over (FSDP), or None: whole on every rank."""
         self.cfg, self.out_dir, self.device, self.rank, self.world = cfg, out_dir, device, rank, world
         self.progress = progress if rank == 0 else (lambda *_: None)
-        self.mesh = _mesh(device, world) if shard_target else None
+        self.mesh = mesh
         self.target = load_target(target_dir, device, _target_dtype(device), fsdp=self.mesh)
         self.target.requires_grad_(False)
         self.drafter = load_drafter(out_dir, self.target, device, torch.float32)  # fp32 master weights
@@ -366,8 +367,7 @@ def train(target_dir: Path, source: str, out_dir: Path, *, shape: DrafterShape =
         (out_dir / LOG).unlink(missing_ok=True)
     if world > 1:
         dataset_dir = parallel.broadcast(dataset_dir)
-    trainer = Trainer(target_dir, data.TokenDataset(dataset_dir), out_dir, cfg, dev, rank, world, progress,
-                      shard_target)
+    trainer = Trainer(target_dir, data.TokenDataset(dataset_dir), out_dir, cfg, dev, rank, world, progress, mesh)
     if resume:
         trainer.restore()
     start = time.perf_counter()
