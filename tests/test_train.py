@@ -195,6 +195,23 @@ def test_data_parallel_ranks_step_with_the_mean_of_their_halves_gradients(traine
         torch.testing.assert_close(g, (grads[0][name] + grads[1][name]) / 2, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
+def test_data_answered_in_shares_over_the_ranks_is_the_one_process_data(make_pair, tmp_path):
+    """Each rank answers every second prompt (an odd count: unequal shares) and rank 0
+    interleaves the parts: sampled, each prompt's seed is its place in the whole dataset, so
+    the data is the one-process run's byte for byte."""
+    pair = make_pair()
+    args = ["--target", pair.target, "--data", "gsm8k", "--num-prompts", 11, "--response-tokens", 24,
+            "--response-temperature", 0.8, "--steps", 1, "--batch-size", 2, "--eval-prompts", 2, "--eval-max-tokens", 4]
+    for name, nproc in (("one", 1), ("two", 2)):
+        done = dflash_trt("train", *args, "--nproc", nproc, "-o", tmp_path / name)
+        assert done.returncode == 0, done.stderr
+    for name in ("tokens.bin", "index.json"):
+        assert (tmp_path / "one/data" / name).read_bytes() == (tmp_path / "two/data" / name).read_bytes(), name
+    assert len(data.TokenDataset(tmp_path / "two/data")) == 11
+    assert not list((tmp_path / "two").glob(".data-part*"))  # the parts are removed
+
+
 DEMO_TRAIN = ["--init-from", DEMO_DIR / "drafter", "--data", "gsm8k", "--num-prompts", 12, "--steps", 2, "--lr", 1e-6,
               "--batch-size", 4, "--max-length", 320, "--num-anchors", 16, "--eval-prompts", 4,
               "--eval-max-tokens", 32, "--response-tokens", 64, "--eval-temperature", 0, "--eval-temperature", 0.7,

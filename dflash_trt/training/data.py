@@ -57,20 +57,37 @@ def encode_conversation(tokenizer: Tokenizer, messages: list[dict], chat: bool, 
 
 
 def generate_responses(engine: Engine, prompts: list[list[int]], params: SamplingParams, directory: Path,
-                       progress=None, chunk: int = 256) -> None:
+                       progress=None) -> None:
     """Let the target answer every prompt (AR, batched by the engine) and write the prompt +
     response ids as a token dataset at `directory`."""
+    write_token_dataset(directory, respond(engine, prompts, params, range(len(prompts)), progress))
+
+
+def respond(engine: Engine, prompts: list[list[int]], params: SamplingParams, numbers,
+            progress=None, chunk: int = 256) -> list[tuple[list[int], int]]:
+    """(prompt + response ids, prompt length) for each prompt, answered by the engine (AR).
+    `numbers`: each prompt's place in the whole dataset; sampled, prompt number n draws with
+    seed params.seed + n, so the dataset depends neither on the batching nor on how the
+    prompts were split over processes."""
+    numbers = list(numbers)
     sequences: list[tuple[list[int], int]] = []
     for start in range(0, len(prompts), chunk):
         part = prompts[start:start + chunk]
-        # sampled: a seed per prompt, so the dataset does not depend on how it was batched
-        seeded = params if params.greedy else [dataclasses.replace(params, seed=(params.seed or 0) + start + i)
-                                               for i in range(len(part))]
+        seeded = params if params.greedy else [dataclasses.replace(params, seed=(params.seed or 0) + n)
+                                               for n in numbers[start:start + chunk]]
         for prompt, result in zip(part, engine.generate(part, seeded, mode="ar")):
             sequences.append((prompt + result.token_ids, len(prompt)))
         if progress:
             progress(len(sequences), len(prompts))
-    write_token_dataset(directory, sequences)
+    return sequences
+
+
+def interleave(parts: list["TokenDataset"]) -> list[tuple[np.ndarray, int]]:
+    """Sequence n of the whole dataset from the parts that took every len(parts)-th prompt
+    (part r: prompts r, r + N, ...): part n % N's sequence n // N."""
+    total = sum(map(len, parts))
+    return [(np.asarray(ids), prompt_len) for ids, prompt_len in
+            (parts[n % len(parts)][n // len(parts)] for n in range(total))]
 
 
 def write_token_dataset(directory: Path, sequences: list[tuple[list[int], int]]) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import tempfile
 import time
@@ -128,38 +129,61 @@ def lockstep_engine(target, drafter, rank: int, mesh, **kwargs) -> Engine | None
 
 
 def prepare_data(conversations: list[list[dict]] | None, target_dir: Path, out_dir: Path, cfg: DataConfig,
-                 device: torch.device, progress=print, rank: int = 0, mesh=None) -> Path:
+                 device: torch.device, progress=print, rank: int = 0, world: int = 1, mesh=None) -> Path:
     """The target's responses to `conversations`, generated once into out_dir/data as a token
-    dataset (a resumed run finds it there). Over a sharded target (`mesh`) every rank calls
-    this; rank 0's conversations are the ones."""
+    dataset (a resumed run finds it there). With several ranks every rank calls this: each
+    answers every world-th prompt and rank 0 puts the parts together; over a sharded target
+    (`mesh`), rank 0's engine answers every prompt (the others need no conversations) and the
+    other ranks run its passes in lockstep."""
     where = out_dir / DATA
     reuse = (where / data.INDEX_FILE).is_file()
-    if mesh is not None:
-        reuse = parallel.broadcast(reuse if rank == 0 else None)
+    if world > 1:
+        reuse = parallel.broadcast(reuse)
     if reuse:
         progress(f"data: reusing {where}")
         return where
-    target = load_target(target_dir, device, _target_dtype(device), fsdp=mesh)
-    if rank != 0:
-        lockstep_engine(target, None, rank, mesh)
-        return where
+    total = len(conversations[:cfg.limit]) if conversations is not None else 0
+    # the prompts this rank's engine answers: every world-th, or over a sharded target all on rank 0
+    numbers = range(rank, total, world) if mesh is None else range(total if rank == 0 else 0)
     tokenizer = Tokenizer.from_dir(target_dir)
-    prompts = [data.encode_conversation(tokenizer, c, cfg.chat, cfg.thinking) for c in conversations[:cfg.limit]]
-    longest = max(map(len, prompts)) + cfg.max_tokens
-    engine = lockstep_engine(target, None, rank, mesh, max_batch_size=cfg.generate_batch, max_seq_len=longest)
+    prompts = [data.encode_conversation(tokenizer, conversations[n], cfg.chat, cfg.thinking) for n in numbers]
+    target = load_target(target_dir, device, _target_dtype(device), fsdp=mesh)
     params = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature, seed=0)
+    split = f" (a share on each of {world} processes)" if world > 1 and mesh is None else ""
     start = time.perf_counter()
-    try:
-        engine.warm_up()
-        data.generate_responses(engine, prompts, params, where,
-                                lambda done, total: progress(f"data: {done}/{total} responses"))
-    finally:
-        if mesh is not None:
-            engine.release()
-    made = data.TokenDataset(where)
-    progress(f"data: {len(made)} sequences, {made.num_response_tokens()} response tokens in "
-             f"{time.perf_counter() - start:.0f} s -> {where}")
+    engine = lockstep_engine(target, None, rank, mesh, max_batch_size=cfg.generate_batch,
+                             max_seq_len=max(map(len, prompts), default=0) + cfg.max_tokens)
+    if engine is not None:  # not a follower of rank 0's
+        try:
+            engine.warm_up()
+            sequences = data.respond(engine, prompts, params, numbers,
+                                     lambda done, total: progress(f"data: {done}/{total} responses{split}"))
+        finally:
+            if mesh is not None:
+                engine.release()
+        if world == 1 or mesh is not None:
+            data.write_token_dataset(where, sequences)
+        else:
+            _write_share(out_dir, rank, world, sequences, where)
+    if rank == 0:
+        made = data.TokenDataset(where)
+        progress(f"data: {len(made)} sequences, {made.num_response_tokens()} response tokens in "
+                 f"{time.perf_counter() - start:.0f} s -> {where}")
     return where
+
+
+def _write_share(out_dir: Path, rank: int, world: int, sequences: list, where: Path) -> None:
+    """Each rank's answers as a token dataset of its own, then rank 0's interleaving of them
+    (data.interleave) as the dataset at `where`; the parts are removed."""
+    parts = [out_dir / f".{DATA}-part{r}" for r in range(world)]
+    shutil.rmtree(parts[rank], ignore_errors=True)  # a killed run's
+    data.write_token_dataset(parts[rank], sequences)
+    dist.barrier()
+    if rank == 0:
+        data.write_token_dataset(where, data.interleave([data.TokenDataset(part) for part in parts]))
+        for part in parts:
+            shutil.rmtree(part)
+    dist.barrier()  # the dataset is whole before any rank reads it
 
 
 def initial_drafter(target_dir: Path, shape: DrafterShape, init_from: Path | None,
@@ -357,16 +381,18 @@ def train(target_dir: Path, source: str, out_dir: Path, *, shape: DrafterShape =
         conversations = None if given else data.read_conversations(source)  # read before anything is written
         start_from = None if resume else initial_drafter(target_dir, shape, init_from, cfg.seed)
         out_dir.mkdir(parents=True, exist_ok=True)
-    if mesh is not None:
-        given = parallel.broadcast(given)  # without one, every rank runs the engine that writes the data
+    if world > 1:
+        given = parallel.broadcast(given)  # without one, every rank takes part in writing the data
     dataset_dir = given
-    if dataset_dir is None and (rank == 0 or mesh is not None):
-        dataset_dir = prepare_data(conversations, target_dir, out_dir, data_cfg, dev, progress, rank, mesh)
+    if dataset_dir is None:
+        if rank != 0 and mesh is None:
+            conversations = data.read_conversations(source)  # rank 0 read them the same way
+        dataset_dir = prepare_data(conversations, target_dir, out_dir, data_cfg, dev, progress, rank, world, mesh)
     if start_from:
         write_drafter(out_dir, *start_from, torch.float32)
         (out_dir / LOG).unlink(missing_ok=True)
     if world > 1:
-        dataset_dir = parallel.broadcast(dataset_dir)
+        dist.barrier()  # the drafter rank 0 wrote, before every rank loads it
     trainer = Trainer(target_dir, data.TokenDataset(dataset_dir), out_dir, cfg, dev, rank, world, progress, mesh)
     if resume:
         trainer.restore()
