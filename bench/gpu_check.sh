@@ -27,6 +27,7 @@
 #   bash bench/gpu_check.sh prefill    # one prefill's wall, kernel and host time: Qwen3.5-9B and Qwen3-8B
 #   bash bench/gpu_check.sh stall      # chunked prefill on the GPU (tests), then a 30k-token prompt arriving
 #                                      # while 8 Qwen3-8B requests decode: one pass vs 2048-token chunks
+#   bash bench/gpu_check.sh train-ranks # (2 GPUs) train over 2 processes, the target whole and sharded (FSDP)
 #   bash bench/gpu_check.sh demo-target demo-drafter demo-eval
 #                                      # the shipped demo pair's recipe (bench/train_demo.py; its corpus
 #                                      # stage writes .gpu/demo first, on any machine)
@@ -49,7 +50,7 @@
 # The machine has no `unzip`: zips are opened with `python3 -m zipfile`, which drops the
 # executable bits, so they are set again.
 set -u
-usage="usage: gpu_check.sh STAGE... (tests hybrid benches roofline bench8b overlap identity triton window flashinfer splits moe moe-models moe-bench moe-split draft-vocab prefill stall fa3 fa3-engine burst demo-target demo-drafter demo-eval)"
+usage="usage: gpu_check.sh STAGE... (tests hybrid benches roofline bench8b overlap identity triton window flashinfer splits moe moe-models moe-bench moe-split draft-vocab prefill stall fa3 fa3-engine burst train-ranks demo-target demo-drafter demo-eval)"
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
@@ -268,6 +269,24 @@ demo-eval)
     --max-output-len 256 --max-batch-size 8
   step demo-bench 200 dflash-trt bench /tmp/demo-engine --dataset gsm8k --dataset humaneval --num-prompts 32 \
     --max-tokens 256 --concurrency 1,8 --json "$OUT/demo_bench.json"
+  ;;
+train-ranks)
+  # (2 GPUs: nvidia-h100-x2) the demo drafter fine-tuned over 2 processes, the target whole on
+  # each and sharded over both (--shard-target): each run's data, drafter, evaluation and log
+  for shard in "" --shard-target; do
+    name=ranks${shard:+-sharded}
+    step "train-$name" 400 dflash-trt train --target dflash_trt/fixtures/demo/target \
+      --init-from dflash_trt/fixtures/demo/drafter --data gsm8k --num-prompts 256 --response-tokens 256 \
+      --steps 200 --lr 1e-5 --eval-prompts 32 --eval-max-tokens 128 --nproc 2 --device cuda $shard -o "/tmp/$name"
+    cp "/tmp/$name/eval.json" "$OUT/train_$name.json"
+  done
+  python3 - <<'EOF_CMP' 2>&1 | tee -a "$LOG"
+from safetensors.torch import load_file
+a, b = (load_file(f"/tmp/{n}/model.safetensors") for n in ("ranks", "ranks-sharded"))
+same = [(a[k] == b[k]).all().item() for k in a]
+print(f"drafters equal in {sum(same)} of {len(same)} tensors; data equal:",
+      open("/tmp/ranks/data/tokens.bin", "rb").read() == open("/tmp/ranks-sharded/data/tokens.bin", "rb").read())
+EOF_CMP
   ;;
 moe-models)
   # MoE targets on the GPU (H200: the 35B-A3B is ~70 GB in bf16): lossless in fp32 through the

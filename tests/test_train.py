@@ -152,6 +152,15 @@ def test_bad_training_input_fails_by_name_and_leaves_no_run(make_pair, tmp_path)
     assert no_run.returncode == 1 and "no checkpoint to resume from" in no_run.stderr
     alone = dflash_trt("train", "--target", pair.target, "--data", "gsm8k", "-o", tmp_path / "d4", "--shard-target")
     assert alone.returncode == 1 and "--nproc N" in alone.stderr and not (tmp_path / "d4").exists()
+    # in processes of their own, the same errors reach the CLI as themselves, not as a rank's traceback
+    ranked = dflash_trt("train", "--target", pair.target, "--data", tmp_path / "nope.jsonl", "-o", tmp_path / "d5",
+                        "--nproc", 2)
+    assert ranked.returncode == 1 and "Error: " in ranked.stderr and "nope.jsonl" in ranked.stderr
+    assert "Traceback" not in ranked.stderr
+    few = dflash_trt("train", "--target", pair.target, "--data", "gsm8k", "--num-prompts", 1, "-o", tmp_path / "d6",
+                     "--nproc", 2)
+    assert few.returncode == 1 and "1 prompts are fewer than the 2 processes" in few.stderr
+    assert not (tmp_path / "d5").exists() and not (tmp_path / "d6").exists()
 
 
 # no clipping: a rank clips the averaged gradient, one process would clip each half

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import pickle
 import shutil
 import signal
 import tempfile
@@ -30,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 from dflash_trt import parallel
 from dflash_trt.config import read_json
 from dflash_trt.engine import Engine
-from dflash_trt.errors import ConfigError
+from dflash_trt.errors import ConfigError, DFlashError
 from dflash_trt.kv_cache import Batch
 from dflash_trt.loading import load_drafter, load_target
 from dflash_trt.sampling import SamplingParams
@@ -379,6 +380,9 @@ def train(target_dir: Path, source: str, out_dir: Path, *, shape: DrafterShape =
             raise ConfigError(f"{out_dir / CHECKPOINT}: no checkpoint to resume from")
         given = Path(source) if (Path(source) / data.INDEX_FILE).is_file() else None  # a token dataset
         conversations = None if given else data.read_conversations(source)  # read before anything is written
+        if conversations is not None and mesh is None and len(conversations[:data_cfg.limit]) < world:
+            raise ConfigError(f"{source}: {len(conversations[:data_cfg.limit])} prompts are fewer than the {world} "
+                              "processes that answer them")
         start_from = None if resume else initial_drafter(target_dir, shape, init_from, cfg.seed)
         out_dir.mkdir(parents=True, exist_ok=True)
     if world > 1:
@@ -413,25 +417,33 @@ def train(target_dir: Path, source: str, out_dir: Path, *, shape: DrafterShape =
     return report
 
 
-def _rank_main(rank: int, world: int, init: str, kwargs: dict) -> None:
+def _rank_main(rank: int, world: int, folder: str, kwargs: dict) -> None:
+    """One rank of train_processes; `folder` holds the group's rendezvous, rank 0's report and
+    a rank's domain error, for the parent to raise as itself."""
     os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
     dist.init_process_group("nccl" if torch.cuda.is_available() and kwargs.get("device") != "cpu" else "gloo",
-                            init_method=f"file://{init}", rank=rank, world_size=world)
+                            init_method=f"file://{folder}/rendezvous", rank=rank, world_size=world)
     try:
         report = train(**kwargs)
         if rank == 0:
-            kwargs["out_dir"].joinpath(f".{EVAL}.rank0").write_text(json.dumps(report))
+            Path(folder, "report.json").write_text(json.dumps(report))
         dist.barrier()  # no rank tears the group down while another still talks to it
+    except DFlashError as e:
+        Path(folder, f"error.{rank}").write_bytes(pickle.dumps(e))
+        raise
     finally:
         dist.destroy_process_group()
 
 
 def train_processes(nproc: int, **kwargs) -> dict:
-    """`train` in `nproc` processes (one per GPU, or gloo on the CPU), started here."""
+    """`train` in `nproc` processes (one per GPU, or gloo on the CPU), started here; a rank's
+    domain error (bad input, say) is raised here as itself."""
     with tempfile.TemporaryDirectory(prefix="dflash-trt-train-") as tmp:
-        mp.start_processes(_rank_main, args=(nproc, str(Path(tmp) / "init"), kwargs), nprocs=nproc,
-                           start_method="spawn")
-    handoff = Path(kwargs["out_dir"]) / f".{EVAL}.rank0"
-    report = json.loads(handoff.read_text())
-    handoff.unlink()
-    return report
+        try:
+            mp.start_processes(_rank_main, args=(nproc, tmp, kwargs), nprocs=nproc, start_method="spawn")
+        except mp.ProcessRaisedException:
+            errors = sorted(Path(tmp).glob("error.*"))
+            if errors:
+                raise pickle.loads(errors[0].read_bytes()) from None
+            raise
+        return json.loads(Path(tmp, "report.json").read_text())
