@@ -95,6 +95,14 @@ def load_target(directory: Path, device="cpu", dtype=torch.float32, group=None, 
                   fsdp=fsdp)
 
 
+def target_skeleton(directory: Path) -> Qwen3ForCausalLM:
+    """The target's modules on "meta": its config and shapes, no weight read or allocated
+    (enough to pair a drafter with it and read the drafter's own weights)."""
+    config = load_target_config(directory)
+    with torch.device("meta"):
+        return target_class(config.model_type)(config)
+
+
 def shard_layers(model: torch.nn.Module, mesh) -> None:
     """FSDP (fully_shard) over each decoder layer of `model`: every rank keeps 1/N of a layer's
     weights and gathers the whole layer for its forward only, so every rank must run the same

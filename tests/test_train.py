@@ -5,6 +5,7 @@ sharded over the ranks (FSDP) computes what the whole one does."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,8 +24,9 @@ from dflash_trt.kv_cache import Batch
 from dflash_trt.loading import load_drafter, load_target
 from dflash_trt.sampling import SamplingParams
 from dflash_trt.training import data
+from dflash_trt.training.drafter_files import DrafterShape
 from dflash_trt.training.objective import IGNORE, Blocks, DraftObjective, attention_mask, block_inputs, sample_anchors
-from dflash_trt.training.trainer import TrainConfig, Trainer, lockstep_engine
+from dflash_trt.training.trainer import TrainConfig, Trainer, initial_drafter, lockstep_engine
 
 SLIDING = dict(draft_layer_types=("sliding_attention", "full_attention"), sliding_window=3)
 
@@ -219,6 +221,21 @@ def test_data_answered_in_shares_over_the_ranks_is_the_one_process_data(make_pai
         assert (tmp_path / "one/data" / name).read_bytes() == (tmp_path / "two/data" / name).read_bytes(), name
     assert len(data.TokenDataset(tmp_path / "two/data")) == 11
     assert not list((tmp_path / "two").glob(".data-part*"))  # the parts are removed
+
+
+def test_fine_tuning_starts_from_the_drafters_weights_and_reads_no_target_weight(tmp_path):
+    """--init-from a drafter of a 397B target must not read 793 GB on rank 0: the target lends
+    only its config (no weight file here at all)."""
+    target = tmp_path / "target"
+    target.mkdir()
+    for f in (DEMO_DIR / "target").iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, target)
+    config, tensors = initial_drafter(target, DrafterShape(), DEMO_DIR / "drafter", seed=0)
+    stored = load_file(DEMO_DIR / "drafter" / "model.safetensors")
+    assert tensors.keys() == stored.keys()
+    assert all(torch.equal(tensors[k], stored[k].to(tensors[k].dtype)) for k in stored)
+    assert config["dflash_config"] == json.loads((DEMO_DIR / "drafter" / "config.json").read_text())["dflash_config"]
 
 
 DEMO_TRAIN = ["--init-from", DEMO_DIR / "drafter", "--data", "gsm8k", "--num-prompts", 12, "--steps", 2, "--lr", 1e-6,

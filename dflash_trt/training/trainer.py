@@ -33,7 +33,7 @@ from dflash_trt.config import read_json
 from dflash_trt.engine import Engine
 from dflash_trt.errors import ConfigError, DFlashError
 from dflash_trt.kv_cache import Batch
-from dflash_trt.loading import load_drafter, load_target
+from dflash_trt.loading import load_drafter, load_target, target_skeleton
 from dflash_trt.sampling import SamplingParams
 from dflash_trt.sequence import acceptance_summary
 from dflash_trt.tokenizer import Tokenizer
@@ -190,8 +190,8 @@ def _write_share(out_dir: Path, rank: int, world: int, sequences: list, where: P
 def initial_drafter(target_dir: Path, shape: DrafterShape, init_from: Path | None,
                     seed: int) -> tuple[dict, dict[str, torch.Tensor]]:
     """The config and weights training starts from (checked before anything is written)."""
-    if init_from is not None:
-        drafter = load_drafter(init_from, load_target(target_dir))
+    if init_from is not None:  # the drafter's own weights: the target lends it only shapes
+        drafter = load_drafter(init_from, target_skeleton(target_dir))
         return read_json(init_from / "config.json"), checkpoint_tensors(drafter)
     config = new_drafter_config(read_json(target_dir / "config.json"), Tokenizer.from_dir(target_dir).vocab_size, shape)
     return config, initial_tensors(config, seed)
