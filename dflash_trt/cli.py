@@ -73,6 +73,9 @@ def cli():
               help="full: every verify checks the whole block; adaptive: per step, the width that maximises expected "
                    "tokens/s from step times measured at warm-up (CUDA graphs only); auto (the default): adaptive "
                    "where the engine runs CUDA graphs on one rank, else full.")
+@click.option("--overlap/--no-overlap", default=None,
+              help="Overlap the host's work on the next step with the device's on this one (the default), or run "
+                   "the serial loop (a debugging aid, like SGLang's --disable-overlap-schedule).")
 @click.option("--tensor-parallel", type=click.IntRange(min=1),
               help="Shard the engine over N GPUs (N processes on the CPU); run and serve start the ranks.")
 def build(target, drafter, preset, config_file, output, force, **overrides):

@@ -605,6 +605,9 @@ class BuildConfig:
     # maximises expected tokens per second (verify_width.py; needs CUDA graphs); "auto":
     # adaptive where the engine runs CUDA graphs on one rank, else full
     verify_width: str = "auto"
+    # the host's work on step n+1 overlaps the device's on step n (engine.py; false: the
+    # serial loop, SGLang's --disable-overlap-schedule)
+    overlap: bool = True
     tensor_parallel: int = 1  # ranks (GPUs, or CPU processes) the engine is sharded over
     # text_input bytes preprocessing accepts before tokenizing; 0: what max_input_len tokens
     # can be at most (serving.text.max_text_bytes)
@@ -663,8 +666,8 @@ class BuildConfig:
         if unknown:
             raise ConfigError(f"{source}: unknown key(s) {', '.join(unknown)}; known keys: {', '.join(known)}")
         for key, value in data.items():
-            expected = int if known[key] == "int" else str
-            if not isinstance(value, expected) or isinstance(value, bool):
+            expected = {"int": int, "bool": bool}.get(known[key], str)
+            if not isinstance(value, expected) or (isinstance(value, bool) and expected is not bool):
                 raise ConfigError(f"{source}: key '{key}' must be {expected.__name__}, got {value!r}")
         try:
             return cls(**data)

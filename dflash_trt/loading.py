@@ -184,5 +184,6 @@ def load_engine(engine_dir: Path, device: str | None = None, draft_window: int |
     drafter = load_drafter(engine_dir / "drafter", target, device, torch_dtype(config), group)
     engine = engine_class(target, drafter, max_batch_size=config.max_batch_size, max_seq_len=config.max_seq_len,
                           block_size=record["block_size"], draft_window=config.draft_window_size,
-                          prefill_chunk=config.prefill_chunk_size, verify_width=config.verify_width)
+                          prefill_chunk=config.prefill_chunk_size, verify_width=config.verify_width,
+                          overlap=config.overlap)
     return LoadedEngine(engine, Tokenizer.from_dir(engine_dir / TOKENIZER_DIR), config)

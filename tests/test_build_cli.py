@@ -73,17 +73,19 @@ def test_build_block_size_sets_the_engines_block_and_leaves_the_drafter_config_a
     assert result.token_ids == reference and max(result.stats.acceptance_lengths) == 4
 
 
-def test_build_records_the_draft_window_and_prefill_chunk_and_run_can_override_the_window(make_pair, tmp_path):
+def test_build_records_the_draft_window_prefill_chunk_and_overlap_and_run_can_override_the_window(make_pair,
+                                                                                                   tmp_path):
     pair = make_pair()  # block size 8
     out = tmp_path / "window"
     assert invoke("build", "--target", pair.target, "--drafter", pair.drafter, "--dtype", "float32",
-                  "--draft-window-size", 16, "--prefill-chunk-size", 4, "-o", out).exit_code == 0
+                  "--draft-window-size", 16, "--prefill-chunk-size", 4, "--no-overlap", "-o", out).exit_code == 0
     record = json.loads((out / "engine" / "engine.json").read_text())
     assert record["build_config"]["draft_window_size"] == 16
     assert record["build_config"]["prefill_chunk_size"] == 4
+    assert record["build_config"]["overlap"] is False
     engine = load_engine(out / "engine").engine
     assert engine.draft_window == 16 and engine.draft_cache.k.shape[2] == 2 * (16 + 8 - 1)
-    assert engine.prefill_chunk == 4
+    assert engine.prefill_chunk == 4 and engine.overlap is False
     assert load_engine(out / "engine", draft_window=0).engine.draft_window == 0
     result = invoke("run", out, "Hello", "--max-tokens", 3, "--no-chat", "--draft-window-size", 5)
     assert result.exit_code == 1 and "draft_window_size = 5 must be 0 (no window) or at least the block size (8)" \
@@ -307,6 +309,18 @@ def test_unknown_key_in_a_config_file_is_an_error(tmp_path):
     result = invoke("build", "--config", config, "-o", tmp_path / "out")
     assert result.exit_code == 1
     assert "unknown key(s) max_batchsize" in result.stderr and str(config) in result.stderr
+    assert leftovers(tmp_path, "out") == []
+
+
+@pytest.mark.parametrize("line, message", [
+    ('overlap = "no"', "key 'overlap' must be bool, got 'no'"),
+    ("max_batch_size = true", "key 'max_batch_size' must be int, got True"),
+])
+def test_a_config_files_value_of_the_wrong_type_is_named(tmp_path, line, message):
+    config = tmp_path / "my.toml"
+    config.write_text(line + "\n")
+    result = invoke("build", "--config", config, "-o", tmp_path / "out")
+    assert result.exit_code == 1 and message in result.stderr and str(config) in result.stderr
     assert leftovers(tmp_path, "out") == []
 
 
