@@ -206,8 +206,8 @@ def _ints(ctx, param, value):
 @click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True,
               help="Processes (one per GPU; gloo on the CPU), data-parallel. torchrun works too.")
 @click.option("--shard-target", is_flag=True,
-              help="Shard the frozen target's layers over the processes (FSDP), for a target one device cannot "
-                   "hold; its data generation and evaluation then run on every process in lockstep.")
+              help="For a target one device cannot hold: shard its layers over the processes (FSDP) for training, "
+                   "and split it over them (tensor parallel) to write the data and evaluate the drafter.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]))
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--chat/--no-chat", default=True, show_default=True, help="Prompts through the chat template.")

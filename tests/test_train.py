@@ -26,7 +26,7 @@ from dflash_trt.sampling import SamplingParams
 from dflash_trt.training import data
 from dflash_trt.training.drafter_files import DrafterShape
 from dflash_trt.training.objective import IGNORE, Blocks, DraftObjective, attention_mask, block_inputs, sample_anchors
-from dflash_trt.training.trainer import TrainConfig, Trainer, initial_drafter, lockstep_engine
+from dflash_trt.training.trainer import TrainConfig, Trainer, initial_drafter, sharded_engine
 
 SLIDING = dict(draft_layer_types=("sliding_attention", "full_attention"), sliding_window=3)
 
@@ -162,7 +162,11 @@ def test_bad_training_input_fails_by_name_and_leaves_no_run(make_pair, tmp_path)
     few = dflash_trt("train", "--target", pair.target, "--data", "gsm8k", "--num-prompts", 1, "-o", tmp_path / "d6",
                      "--nproc", 2)
     assert few.returncode == 1 and "1 prompts are fewer than the 2 processes" in few.stderr
-    assert not (tmp_path / "d5").exists() and not (tmp_path / "d6").exists()
+    odd = make_pair(num_heads=3, num_kv_heads=1, tokenizer_tokens=None, vocab_size=512)
+    unsplit = dflash_trt("train", "--target", odd.target, "--data", "gsm8k", "-o", tmp_path / "d7", "--nproc", 2,
+                         "--shard-target")
+    assert unsplit.returncode == 1 and "num_attention_heads = 3 does not split over 2 ranks" in unsplit.stderr
+    assert not any((tmp_path / d).exists() for d in ("d5", "d6", "d7"))
 
 
 # no clipping: a rank clips the averaged gradient, one process would clip each half
@@ -246,9 +250,9 @@ DEMO_TRAIN = ["--init-from", DEMO_DIR / "drafter", "--data", "gsm8k", "--num-pro
 
 @pytest.mark.slow
 def test_a_target_sharded_over_the_ranks_writes_the_same_data_drafter_and_evaluation(tmp_path):
-    """FSDP changes where the target's weights live, not one number: the data its lockstep
-    engine writes, the drafter trained on its taps and the lockstep evaluation are the
-    unsharded run's (CPU, fp32). The demo pair, so that the evaluation accepts drafts."""
+    """Sharding changes where the target's weights live, not the result: the data its
+    tensor-parallel engine writes, the drafter trained on its FSDP taps and the tensor-parallel
+    evaluation are the unsharded run's (CPU, fp32). The demo pair, so that drafts are accepted."""
     runs = {}
     for name, extra in (("whole", []), ("sharded", ["--shard-target"])):
         done = dflash_trt("train", "--target", DEMO_DIR / "target", *DEMO_TRAIN, *extra, "-o", tmp_path / name)
@@ -270,12 +274,11 @@ def _sharded_rank(rank: int, world: int, init: str, pair, result: str) -> None:
     os.environ.update(WORLD_SIZE=str(world), RANK=str(rank))
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     try:
-        mesh = init_device_mesh("cpu", (world,))
-        target = load_target(pair.target, fsdp=mesh)
+        target = load_target(pair.target, fsdp=init_device_mesh("cpu", (world,)))
         ids = torch.randint(0, 500, (1, 24), generator=torch.Generator().manual_seed(rank))  # each rank its own
         taps = tapped(target, ids)
-        engine = lockstep_engine(target, load_drafter(pair.drafter, target), rank, mesh, max_batch_size=2,
-                                 max_seq_len=64)
+        engine = sharded_engine(pair.target, pair.drafter, torch.device("cpu"), rank, world, max_batch_size=2,
+                                max_seq_len=64)
         outputs = None
         if engine is not None:  # rank 0; the others followed until it released them
             outputs = [r.token_ids for r in engine.generate([[1, 5, 9, 14], [3, 3, 8]], SamplingParams(max_tokens=12),

@@ -1,13 +1,14 @@
 """`dflash-trt train`: data, the training loop, checkpoints and the closing evaluation.
 
 One process per device; with several (torchrun, or `train --nproc N`) the drafter is wrapped in
-DistributedDataParallel and rank r takes every N-th batch. The frozen target computes its tapped
-hidden states online for each batch (nothing is dumped to disk). A target one device cannot hold
-is sharded over the ranks (`shard_target`: FSDP over its decoder layers, loading.shard_layers);
-the engine that writes the data and evaluates the drafter then runs on every rank in lockstep
-(lockstep_engine). A checkpoint holds the drafter, the optimizer, the step and the data cursor;
-resuming from it continues the same run (`tests/test_train.py` checks a resumed run ends with
-the uninterrupted run's weights).
+DistributedDataParallel and rank r takes every N-th batch, and each rank writes the responses to
+every N-th prompt. The frozen target computes its tapped hidden states online for each batch
+(nothing is dumped to disk). A target one device cannot hold (`shard_target`) is sharded over
+the ranks with FSDP for training (loading.shard_layers: each rank gathers one layer at a time
+for its own batch), and split tensor-parallel for the engine that writes the data and evaluates
+the drafter (sharded_engine: every rank computes its part of one engine's passes). A checkpoint
+holds the drafter, the optimizer, the step and the data cursor; resuming from it continues the
+same run (`tests/test_train.py` checks a resumed run ends with the uninterrupted run's weights).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from dflash_trt.engine import Engine
 from dflash_trt.errors import ConfigError, DFlashError
 from dflash_trt.kv_cache import Batch
 from dflash_trt.loading import load_drafter, load_target, target_skeleton
+from dflash_trt.models import load_target_config
 from dflash_trt.sampling import SamplingParams
 from dflash_trt.sequence import acceptance_summary
 from dflash_trt.tokenizer import Tokenizer
@@ -115,14 +117,17 @@ def _mesh(device: torch.device, world: int):
     return init_device_mesh(device.type, (world,))
 
 
-def lockstep_engine(target, drafter, rank: int, mesh, **kwargs) -> Engine | None:
-    """An engine over `target`. Over an FSDP-sharded target (`mesh`) every rank must run the
-    same passes: rank 0's engine is a parallel.Leader, built with rank 0's kwargs, whose calls
-    the other ranks repeat on their own (parallel.follow) until it releases them; they get None."""
-    if mesh is None:
-        return Engine(target, drafter, **kwargs)
-    # eager passes: FSDP gathers each layer on streams of its own, outside any CUDA graph
-    kwargs = parallel.broadcast({**kwargs, "cuda_graphs": False} if rank == 0 else None)
+def sharded_engine(target_dir: Path, drafter_dir: Path | None, device: torch.device, rank: int, world: int,
+                   **kwargs) -> Engine | None:
+    """An engine over the target (and drafter) split tensor-parallel over the ranks
+    (parallel.plan: each holds 1/N of every layer and computes 1/N of every pass, where FSDP's
+    layer gathers would move the whole target per decode step). Rank 0's is a parallel.Leader,
+    built with rank 0's kwargs, whose calls the other ranks repeat on theirs (parallel.follow)
+    until it releases them; they get None."""
+    group, dtype = parallel.Group(rank, world), _target_dtype(device)
+    target = load_target(target_dir, device, dtype, group)
+    drafter = load_drafter(drafter_dir, target, device, dtype, group) if drafter_dir else None
+    kwargs = parallel.broadcast(kwargs if rank == 0 else None)
     if rank == 0:
         return parallel.Leader(target, drafter, **kwargs)
     parallel.follow(Engine(target, drafter, **kwargs))
@@ -130,12 +135,12 @@ def lockstep_engine(target, drafter, rank: int, mesh, **kwargs) -> Engine | None
 
 
 def prepare_data(conversations: list[list[dict]] | None, target_dir: Path, out_dir: Path, cfg: DataConfig,
-                 device: torch.device, progress=print, rank: int = 0, world: int = 1, mesh=None) -> Path:
+                 device: torch.device, progress=print, rank: int = 0, world: int = 1, shard: bool = False) -> Path:
     """The target's responses to `conversations`, generated once into out_dir/data as a token
     dataset (a resumed run finds it there). With several ranks every rank calls this: each
-    answers every world-th prompt and rank 0 puts the parts together; over a sharded target
-    (`mesh`), rank 0's engine answers every prompt (the others need no conversations) and the
-    other ranks run its passes in lockstep."""
+    answers every world-th prompt with the whole target and rank 0 puts the parts together;
+    with `shard`, one engine over the target split across the ranks (sharded_engine) answers
+    every prompt (only rank 0 needs the conversations)."""
     where = out_dir / DATA
     reuse = (where / data.INDEX_FILE).is_file()
     if world > 1:
@@ -145,24 +150,26 @@ def prepare_data(conversations: list[list[dict]] | None, target_dir: Path, out_d
         return where
     total = len(conversations[:cfg.limit]) if conversations is not None else 0
     # the prompts this rank's engine answers: every world-th, or over a sharded target all on rank 0
-    numbers = range(rank, total, world) if mesh is None else range(total if rank == 0 else 0)
+    numbers = range(rank, total, world) if not shard else range(total if rank == 0 else 0)
     tokenizer = Tokenizer.from_dir(target_dir)
     prompts = [data.encode_conversation(tokenizer, conversations[n], cfg.chat, cfg.thinking) for n in numbers]
-    target = load_target(target_dir, device, _target_dtype(device), fsdp=mesh)
     params = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature, seed=0)
-    split = f" (a share on each of {world} processes)" if world > 1 and mesh is None else ""
+    split = f" (a share on each of {world} processes)" if world > 1 and not shard else ""
     start = time.perf_counter()
-    engine = lockstep_engine(target, None, rank, mesh, max_batch_size=cfg.generate_batch,
-                             max_seq_len=max(map(len, prompts), default=0) + cfg.max_tokens)
+    sizes = dict(max_batch_size=cfg.generate_batch, max_seq_len=max(map(len, prompts), default=0) + cfg.max_tokens)
+    if shard:
+        engine = sharded_engine(target_dir, None, device, rank, world, **sizes)
+    else:
+        engine = Engine(load_target(target_dir, device, _target_dtype(device)), **sizes)
     if engine is not None:  # not a follower of rank 0's
         try:
             engine.warm_up()
             sequences = data.respond(engine, prompts, params, numbers,
                                      lambda done, total: progress(f"data: {done}/{total} responses{split}"))
         finally:
-            if mesh is not None:
+            if shard:
                 engine.release()
-        if world == 1 or mesh is not None:
+        if world == 1 or shard:
             data.write_token_dataset(where, sequences)
         else:
             _write_share(out_dir, rank, world, sequences, where)
@@ -227,7 +234,7 @@ class Trainer:
         """`mesh`: the device mesh to shard the target over (FSDP), or None: whole on every rank."""
         self.cfg, self.out_dir, self.device, self.rank, self.world = cfg, out_dir, device, rank, world
         self.progress = progress if rank == 0 else (lambda *_: None)
-        self.mesh = mesh
+        self.target_dir, self.mesh = target_dir, mesh
         self.target = load_target(target_dir, device, _target_dtype(device), fsdp=self.mesh)
         self.target.requires_grad_(False)
         self.drafter = load_drafter(out_dir, self.target, device, torch.float32)  # fp32 master weights
@@ -336,14 +343,16 @@ class Trainer:
                    for i in range(self.train_size, len(self.dataset))]
         if not prompts:
             return {}
-        target = self.target  # the written drafter in the target's dtype, as `build` would pair them
-        drafter = load_drafter(self.out_dir, target, self.device, target.lm_head.weight.dtype)
         longest = max(map(len, prompts)) + self.cfg.eval_max_tokens
-        engine = lockstep_engine(target, drafter, self.rank, self.mesh, max_batch_size=min(16, len(prompts)),
-                                 max_seq_len=longest)
-        if engine is None:
-            return {}
-        report = {"prompts": len(prompts), "block_size": drafter.config.block_size}
+        sizes = dict(max_batch_size=min(16, len(prompts)), max_seq_len=longest)
+        if self.mesh is not None:  # the target and the written drafter split over the ranks
+            engine = sharded_engine(self.target_dir, self.out_dir, self.device, self.rank, self.world, **sizes)
+            if engine is None:
+                return {}
+        else:  # the written drafter in the target's dtype, as `build` would pair them
+            dtype = self.target.lm_head.weight.dtype
+            engine = Engine(self.target, load_drafter(self.out_dir, self.target, self.device, dtype), **sizes)
+        report = {"prompts": len(prompts), "block_size": engine.block_size}
         try:
             engine.warm_up()
             for temperature in temperatures:
@@ -351,7 +360,7 @@ class Trainer:
                           for i in range(len(prompts))]
                 results = engine.generate(prompts, params, mode="dflash")
                 report[f"temperature_{temperature:g}"] = acceptance_summary([r.stats for r in results],
-                                                                            drafter.config.block_size)
+                                                                            engine.block_size)
         finally:
             if self.mesh is not None:
                 engine.release()
@@ -363,7 +372,8 @@ def train(target_dir: Path, source: str, out_dir: Path, *, shape: DrafterShape =
           resume: bool = False, device: str | None = None, temperatures: tuple[float, ...] = (0.0,),
           shard_target: bool = False, progress=print) -> dict:
     """Train a drafter for the target into out_dir (z-lab layout); returns the evaluation.
-    `shard_target`: FSDP over the ranks for a target one device cannot hold."""
+    `shard_target`: for a target one device cannot hold, FSDP over the ranks for training and
+    tensor parallelism for the engine that writes the data and evaluates (sharded_engine)."""
     rank, world = _distributed()
     if shard_target and world == 1:
         raise ConfigError("shard_target shards the target over several processes: train with --nproc N (N > 1) "
@@ -380,7 +390,9 @@ def train(target_dir: Path, source: str, out_dir: Path, *, shape: DrafterShape =
             raise ConfigError(f"{out_dir / CHECKPOINT}: no checkpoint to resume from")
         given = Path(source) if (Path(source) / data.INDEX_FILE).is_file() else None  # a token dataset
         conversations = None if given else data.read_conversations(source)  # read before anything is written
-        if conversations is not None and mesh is None and len(conversations[:data_cfg.limit]) < world:
+        if shard_target:  # its engine splits every layer over the ranks (sharded_engine)
+            parallel.check_supported(load_target_config(target_dir), world)
+        if conversations is not None and not shard_target and len(conversations[:data_cfg.limit]) < world:
             raise ConfigError(f"{source}: {len(conversations[:data_cfg.limit])} prompts are fewer than the {world} "
                               "processes that answer them")
         start_from = None if resume else initial_drafter(target_dir, shape, init_from, cfg.seed)
@@ -389,9 +401,10 @@ def train(target_dir: Path, source: str, out_dir: Path, *, shape: DrafterShape =
         given = parallel.broadcast(given)  # without one, every rank takes part in writing the data
     dataset_dir = given
     if dataset_dir is None:
-        if rank != 0 and mesh is None:
+        if rank != 0 and not shard_target:
             conversations = data.read_conversations(source)  # rank 0 read them the same way
-        dataset_dir = prepare_data(conversations, target_dir, out_dir, data_cfg, dev, progress, rank, world, mesh)
+        dataset_dir = prepare_data(conversations, target_dir, out_dir, data_cfg, dev, progress, rank, world,
+                                   shard_target)
     if start_from:
         write_drafter(out_dir, *start_from, torch.float32)
         (out_dir / LOG).unlink(missing_ok=True)
@@ -406,7 +419,7 @@ def train(target_dir: Path, source: str, out_dir: Path, *, shape: DrafterShape =
     if trainer.stop_requested:
         return {}
     if mesh is not None:
-        dist.barrier()  # the drafter rank 0 wrote, before every rank reads it to evaluate in lockstep
+        dist.barrier()  # the drafter rank 0 wrote, before every rank loads its part to evaluate it
     evaluation = trainer.evaluate(temperatures) if rank == 0 or mesh is not None else {}
     if rank != 0:
         return {}
