@@ -169,8 +169,9 @@ def _ints(ctx, param, value):
 @click.option("--target", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="The target checkpoint directory (Hugging Face layout).")
 @click.option("--data", "source", required=True, metavar="FILE_OR_DATASET",
-              help="Prompts (JSONL with 'prompt' or 'messages'; or gsm8k, humaneval, mt_bench) whose responses the "
-                   "target writes, or a token dataset directory an earlier run wrote (OUTPUT/data).")
+              help="Prompts (JSONL with 'prompt', 'messages' or ShareGPT's 'conversations'; or gsm8k, humaneval, "
+                   "mt_bench) whose responses the target writes, or a token dataset directory an earlier run wrote "
+                   "(OUTPUT/data).")
 @click.option("-o", "--output", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="The drafter directory to write (z-lab layout; also its checkpoint, log and evaluation).")
 @click.option("--block-size", type=click.IntRange(min=2), default=16, show_default=True)

@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from torch.distributed.device_mesh import init_device_mesh
 
 from dflash_trt.engine import Engine
+from dflash_trt.errors import ConfigError
 from dflash_trt.fixtures import DEMO_DIR
 from dflash_trt.kv_cache import Batch
 from dflash_trt.loading import load_drafter, load_target
@@ -78,6 +79,27 @@ def test_anchors_are_distinct_sorted_and_only_on_a_supervised_token_before_anoth
         for slot, (pos, label) in enumerate(zip(positions[row].tolist(), labels[row].tolist())):
             supervised = slot % 4 > 0 and pos < 40 and bool(mask[row, pos]) and bool(blocks.valid[row, slot // 4])
             assert label == (pos if supervised else IGNORE)  # ids are positions here: slot j learns a + j
+
+
+def test_prompts_are_read_as_prompts_openai_messages_or_sharegpt_conversations(tmp_path):
+    lines = [{"prompt": "What is 2 + 3?"},
+             {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                           {"role": "assistant", "content": "Hello"}]},
+             {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Hi"},
+                                {"from": "gpt", "value": "Hello"}, {"from": "human", "value": "Again"}]}]
+    source = tmp_path / "p.jsonl"
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert data.read_conversations(source) == [
+        [{"role": "user", "content": "What is 2 + 3?"}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],  # the last answer dropped
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+         {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Again"}]]
+    source.write_text(json.dumps({"conversations": [{"from": "bot", "value": "x"}]}) + "\n")
+    with pytest.raises(ConfigError, match=r"p.jsonl:1: a conversation turn from 'bot'; known speakers: human"):
+        data.read_conversations(source)
+    source.write_text(json.dumps({"conversations": [{"from": "human"}]}) + "\n")
+    with pytest.raises(ConfigError, match=r"p.jsonl:1: each line needs .* 'conversations' of \{from, value\}"):
+        data.read_conversations(source)
 
 
 def dflash_trt(*args, **kwargs) -> subprocess.CompletedProcess:

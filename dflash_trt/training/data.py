@@ -28,25 +28,42 @@ from dflash_trt.tokenizer import Tokenizer
 INDEX_FILE, TOKENS_FILE = "index.json", "tokens.bin"
 
 
+# ShareGPT's speaker names (`from`) -> chat roles
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+
+
 def read_conversations(name_or_path: str | Path) -> list[list[dict]]:
     """Each line of a shipped set or a JSONL file as chat messages: `{"prompt": text}` is one
-    user turn; `{"messages": [...]}` is taken as given, its last assistant turn dropped (the
+    user turn; `{"messages": [...]}` (OpenAI's form) and `{"conversations": [{"from", "value"}]}`
+    (ShareGPT's, as SpecForge reads it) are taken as given, the last assistant turn dropped (the
     target writes the response)."""
     path = dataset_path(name_or_path)
     conversations = []
     for number, record in json_lines(path):
-        messages = record.get("messages") if isinstance(record, dict) else None
-        prompt = record.get("prompt") if isinstance(record, dict) else None
+        record = record if isinstance(record, dict) else {}
+        messages, prompt = record.get("messages"), record.get("prompt")
+        if "conversations" in record:
+            messages = _sharegpt_messages(record["conversations"], f"{path}:{number}")
         if isinstance(prompt, str) and prompt:
             conversations.append([{"role": "user", "content": prompt}])
         elif isinstance(messages, list) and messages and all(isinstance(m, dict) and "role" in m for m in messages):
             conversations.append(messages[:-1] if messages[-1]["role"] == "assistant" else messages)
         else:
-            raise ConfigError(f"{path}:{number}: each line needs a non-empty string 'prompt' or a list 'messages' "
-                              "of {role, content} objects")
+            raise ConfigError(f"{path}:{number}: each line needs a non-empty string 'prompt', a list 'messages' of "
+                              "{role, content} objects or a list 'conversations' of {from, value} objects")
     if not conversations:
         raise ConfigError(f"{path}: no prompts")
     return conversations
+
+
+def _sharegpt_messages(turns, where: str) -> list[dict] | None:
+    if not isinstance(turns, list) or not all(isinstance(t, dict) and isinstance(t.get("value"), str) for t in turns):
+        return None  # the caller names what a line needs
+    for turn in turns:
+        if turn.get("from") not in SHAREGPT_ROLES:
+            raise ConfigError(f"{where}: a conversation turn from {turn.get('from')!r}; known speakers: "
+                              f"{', '.join(SHAREGPT_ROLES)}")
+    return [{"role": SHAREGPT_ROLES[t["from"]], "content": t["value"]} for t in turns]
 
 
 def encode_conversation(tokenizer: Tokenizer, messages: list[dict], chat: bool, thinking: bool) -> list[int]:
