@@ -455,6 +455,16 @@ def launch_followers(engine_dir: Path, size: int, device: str, draft_window: int
     return rendezvous
 
 
+def leave(code: int = 0) -> None:
+    """End a rank's process, its group destroyed, without the interpreter's teardown: there
+    gloo's worker threads sometimes abort the process after its work is done (SIGABRT,
+    "terminate called without an active exception"; pytorch/pytorch#179291), which a parent
+    waiting for the rank would take for a failure (seen on the loaded 2-core CI machine)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def _die_with_parent() -> None:
     ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 

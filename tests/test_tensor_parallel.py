@@ -21,7 +21,7 @@ from dflash_trt.errors import ConfigError
 from dflash_trt.kv_cache import Batch
 from dflash_trt.loading import load_drafter, load_target
 from dflash_trt.models.layers import LMHead
-from dflash_trt.parallel import Group, _plan_lm_head, check_supported
+from dflash_trt.parallel import Group, _plan_lm_head, check_supported, leave
 from dflash_trt.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -58,12 +58,8 @@ def run_pair(pair, world: int = 1) -> dict:
 
 
 def _rank(rank: int, world: int, init: str, out: str, compute, *args) -> None:
-    """One gloo rank: compute(*args); rank 0 saves every rank's result to `out`.
-
-    A rank that got this far leaves without the interpreter's teardown: there, gloo's worker
-    threads sometimes abort the process (SIGABRT, "terminate called without an active
-    exception") after its work is done and saved, as pytorch/pytorch#179291 describes (seen
-    in full CI runs on the 2-core machine, never in the test alone)."""
+    """One gloo rank: compute(*args); rank 0 saves every rank's result to `out`. A rank that
+    got this far leaves without the interpreter's teardown (parallel.leave)."""
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     try:
         result = compute(*args)
@@ -73,9 +69,7 @@ def _rank(rank: int, world: int, init: str, out: str, compute, *args) -> None:
             torch.save(gathered, out)
     finally:
         dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave()
 
 
 HYBRID = dict(target_type="qwen3_5", head_dim=16, rope_theta=1e7, draft_rope_theta=1e7, linear_heads=(2, 4),

@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 from torch.distributed.device_mesh import init_device_mesh
 
+from dflash_trt import parallel
 from dflash_trt.engine import Engine
 from dflash_trt.errors import ConfigError
 from dflash_trt.fixtures import DEMO_DIR
@@ -207,6 +208,7 @@ def _ddp_rank(rank: int, world: int, init: str, pair, dataset_dir, out_dir, resu
             torch.save({k: v.grad for k, v in trainer.drafter.named_parameters()}, result)
     finally:
         dist.destroy_process_group()
+    parallel.leave()  # not through the interpreter's teardown (its docstring)
 
 
 @pytest.mark.slow
@@ -307,9 +309,9 @@ def _sharded_rank(rank: int, world: int, init: str, pair, result: str) -> None:
                                                             mode="dflash")]
             engine.release()
         torch.save({"ids": ids, "taps": taps, "outputs": outputs}, f"{result}.{rank}")
-        dist.barrier()
     finally:
         dist.destroy_process_group()
+    parallel.leave()
 
 
 @pytest.mark.slow

@@ -446,6 +446,7 @@ def _rank_main(rank: int, world: int, folder: str, kwargs: dict) -> None:
         raise
     finally:
         dist.destroy_process_group()
+    parallel.leave()
 
 
 def train_processes(nproc: int, **kwargs) -> dict:
