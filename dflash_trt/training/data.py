@@ -73,13 +73,6 @@ def encode_conversation(tokenizer: Tokenizer, messages: list[dict], chat: bool, 
     return tokenizer.encode("".join(m.get("content") or "" for m in messages))
 
 
-def generate_responses(engine: Engine, prompts: list[list[int]], params: SamplingParams, directory: Path,
-                       progress=None) -> None:
-    """Let the target answer every prompt (AR, batched by the engine) and write the prompt +
-    response ids as a token dataset at `directory`."""
-    write_token_dataset(directory, respond(engine, prompts, params, range(len(prompts)), progress))
-
-
 def respond(engine: Engine, prompts: list[list[int]], params: SamplingParams, numbers,
             progress=None, chunk: int = 256) -> list[tuple[list[int], int]]:
     """(prompt + response ids, prompt length) for each prompt, answered by the engine (AR).
