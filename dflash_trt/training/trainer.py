@@ -338,7 +338,8 @@ class Trainer:
 
     def evaluate(self, temperatures: tuple[float, ...] = (0.0,)) -> dict:
         """Real acceptance of the written drafter on the held-out prompts, through the engine
-        (over a sharded target every rank calls this; rank 0 gets the report)."""
+        (over a sharded target every rank calls this, rank 0 gets the report, and the trainer's
+        models are dropped first: training is over)."""
         prompts = [list(map(int, self.dataset[i][0][:self.dataset[i][1]]))
                    for i in range(self.train_size, len(self.dataset))]
         if not prompts:
@@ -346,6 +347,10 @@ class Trainer:
         longest = max(map(len, prompts)) + self.cfg.eval_max_tokens
         sizes = dict(max_batch_size=min(16, len(prompts)), max_seq_len=longest)
         if self.mesh is not None:  # the target and the written drafter split over the ranks
+            # their parts take the room of the training's models, which end here
+            self.target = self.drafter = self.objective = self.model = self.optimizer = None
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
             engine = sharded_engine(self.target_dir, self.out_dir, self.device, self.rank, self.world, **sizes)
             if engine is None:
                 return {}
