@@ -478,7 +478,12 @@ class DraftConfig:
     def from_dir(cls, directory: Path, num_target_layers: int | None = None) -> "DraftConfig":
         """`num_target_layers` feeds the default tap formula when the config lists no taps."""
         path = Path(directory) / "config.json"
-        f = _Fields(read_json(path), path)
+        return cls.from_mapping(read_json(path), path, num_target_layers)
+
+    @classmethod
+    def from_mapping(cls, data: dict, path: Path, num_target_layers: int | None = None) -> "DraftConfig":
+        """A config.json's contents (`path` names it in errors), before or without the file."""
+        f = _Fields(data, path)
         dflash = f.data.get("dflash_config") or {}
         if not isinstance(dflash, dict):
             raise f.error("dflash_config", f"must be an object, got {dflash!r}")

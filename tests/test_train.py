@@ -185,11 +185,14 @@ def test_bad_training_input_fails_by_name_and_leaves_no_run(make_pair, tmp_path)
     few = dflash_trt("train", "--target", pair.target, "--data", "gsm8k", "--num-prompts", 1, "-o", tmp_path / "d6",
                      "--nproc", 2)
     assert few.returncode == 1 and "1 prompts are fewer than the 2 processes" in few.stderr
-    odd = make_pair(num_heads=3, num_kv_heads=1, tokenizer_tokens=None, vocab_size=512)
+    odd = make_pair(num_heads=3, num_kv_heads=1)
     unsplit = dflash_trt("train", "--target", odd.target, "--data", "gsm8k", "-o", tmp_path / "d7", "--nproc", 2,
                          "--shard-target")
     assert unsplit.returncode == 1 and "num_attention_heads = 3 does not split over 2 ranks" in unsplit.stderr
-    assert not any((tmp_path / d).exists() for d in ("d5", "d6", "d7"))
+    wide = dflash_trt("train", "--target", pair.target, "--data", "gsm8k", "-o", tmp_path / "d8", "--nproc", 2,
+                      "--shard-target", "--intermediate-size", 129)
+    assert wide.returncode == 1 and "the drafter's intermediate_size = 129 does not split over 2 ranks" in wide.stderr
+    assert not any((tmp_path / d).exists() for d in ("d5", "d6", "d7", "d8"))
 
 
 # no clipping: a rank clips the averaged gradient, one process would clip each half

@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
 from dflash_trt import parallel
-from dflash_trt.config import read_json
+from dflash_trt.config import DraftConfig, read_json
 from dflash_trt.engine import Engine
 from dflash_trt.errors import ConfigError, DFlashError
 from dflash_trt.kv_cache import Batch
@@ -395,12 +395,12 @@ def train(target_dir: Path, source: str, out_dir: Path, *, shape: DrafterShape =
             raise ConfigError(f"{out_dir / CHECKPOINT}: no checkpoint to resume from")
         given = Path(source) if (Path(source) / data.INDEX_FILE).is_file() else None  # a token dataset
         conversations = None if given else data.read_conversations(source)  # read before anything is written
-        if shard_target:  # its engine splits every layer over the ranks (sharded_engine)
-            parallel.check_supported(load_target_config(target_dir), world)
         if conversations is not None and not shard_target and len(conversations[:data_cfg.limit]) < world:
             raise ConfigError(f"{source}: {len(conversations[:data_cfg.limit])} prompts are fewer than the {world} "
                               "processes that answer them")
         start_from = None if resume else initial_drafter(target_dir, shape, init_from, cfg.seed)
+        if shard_target:  # its engine splits every layer over the ranks (sharded_engine)
+            _check_splits(target_dir, start_from[0] if start_from else read_json(out_dir / "config.json"), world)
         out_dir.mkdir(parents=True, exist_ok=True)
     if world > 1:
         given = parallel.broadcast(given)  # without one, every rank takes part in writing the data
@@ -433,6 +433,18 @@ def train(target_dir: Path, source: str, out_dir: Path, *, shape: DrafterShape =
         report["peak_gpu_memory_gb"] = round(torch.cuda.max_memory_allocated(dev) / 1e9, 2)
     (out_dir / EVAL).write_text(json.dumps(report, indent=1) + "\n")
     return report
+
+
+def _check_splits(target_dir: Path, drafter_config: dict, world: int) -> None:
+    """The target's and the drafter's heads and widths split over `world` ranks (the sharded
+    engine's), checked before anything is written, not when the trained drafter is evaluated."""
+    target = load_target_config(target_dir)
+    parallel.check_supported(target, world)
+    try:
+        parallel.check_supported(DraftConfig.from_mapping(drafter_config, Path("config.json"),
+                                                          target.dims.num_hidden_layers), world)
+    except ConfigError as e:
+        raise ConfigError(f"the drafter's {e}") from None
 
 
 def _rank_main(rank: int, world: int, folder: str, kwargs: dict) -> None:
