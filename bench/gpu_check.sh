@@ -275,6 +275,7 @@ train-ranks)
   # each and sharded over both (--shard-target): each run's data, drafter, evaluation and log
   for shard in "" --shard-target; do
     name=ranks${shard:+-sharded}
+    rm -rf "/tmp/$name"  # a warm machine keeps the last call's run, which train would refuse to overwrite
     step "train-$name" 400 dflash-trt train --target dflash_trt/fixtures/demo/target \
       --init-from dflash_trt/fixtures/demo/drafter --data gsm8k --num-prompts 256 --response-tokens 256 \
       --steps 200 --lr 1e-5 --eval-prompts 32 --eval-max-tokens 128 --nproc 2 --device cuda $shard -o "/tmp/$name"

@@ -28,7 +28,7 @@ from dflash_trt.sampling import SamplingParams
 from dflash_trt.training import data
 from dflash_trt.training.drafter_files import DrafterShape
 from dflash_trt.training.objective import IGNORE, Blocks, DraftObjective, attention_mask, block_inputs, sample_anchors
-from dflash_trt.training.trainer import TrainConfig, Trainer, initial_drafter, sharded_engine
+from dflash_trt.training.trainer import TrainConfig, Trainer, initial_drafter, rank_device, sharded_engine
 
 SLIDING = dict(draft_layer_types=("sliding_attention", "full_attention"), sliding_window=3)
 
@@ -193,6 +193,15 @@ def test_bad_training_input_fails_by_name_and_leaves_no_run(make_pair, tmp_path)
                       "--shard-target", "--intermediate-size", 129)
     assert wide.returncode == 1 and "the drafter's intermediate_size = 129 does not split over 2 ranks" in wide.stderr
     assert not any((tmp_path / d).exists() for d in ("d5", "d6", "d7", "d8"))
+
+
+def test_each_rank_trains_on_its_own_gpu_and_one_named_gpu_cannot_serve_several():
+    assert rank_device("cuda", 1, 2, cuda=True) == torch.device("cuda", 1)
+    assert rank_device(None, 1, 2, cuda=True) == torch.device("cuda", 1)
+    assert rank_device("cuda:1", 0, 1, cuda=True) == torch.device("cuda", 1)  # one process: as named
+    assert rank_device(None, 1, 2, cuda=False) == torch.device("cpu")
+    with pytest.raises(ConfigError, match="--device cuda:0 names one GPU for 2 processes"):
+        rank_device("cuda:0", 1, 2, cuda=True)
 
 
 # no clipping: a rank clips the averaged gradient, one process would clip each half

@@ -98,13 +98,26 @@ def _distributed() -> tuple[int, int]:
     return (dist.get_rank(), world) if world > 1 else (0, 1)
 
 
-def _device(rank: int, device: str | None) -> torch.device:
-    if device:
-        return torch.device(device)
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+def rank_device(device: str | None, local_rank: int, world: int, cuda: bool) -> torch.device:
+    """The device a rank trains on: with several processes, "cuda" (or none given, on a GPU
+    machine) means this rank's own GPU; one named GPU cannot serve them all (NCCL refuses two
+    ranks on one device)."""
+    if device is None:
+        device = "cuda" if cuda else "cpu"
+    chosen = torch.device(device)
+    if chosen.type != "cuda" or world == 1:
+        return chosen
+    if chosen.index is not None:
+        raise ConfigError(f"--device {device} names one GPU for {world} processes: pass --device cuda, and each "
+                          "process takes the GPU of its rank")
+    return torch.device("cuda", local_rank)
+
+
+def _device(rank: int, device: str | None, world: int) -> torch.device:
+    dev = rank_device(device, int(os.environ.get("LOCAL_RANK", rank)), world, torch.cuda.is_available())
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)  # collectives and "cuda" tensors without an index use it
+    return dev
 
 
 def _target_dtype(device: torch.device) -> torch.dtype:
@@ -383,7 +396,7 @@ def train(target_dir: Path, source: str, out_dir: Path, *, shape: DrafterShape =
     if shard_target and world == 1:
         raise ConfigError("shard_target shards the target over several processes: train with --nproc N (N > 1) "
                           "or under torchrun")
-    dev = _device(rank, device)
+    dev = _device(rank, device, world)
     progress = progress if rank == 0 else (lambda *_: None)
     mesh = _mesh(dev, world) if shard_target else None
     given = conversations = start_from = None
