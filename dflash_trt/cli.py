@@ -10,6 +10,7 @@ package's only function-local imports besides optional dependencies.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 import time
@@ -247,6 +248,8 @@ def train(target, source, output, block_size, draft_layers, target_layer_ids, ma
                             temperature=response_temperature, limit=num_prompts, generate_batch=generate_batch))
     with _errors():
         report = train_processes(nproc, **kwargs) if nproc > 1 else train_drafter(**kwargs)
+    if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 speaks for the run
+        return
     for key, value in report.items():
         if key.startswith("temperature_"):
             click.echo(f"held-out prompts ({report['prompts']}), {key.replace('_', ' ')}: mean acceptance length "

@@ -13,6 +13,7 @@ same run (`tests/test_train.py` checks a resumed run ends with the uninterrupted
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import os
@@ -90,11 +91,14 @@ def learning_rate(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, cfg.steps - warm)))
 
 
-def _distributed() -> tuple[int, int]:
+def _distributed(device: str | None) -> tuple[int, int]:
     """(rank, world) under torchrun or `--nproc`, with the process group up; (0, 1) alone."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if world > 1 and not dist.is_initialized():  # torchrun's ranks (`--nproc` starts the group in _rank_main)
+        dist.init_process_group("nccl" if torch.cuda.is_available() and device != "cpu" else "gloo")
+        # ended before the interpreter's teardown, where a live group's threads can abort the
+        # process (pytorch/pytorch#179291) and torchrun would report a finished run as failed
+        atexit.register(dist.destroy_process_group)
     return (dist.get_rank(), world) if world > 1 else (0, 1)
 
 
@@ -118,6 +122,16 @@ def _device(rank: int, device: str | None, world: int) -> torch.device:
     if dev.type == "cuda":
         torch.cuda.set_device(dev)  # collectives and "cuda" tensors without an index use it
     return dev
+
+
+def check_dataset_size(sequences: int, cfg: TrainConfig, world: int, where) -> int:
+    """The sequences left for training after the held-out ones, if they fill one step."""
+    left = sequences - cfg.eval_prompts
+    if left < cfg.batch_size * world:
+        raise ConfigError(f"{where}: {sequences} sequences leave {left} for training after {cfg.eval_prompts} held "
+                          f"out; one step needs {cfg.batch_size * world} (--batch-size {cfg.batch_size} x {world} "
+                          "processes)")
+    return left
 
 
 def _target_dtype(device: torch.device) -> torch.dtype:
@@ -258,10 +272,7 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
                                            betas=(0.9, 0.95))
         self.dataset = dataset
-        self.train_size = len(dataset) - cfg.eval_prompts
-        if self.train_size < cfg.batch_size * world:
-            raise ConfigError(f"{dataset.directory}: {len(dataset)} sequences leave {self.train_size} for training "
-                              f"after {cfg.eval_prompts} held out; one step needs {cfg.batch_size * world}")
+        self.train_size = check_dataset_size(len(dataset), cfg, world, dataset.directory)
         self.step, self.cursor = 0, data.Cursor()
         self.stop_requested = False
 
@@ -392,7 +403,7 @@ def train(target_dir: Path, source: str, out_dir: Path, *, shape: DrafterShape =
     """Train a drafter for the target into out_dir (z-lab layout); returns the evaluation.
     `shard_target`: for a target one device cannot hold, FSDP over the ranks for training and
     tensor parallelism for the engine that writes the data and evaluates (sharded_engine)."""
-    rank, world = _distributed()
+    rank, world = _distributed(device)
     if shard_target and world == 1:
         raise ConfigError("shard_target shards the target over several processes: train with --nproc N (N > 1) "
                           "or under torchrun")
@@ -414,6 +425,9 @@ def train(target_dir: Path, source: str, out_dir: Path, *, shape: DrafterShape =
         start_from = None if resume else initial_drafter(target_dir, shape, init_from, cfg.seed)
         if shard_target:  # its engine splits every layer over the ranks (sharded_engine)
             _check_splits(target_dir, start_from[0] if start_from else read_json(out_dir / "config.json"), world)
+        if not resume:  # a prompt makes one sequence: too few to train on fail before they are answered
+            sequences = len(data.TokenDataset(given)) if given else len(conversations[:data_cfg.limit])
+            check_dataset_size(sequences, cfg, world, source)
         out_dir.mkdir(parents=True, exist_ok=True)
     if world > 1:
         given = parallel.broadcast(given)  # without one, every rank takes part in writing the data
