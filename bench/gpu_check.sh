@@ -27,7 +27,8 @@
 #   bash bench/gpu_check.sh prefill    # one prefill's wall, kernel and host time: Qwen3.5-9B and Qwen3-8B
 #   bash bench/gpu_check.sh stall      # chunked prefill on the GPU (tests), then a 30k-token prompt arriving
 #                                      # while 8 Qwen3-8B requests decode: one pass vs 2048-token chunks
-#   bash bench/gpu_check.sh train-ranks # (2 GPUs) train over 2 processes, the target whole and sharded (FSDP)
+#   bash bench/gpu_check.sh train-ranks # (2 GPUs) train over 2 processes, the target whole and sharded
+#                                      # (FSDP in training, tensor-parallel for the data and evaluation)
 #   bash bench/gpu_check.sh demo-target demo-drafter demo-eval
 #                                      # the shipped demo pair's recipe (bench/train_demo.py; its corpus
 #                                      # stage writes .gpu/demo first, on any machine)
