@@ -35,6 +35,7 @@ and a watchdog that ends the leader's process, with a log line, when one of them
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import dataclasses
 import os
@@ -352,7 +353,8 @@ class Leader(Engine):
 
     def step(self):
         broadcast(("step", None))
-        return super().step()
+        with _marks_broken():
+            return super().step()
 
     def set_mode(self, mode: str) -> None:
         super().set_mode(mode)
@@ -360,11 +362,13 @@ class Leader(Engine):
 
     def warm_up(self) -> None:
         broadcast(("warm_up", None))
-        super().warm_up()
+        with _marks_broken():
+            super().warm_up()
 
     def sibling(self, **changes) -> "Leader":
         broadcast(("sibling", changes))  # the followers' engine becomes its sibling too
-        return super().sibling(**changes)
+        with _marks_broken():
+            return super().sibling(**changes)
 
     def set_oracle(self, oracle) -> None:
         broadcast(("set_oracle", oracle))  # pickled: references, the draw (its RNG unused yet), forced
@@ -434,14 +438,16 @@ def join_as_leader(engine_dir: Path, size: int, device: str, draft_window: int |
     if device == "cuda" and torch.cuda.device_count() < size:
         raise ConfigError(f"{engine_dir} was built for {size} GPUs (tensor parallelism), this machine has "
                           f"{torch.cuda.device_count()}")
-    rendezvous = launch_followers(engine_dir, size, device, draft_window)
+    rendezvous, procs = launch_followers(engine_dir, size, device, draft_window)
     init(0, size, rendezvous, device)
+    atexit.register(_end_group, procs)  # after the group is up; runs before the folder's removal
 
 
-def launch_followers(engine_dir: Path, size: int, device: str, draft_window: int | None = None) -> str:
+def launch_followers(engine_dir: Path, size: int, device: str,
+                     draft_window: int | None = None) -> tuple[str, list[subprocess.Popen]]:
     """Start ranks 1..size-1 for `engine_dir` and a watchdog over them; returns the rendezvous
-    file rank 0 joins with (init). A follower that dies ends this process (exit 1); a follower
-    whose leader dies gets SIGTERM (Linux parent-death signal)."""
+    file rank 0 joins with (init) and the processes. A follower that dies ends this process
+    (exit 1); a follower whose leader dies gets SIGTERM (Linux parent-death signal)."""
     folder = tempfile.mkdtemp(prefix="dflash-trt-tp-")
     # the group's file store lives as long as the group: the leader removes it when it exits
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
@@ -452,7 +458,42 @@ def launch_followers(engine_dir: Path, size: int, device: str, draft_window: int
     procs = [subprocess.Popen([python, "-m", "dflash_trt.parallel", args[0], str(rank), *args[1:]],
                               preexec_fn=_die_with_parent) for rank in range(1, size)]
     threading.Thread(target=_watch, args=(procs,), name="dflash-tp-watchdog", daemon=True).start()
-    return rendezvous
+    return rendezvous, procs
+
+
+_ending = threading.Event()  # set when the leader ends the group: its followers' exits are expected
+_broken = False  # a leader's call failed, maybe between collectives: the followers cannot be released
+
+
+@contextlib.contextmanager
+def _marks_broken():
+    global _broken
+    try:
+        yield
+    except BaseException:
+        _broken = True
+        raise
+
+
+def _end_group(procs: list[subprocess.Popen]) -> None:
+    """At the leader's exit: release the followers (they wait for its next call) and end the
+    group with them. An NCCL group that the leader alone leaves blocks its exit (on 2 H100s
+    `run` printed its answer and never returned; gloo does not block). After a failed call
+    the followers may sit in another collective, so they are killed instead."""
+    _ending.set()
+    if _broken or any(proc.poll() is not None for proc in procs):  # nobody to release, or not safely
+        for proc in procs:
+            proc.kill()
+        return
+    if not dist.is_initialized():
+        return
+    broadcast(("stop", None))
+    dist.destroy_process_group()
+    for proc in procs:
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def leave(code: int = 0) -> None:
@@ -470,10 +511,10 @@ def _die_with_parent() -> None:
 
 
 def _watch(procs: list[subprocess.Popen]) -> None:
-    while True:
+    while not _ending.is_set():
         for rank, proc in enumerate(procs, start=1):
             code = proc.poll()
-            if code is not None:
+            if code is not None and not _ending.is_set():
                 print(f"dflash-trt: tensor-parallel rank {rank} (pid {proc.pid}) exited with code {code}; "
                       "stopping the other ranks and this process", file=sys.stderr, flush=True)
                 for other in procs:

@@ -8,7 +8,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from ports import free_ports
 
+from dflash_trt import parallel
 from dflash_trt.engine import Engine
 from dflash_trt.errors import ConfigError
 from dflash_trt.kv_cache import Batch
@@ -182,6 +185,33 @@ def test_run_on_a_two_rank_engine_prints_what_the_whole_engine_prints(builds, tm
     refused = dflash_trt("run", builds / "whole", *args, "--tensor-parallel", 3)
     assert refused.returncode == 1 and "num_attention_heads = 4 does not split over 3 ranks" in refused.stderr
     assert json.loads((builds / "tp2" / "engine" / "engine.json").read_text())["build_config"]["tensor_parallel"] == 2
+
+
+def _leaving_rank(rank: int, world: int, init: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))  # a follower never released fails the test, not CI
+    if rank == 0:
+        parallel._end_group([])
+        with open(out, "w") as f:
+            f.write(f"group alive after: {dist.is_initialized()}")
+    else:
+        parallel.follow(engine=None)  # the leader's first word must be "stop": this engine is never used
+        dist.destroy_process_group()
+    leave()
+
+
+def test_a_leader_at_exit_releases_its_followers_and_ends_the_group_with_them(tmp_path):
+    mp.start_processes(_leaving_rank, args=(2, str(tmp_path / "init"), str(tmp_path / "out")), nprocs=2,
+                       start_method="spawn")
+    assert (tmp_path / "out").read_text() == "group alive after: False"
+
+
+def test_a_leader_whose_call_failed_kills_its_followers_at_exit(monkeypatch):
+    monkeypatch.setattr(parallel, "_ending", threading.Event())  # the module's own stays clear for other tests
+    monkeypatch.setattr(parallel, "_broken", True)
+    follower = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    parallel._end_group([follower])
+    assert follower.wait(timeout=10) == -signal.SIGKILL
 
 
 def test_a_rank_that_dies_ends_the_leader_with_a_clear_line_not_a_hang(builds):
