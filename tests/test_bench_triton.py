@@ -10,7 +10,8 @@ from click.testing import CliRunner
 pytest.importorskip("tritonclient.grpc", reason="needs tritonclient[grpc,http]")
 
 from ports import free_ports  # noqa: E402
-from test_triton_e2e import demo, local, server  # noqa: E402, F401  (module fixtures: build, serve, load)
+from test_triton_e2e import engine_dir  # noqa: E402, F401  (module fixtures: build the demo, serve it, load it)
+from triton_clients import local, server  # noqa: E402, F401
 
 from dflash_trt.benchmark import bench, loadgen  # noqa: E402
 from dflash_trt.benchmark.datasets import load_prompts  # noqa: E402
@@ -49,9 +50,9 @@ def test_closed_loop_requests_get_the_in_process_greedy_outputs(server, local, p
 
 
 @pytest.fixture(scope="module")
-def openai_url(demo, server):
+def openai_url(engine_dir, server):
     (port,) = free_ports(1)
-    api = start_api(demo / "engine", server.endpoints.grpc, "127.0.0.1", port)
+    api = start_api(engine_dir / "engine", server.endpoints.grpc, "127.0.0.1", port)
     yield api.url
     api.stop()
 
@@ -68,7 +69,7 @@ def test_closed_loop_through_the_openai_api_gets_the_same_outputs_and_counts(ope
         [1 + a / n for a, n in zip(accepted, steps)])
 
 
-def test_one_bench_compares_grpc_and_the_openai_api(demo, server, openai_url, tmp_path):
+def test_one_bench_compares_grpc_and_the_openai_api(engine_dir, server, openai_url, tmp_path):
     report = tmp_path / "both.json"
     result = CliRunner().invoke(cli, ["bench", "--url", server.endpoints.grpc, "--url", openai_url, "--dataset",
                                       "mt_bench", "--concurrency", "1", "--num-prompts", "2", "--max-tokens", "4",
@@ -99,20 +100,20 @@ def test_url_bench_rows_count_the_in_process_tokens_at_each_concurrency(server, 
         assert 0 < r.itl_p50_s < r.latency_p50_s
 
 
-def test_a_server_that_is_not_there_is_a_clear_error_before_any_in_process_run(demo):
+def test_a_server_that_is_not_there_is_a_clear_error_before_any_in_process_run(engine_dir):
     (port,) = free_ports(1)
     url = f"127.0.0.1:{port}"
     with pytest.raises(ClientError, match=f"{url}: cannot reach a Triton server"):
         loadgen.run_triton_bench(url, ["hi"], concurrencies=(1,), max_tokens=4)
-    result = CliRunner().invoke(cli, ["bench", str(demo), "--url", url, "--num-prompts", "1", "--max-tokens", "4"])
+    result = CliRunner().invoke(cli, ["bench", str(engine_dir), "--url", url, "--num-prompts", "1", "--max-tokens", "4"])
     assert result.exit_code == 1 and url in result.stderr
     assert "AR:" not in result.stderr  # failed before the in-process runs
 
 
-def test_cli_prints_both_tables_and_the_serving_overhead(demo, server, tmp_path):
+def test_cli_prints_both_tables_and_the_serving_overhead(engine_dir, server, tmp_path):
     report = tmp_path / "bench.json"
     args = ["--dataset", "mt_bench", "--concurrency", "1,2", "--num-prompts", "2", "--max-tokens", "4"]
-    result = CliRunner().invoke(cli, ["bench", str(demo), "--url", server.endpoints.grpc, *args,
+    result = CliRunner().invoke(cli, ["bench", str(engine_dir), "--url", server.endpoints.grpc, *args,
                                       "--json", str(report)])
     assert result.exit_code == 0, result.output
     local_table, triton_table, overhead = result.stdout.strip().split("\n\n")

@@ -10,13 +10,14 @@ import os
 import threading
 
 import pytest
-from test_triton_e2e import demo, server  # noqa: F401  (module fixtures: build the demo, serve it)
-from triton_clients import (
+from test_triton_e2e import engine_dir  # noqa: F401  (module fixtures: build the demo, serve it)
+from triton_clients import (  # noqa: F401 (server: a fixture)
     expected_text,
     greedy_reference,
     grpc_stream,
     http_infer,
     post,
+    server,
     server_rss_kib,
     text_of,
 )
@@ -65,8 +66,8 @@ def run_clients(server, requests: int) -> list[tuple[str, str, str | Exception]]
     return results
 
 
-def test_concurrent_clients_each_get_their_own_text_and_memory_stays_flat(demo, server):
-    local = load_engine(demo / "engine")
+def test_concurrent_clients_each_get_their_own_text_and_memory_stays_flat(engine_dir, server):
+    local = load_engine(engine_dir / "engine")
     expected = greedy_reference(local)
     want = {prompt: expected_text(local, expected, prompt, MAX_TOKENS) for prompt in PROMPTS}
     assert len(set(want.values())) == len(PROMPTS), "two prompts share an output: a mix-up would go unseen"

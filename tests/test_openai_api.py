@@ -9,8 +9,8 @@ import urllib.request
 import pytest
 from openai import AuthenticationError, BadRequestError, OpenAI
 from ports import free_ports
-from test_triton_e2e import demo, local, server  # noqa: F401  (module fixtures: build, serve, load)
-from triton_clients import greedy_reference
+from test_triton_e2e import engine_dir  # noqa: F401  (module fixtures: build the demo, serve it, load it)
+from triton_clients import greedy_reference, local, server  # noqa: F401 (local, server: fixtures)
 
 from dflash_trt.serving.openai_api import ApiServer, Frontend, StopCut, parse_generation
 

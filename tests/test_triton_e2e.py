@@ -10,30 +10,30 @@ import urllib.request
 
 import numpy as np
 import pytest
-from triton_clients import (
+from triton_clients import (  # noqa: F401 (server, local, expected: fixtures)
     MAX_TOKENS,
     TIMEOUT_S,
     InferenceServerException,
+    expected,
     expected_text,
-    greedy_reference,
     grpc_client,
     grpc_infer,
     grpc_stream,
     grpcclient,
     http_client,
     http_infer,
+    local,
     httpclient,
     np_to_triton_dtype,
     post,
+    server,
     server_rss_kib,
-    serving,
     tensors,
     text_of,
 )
 
 from dflash_trt.build import run
 from dflash_trt.config import resolve_config
-from dflash_trt.loading import load_engine
 from dflash_trt.sampling import SamplingParams
 from dflash_trt.serving import protocol as p
 from dflash_trt.serving.worker import perf_metrics
@@ -46,28 +46,10 @@ PROMPTS = ["你好，世界", "1 2 3", "中文", "        self.assertEqual('é'"
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory):
+def engine_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("e2e") / "demo"
     run(resolve_config("tiny"), out)
     return out
-
-
-@pytest.fixture(scope="module")
-def server(demo):
-    with serving(demo) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def local(demo):
-    """The same engine in-process: the reference every server output is compared with."""
-    return load_engine(demo / "engine")
-
-
-@pytest.fixture(scope="module")
-def expected(local):
-    """prompt (or chat text) -> greedy AR output ids without the end token, computed once."""
-    return greedy_reference(local)
 
 
 # -- tests ------------------------------------------------------------------------------------

@@ -11,24 +11,24 @@ import threading
 import pytest
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
-from triton_clients import (
+from triton_clients import (  # noqa: F401 (server, local, expected: fixtures)
     MAX_TOKENS,
     TIMEOUT_S,
     InferenceServerException,
+    expected,
     expected_text,
-    greedy_reference,
     grpc_infer,
     grpc_stream,
     http_client,
     http_infer,
+    local,
     post,
-    serving,
+    server,
     text_of,
 )
 
 from dflash_trt.cli import cli
 from dflash_trt.fixtures.pair import TinyPairSpec, write_tiny_pair
-from dflash_trt.loading import load_engine
 from dflash_trt.sampling import SamplingParams
 from dflash_trt.serving import protocol as p
 from dflash_trt.serving.worker import perf_metrics
@@ -66,7 +66,7 @@ def finish_pair(pair):
 
 
 @pytest.fixture(scope="module", params=list(SPECS))
-def built(tmp_path_factory, request):
+def engine_dir(tmp_path_factory, request):
     root = tmp_path_factory.mktemp(f"hybrid-{request.param}")
     pair = write_tiny_pair(root / "pair", SPECS[request.param])
     finish_pair(pair)
@@ -79,30 +79,16 @@ def built(tmp_path_factory, request):
     return out
 
 
-@pytest.fixture(scope="module")
-def server(built):
-    with serving(built) as server:
-        yield server
 
 
-@pytest.fixture(scope="module")
-def local(built):
-    return load_engine(built / "engine")
-
-
-@pytest.fixture(scope="module")
-def expected(local):
-    return greedy_reference(local)
-
-
-def test_the_build_keeps_the_qwen3_5_tokenizer_files_and_the_hybrid_target(built, local):
-    assert (built / "engine" / "tokenizer" / "chat_template.jinja").is_file()
+def test_the_build_keeps_the_qwen3_5_tokenizer_files_and_the_hybrid_target(engine_dir, local):
+    assert (engine_dir / "engine" / "tokenizer" / "chat_template.jinja").is_file()
     assert local.engine.target.stateful and local.engine.target_cache.num_snapshots == local.engine.block_size == 8
     assert local.engine.drafter.config.layer_types == ("sliding_attention", "full_attention")
     moe = local.engine.target.config.moe
-    assert (moe is not None) == ("moe" in built.parent.name)
+    assert (moe is not None) == ("moe" in engine_dir.parent.name)
     if moe is not None:  # the engine stores the experts packed, as the kernels read them
-        packed = load_file(built / "engine" / "target" / "model.safetensors")
+        packed = load_file(engine_dir / "engine" / "target" / "model.safetensors")
         # the shared expert packed as a ninth
         assert packed["model.layers.0.mlp.experts.gate_up_proj"].shape == (9, 64, SPEC.hidden_size)
         assert moe.num_experts == 8 and moe.shared_expert_size > 0

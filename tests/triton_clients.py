@@ -40,6 +40,30 @@ def serving(output: Path):
         server.stop()
 
 
+# The served-engine fixtures of a module that defines `engine_dir` (a `dflash-trt build` output)
+# and imports these three.
+
+
+@pytest.fixture(scope="module")
+def server(engine_dir):
+    with serving(engine_dir) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def local(engine_dir):
+    """The same engine in-process: the reference every server output is compared with."""
+    from dflash_trt.loading import load_engine
+
+    return load_engine(engine_dir / "engine")
+
+
+@pytest.fixture(scope="module")
+def expected(local):
+    """prompt (or chat text) -> greedy AR output ids without the end token, computed once."""
+    return greedy_reference(local)
+
+
 def greedy_reference(local):
     """(prompt or chat text, max_tokens) -> the in-process engine's greedy AR output ids
     without the end token, each computed once. `local` is a build.LoadedEngine."""
