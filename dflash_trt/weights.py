@@ -68,6 +68,10 @@ class Checkpoint:
         except (SafetensorError, OSError, RuntimeError) as e:
             raise CheckpointError(f"{path}: cannot read tensor '{name}' ({e})") from None
 
+    def unread(self, name: str) -> "Unread":
+        """A stored tensor to cut before reading: indexing it reads only the part kept."""
+        return Unread(self, name)
+
     def resolve(self, name: str, prefixes: tuple[str, ...]) -> str:
         """The stored name of model tensor `name`, trying each allowed prefix."""
         for prefix in prefixes:
@@ -75,6 +79,26 @@ class Checkpoint:
                 if stored in self.files:
                     return stored
         raise CheckpointError(f"{self.directory}: tensor '{prefixes[0] + name}' is missing from the checkpoint")
+
+
+class Unread:
+    """A checkpoint tensor not read yet, for a tensor-parallel cut (parallel.plan) to narrow or
+    index: only the rows or columns the rank keeps leave the file, not the whole tensor (a
+    397B-A17B rank would otherwise read all 793 GB to keep an eighth)."""
+
+    def __init__(self, checkpoint: Checkpoint, name: str):
+        self.checkpoint, self.name = checkpoint, name
+        self.shape = checkpoint.shape(name)
+
+    def __getitem__(self, index) -> torch.Tensor:
+        path = self.checkpoint.files[self.name]
+        try:
+            return self.checkpoint._open(path).get_slice(self.name)[index]
+        except (SafetensorError, OSError, RuntimeError) as e:
+            raise CheckpointError(f"{path}: cannot read tensor '{self.name}' ({e})") from None
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        return self[(slice(None),) * dim + (slice(start, start + length),)]
 
 
 def _in_language_model(name: str) -> str:
@@ -125,9 +149,10 @@ def load_weights(model: nn.Module, checkpoint: Checkpoint, prefixes: tuple[str, 
                  skip: tuple[str, ...] = (), cuts: dict | None = None, device=None) -> None:
     """Fill every parameter of `model` from `checkpoint`, checking shapes; extra tensors are ignored.
 
-    With `cuts` (a tensor-parallel rank's, parallel.plan), each parameter is checked whole, cut
-    to this rank's shard and set anew on `device`: one whole tensor in memory at a time, so the
-    model may be on "meta"."""
+    With `cuts` (a tensor-parallel rank's, parallel.plan), each parameter is cut to this rank's
+    shard and set anew on `device`, so the model may be on "meta": one stored tensor of the
+    parameter's shape is cut before it is read (Unread); parts to stack are read whole, one
+    parameter at a time."""
     modules = dict(model.named_modules())
     for param_name, param in model.named_parameters():
         if param_name in skip:
@@ -135,6 +160,11 @@ def load_weights(model: nn.Module, checkpoint: Checkpoint, prefixes: tuple[str, 
         module = modules[param_name.rpartition(".")[0]]
         parts = []
         sources = _sources(module, param_name, checkpoint, prefixes)
+        if cuts is not None and param_name in cuts and len(sources) == 1:  # one stored tensor: cut it unread
+            stored = checkpoint.resolve(sources[0], prefixes)
+            if checkpoint.shape(stored) == tuple(param.shape):
+                set_parameter(model, param_name, cuts[param_name](checkpoint.unread(stored)).to(device, param.dtype))
+                continue
         for source in sources:
             stored = checkpoint.resolve(source, prefixes)
             parts.append(checkpoint.get(stored))

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from ports import free_ports
 
-from dflash_trt import parallel
+from dflash_trt import parallel, weights
 from dflash_trt.engine import Engine
 from dflash_trt.errors import ConfigError
 from dflash_trt.kv_cache import Batch
@@ -185,6 +185,26 @@ def test_run_on_a_two_rank_engine_prints_what_the_whole_engine_prints(builds, tm
     refused = dflash_trt("run", builds / "whole", *args, "--tensor-parallel", 3)
     assert refused.returncode == 1 and "num_attention_heads = 4 does not split over 3 ranks" in refused.stderr
     assert json.loads((builds / "tp2" / "engine" / "engine.json").read_text())["build_config"]["tensor_parallel"] == 2
+
+
+def test_a_rank_reads_only_its_part_of_each_split_tensor(builds, monkeypatch):
+    read = []
+
+    def counted(tensor):
+        read.append(tensor.numel() * tensor.element_size())
+        return tensor
+
+    get, index = weights.Checkpoint.get, weights.Unread.__getitem__
+    monkeypatch.setattr(weights.Checkpoint, "get", lambda self, name: counted(get(self, name)))
+    monkeypatch.setattr(weights.Unread, "__getitem__", lambda self, where: counted(index(self, where)))
+    target = builds / "whole" / "engine" / "target"  # fused tensors, as an engine stores them
+    whole = load_target(target)
+    whole_bytes, read[:] = sum(read), []
+    part = load_target(target, group=Group(0, 2))  # rank 0 of 2, loaded alone: no collective runs
+    assert sum(read) < 0.55 * whole_bytes  # its half of every split tensor, the norms whole
+    ffn = "model.layers.0.mlp.down_proj.weight"
+    torch.testing.assert_close(part.get_parameter(ffn), whole.get_parameter(ffn)[:, :part.get_parameter(ffn).shape[1]],
+                               rtol=0, atol=0)
 
 
 def _leaving_rank(rank: int, world: int, init: str, out: str) -> None:
