@@ -472,6 +472,9 @@ def _bench_engine(output_dir, random_weights, device, draft_window, tensor_paral
 @click.option("--oracle-dist", type=click.Choice(["two-point", "geometric"]), default="two-point", show_default=True,
               help="How --oracle-tau draws the correct drafts per step: the two integers around τ - 1, or i.i.d. "
                    "per draft with the rate that gives τ (a long tail).")
+@click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True, metavar="N",
+              help="Run AR and DFlash N times each per concurrency, alternating on one engine; the row is the run "
+                   "of median speedup, with the lowest and highest: a change of a few percent told from noise.")
 @click.option("--stall-prompt", type=click.IntRange(min=1), metavar="N",
               help="Instead of the throughput rows: a prompt of N tokens arrives while --concurrency requests "
                    "decode; their token gaps during its prefill, in one pass and in --prefill-chunk-size chunks.")
@@ -479,7 +482,7 @@ def _bench_engine(output_dir, random_weights, device, draft_window, tensor_paral
 @_TENSOR_PARALLEL
 def bench(output_dir, random_weights, urls, compare_transformers, datasets, concurrency, num_prompts, max_tokens,
           oracle_tau, chat, thinking, device, json_file, prefill_chunk_size, verify_width, overlap, oracle_dist,
-          stall_prompt, draft_window_size, tensor_parallel):
+          repeat, stall_prompt, draft_window_size, tensor_parallel):
     """Benchmark AR vs DFlash per dataset and concurrency; markdown tables on stdout.
 
     \b
@@ -505,7 +508,8 @@ def bench(output_dir, random_weights, urls, compare_transformers, datasets, conc
         levels = [int(c) for c in concurrency.split(",")]
     except ValueError:
         raise click.BadParameter(f"expected comma-separated ints, got {concurrency!r}", param_hint="--concurrency")
-    runs = (2 * len(levels) if output_dir or random_weights else 0) + len(levels) * len(urls) + compare_transformers
+    runs = (2 * repeat * len(levels) if output_dir or random_weights else 0) + len(levels) * len(urls) + \
+        compare_transformers
     runs = 0 if stall_prompt else runs  # the stall test reports phases, not finished requests
     bar = (click.progressbar(length=runs * num_prompts * len(datasets), file=sys.stderr)
            if sys.stderr.isatty() and runs else None)
@@ -516,7 +520,8 @@ def bench(output_dir, random_weights, urls, compare_transformers, datasets, conc
                                       max_tokens=max_tokens, chat=chat, thinking=thinking, oracle_tau=oracle_tau,
                                       compare_transformers=compare_transformers, progress=progress,
                                       prefill_chunk=prefill_chunk_size, stall_prompt=stall_prompt or 0,
-                                      verify_width=verify_width, oracle_dist=oracle_dist, overlap=overlap)
+                                      verify_width=verify_width, oracle_dist=oracle_dist, overlap=overlap,
+                                      repeat=repeat)
     if bar:
         bar.render_finish()
     click.echo(bench_lib.format_report(report))

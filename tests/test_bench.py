@@ -1,5 +1,6 @@
 """`dflash-trt bench` and dflash_trt.bench: shipped prompt sets, rows, oracle τ, the CLI."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -86,6 +87,22 @@ def test_oracle_tau_sets_the_mean_acceptance_length(loaded):
     assert abs(row.tau_steps - 4) <= 0.5, row
     assert row.identical_share is None  # the forced oracle follows AR by construction
     assert "| n/a |" in bench.format_table([row])
+
+
+def test_a_repeated_bench_reports_its_median_run_and_the_range_of_all(loaded):
+    prompts = load_prompts("gsm8k", 3)
+    (row,) = bench.run_bench(loaded, prompts, dataset="gsm8k", concurrencies=(2,), max_tokens=12, oracle_tau=3,
+                             repeat=3)
+    low, high = row.speedup_range
+    assert row.runs == 3 and 0 < low <= row.speedup <= high
+    assert f"{row.speedup:.2f}x ({low:.2f}-{high:.2f}x, 3 runs)" in bench.format_table([row])
+    (once,) = bench.run_bench(loaded, prompts, dataset="gsm8k", concurrencies=(2,), max_tokens=12)
+    assert once.runs == 1 and once.speedup_range is None and "runs)" not in bench.format_table([once])
+    with pytest.raises(ConfigError, match="repeat must be >= 1, got 0"):
+        bench.run_bench(loaded, prompts, repeat=0)
+    runs = [dataclasses.replace(row, speedup=x, ar_tok_s=x) for x in (1.2, 3.0, 2.0, 2.5)]
+    assert (bench.median_run(runs[:3]).ar_tok_s, bench.median_run(runs[:3]).speedup_range) == (2.0, (1.2, 3.0))
+    assert bench.median_run(runs).speedup == 2.0  # of an even count, the lower middle run
 
 
 def test_oracle_num_correct_mean_and_bounds():

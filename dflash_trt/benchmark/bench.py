@@ -35,7 +35,7 @@ import json
 import math
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Sequence
 
 import torch
@@ -74,6 +74,8 @@ class BenchRow:
     num_prompts: int
     verify_width: float = 0.0  # tokens per verify, the mean over steps (the block unless adaptive)
     ar_overlap: bool = True  # steps overlapped the host's reading (Engine.overlap: AR and DFlash)
+    runs: int = 1  # AR + DFlash pairs run (--repeat): this row is the one of median speedup
+    speedup_range: tuple[float, float] | None = None  # the lowest and highest speedup of the runs
 
     @property
     def decode_speedup(self) -> float:
@@ -185,11 +187,14 @@ def run_bench(loaded_engine, prompts: Sequence[str], *, dataset: str = "custom",
               thinking: bool = False, oracle_tau: float | None = None, seed: int = 0,
               progress: Progress | None = None, ar_outputs: dict | None = None,
               prefill_chunk: int | None = None, verify_width: str | None = None,
-              oracle_dist: str = "two-point", overlap: bool | None = None) -> list[BenchRow]:
+              oracle_dist: str = "two-point", overlap: bool | None = None, repeat: int = 1) -> list[BenchRow]:
     """One BenchRow per concurrency: AR then DFlash over `prompts` (greedy, see the module doc).
 
     `ar_outputs`, when given, is filled with {concurrency: AR output ids per prompt};
-    `prefill_chunk`, `verify_width` and `overlap`, when given, override the engine's."""
+    `prefill_chunk`, `verify_width` and `overlap`, when given, override the engine's. `repeat`:
+    that many AR + DFlash pairs on one engine, alternating (runs after the first start from the
+    acceptance statistics the earlier ones left, as a warm server does); the row is the pair of
+    median speedup, with the range of all, so a change of a few percent can be told from noise."""
     base, tok = loaded_engine.engine, loaded_engine.tokenizer
     if base.drafter is None:
         raise ConfigError("the benchmark needs an engine with a drafter")
@@ -197,6 +202,8 @@ def run_bench(loaded_engine, prompts: Sequence[str], *, dataset: str = "custom",
         raise ConfigError("no prompts to benchmark")
     if not concurrencies or any(int(c) < 1 for c in concurrencies):
         raise ConfigError(f"concurrencies must be ints >= 1, got {list(concurrencies)}")
+    if repeat < 1:
+        raise ConfigError(f"repeat must be >= 1, got {repeat}")
     num_correct = OracleNumCorrect(oracle_tau, base.block_size, seed, oracle_dist) if oracle_tau is not None else None
     prompt_ids = encode_prompts(tok, prompts, chat=chat, thinking=thinking)
     params = SamplingParams(max_tokens=max_tokens, stop_token_ids=tuple(tok.stop_token_ids))
@@ -222,41 +229,55 @@ def run_bench(loaded_engine, prompts: Sequence[str], *, dataset: str = "custom",
     for c in concurrencies:
         c = int(c)
         engine = new_engine(c)
-        engine.set_mode("ar")
-        ar = _drive(engine, prompt_ids, params, c, progress)
-        if ar_outputs is not None:
-            ar_outputs[c] = ar.outputs
-        if progress:
-            progress(0, f"{dataset} c={c} AR: {ar.tok_s:.1f} tok/s")
-        if num_correct is not None:
-            # forced: bf16 near-ties would otherwise steer a random-weight run off its reference
-            engine.set_oracle(OracleDrafts({tuple(p): o for p, o in zip(prompt_ids, ar.outputs)}, num_correct,
-                                           forced=True))
-        engine.set_mode("dflash")
-        df = _drive(engine, prompt_ids, params, c, progress)
-        engine_overlap = engine.overlap
+        pairs = []
+        for _ in range(repeat):
+            engine.set_mode("ar")
+            ar = _drive(engine, prompt_ids, params, c, progress)
+            if ar_outputs is not None:
+                ar_outputs[c] = ar.outputs
+            if progress:
+                progress(0, f"{dataset} c={c} AR: {ar.tok_s:.1f} tok/s")
+            if num_correct is not None:
+                # forced: bf16 near-ties would otherwise steer a random-weight run off its reference
+                engine.set_oracle(OracleDrafts({tuple(p): o for p, o in zip(prompt_ids, ar.outputs)}, num_correct,
+                                               forced=True))
+            engine.set_mode("dflash")
+            df = _drive(engine, prompt_ids, params, c, progress)
+            pairs.append(_row(dataset, c, label, ar, df, num_correct is None, engine.overlap))
+            if progress:
+                progress(0, f"{dataset} c={c} DFlash: {df.tok_s:.1f} tok/s, τ {pairs[-1].tau_steps:.2f}, verify "
+                            f"width {pairs[-1].verify_width:.2f} ({label})")
         del engine
-        per_request = [s.mean_acceptance_length for s in df.stats if s.verify_steps]
-        steps = sum(s.verify_steps for s in df.stats)
-        tau_steps = sum(sum(s.acceptance_lengths) for s in df.stats) / steps if steps else 0.0
-        ttft = [s.ttft_s for s in df.stats if s.ttft_s is not None]
-        rows.append(BenchRow(
-            dataset=dataset, concurrency=c, mode_label=label, ar_tok_s=ar.tok_s, dflash_tok_s=df.tok_s,
-            speedup=df.tok_s / ar.tok_s if ar.tok_s else 0.0,
-            tau_per_request=sum(per_request) / len(per_request) if per_request else 0.0, tau_steps=tau_steps,
-            ar_decode_tok_s=ar.decode_tok_s, dflash_decode_tok_s=df.decode_tok_s,
-            ttft_p50_s=percentile(ttft, 50), ttft_p99_s=percentile(ttft, 99),
-            # forced oracle outputs equal AR by construction: not a measurement, so left out
-            identical_share=(sum(a == d for a, d in zip(ar.outputs, df.outputs)) / len(prompt_ids)
-                             if num_correct is None else None),
-            num_prompts=len(prompt_ids),
-            verify_width=(sum(s.verified_drafts + s.verify_steps for s in df.stats) / steps if steps else 0.0),
-            ar_overlap=engine_overlap,
-        ))
-        if progress:
-            progress(0, f"{dataset} c={c} DFlash: {df.tok_s:.1f} tok/s, τ {tau_steps:.2f}, verify width "
-                        f"{rows[-1].verify_width:.2f} ({label})")
+        rows.append(median_run(pairs))
     return rows
+
+
+def median_run(pairs: list[BenchRow]) -> BenchRow:
+    """Of the rows of repeated runs, the one of median speedup (the lower middle one of an even
+    count), with how many ran and, for several, their lowest and highest speedup."""
+    ranked = sorted(pairs, key=lambda r: r.speedup)
+    spread = (ranked[0].speedup, ranked[-1].speedup) if len(ranked) > 1 else None
+    return replace(ranked[(len(ranked) - 1) // 2], runs=len(ranked), speedup_range=spread)
+
+
+def _row(dataset: str, c: int, label: str, ar: _Run, df: _Run, real: bool, overlap: bool) -> BenchRow:
+    """The row of one AR run and one DFlash run over the same prompts."""
+    per_request = [s.mean_acceptance_length for s in df.stats if s.verify_steps]
+    steps = sum(s.verify_steps for s in df.stats)
+    ttft = [s.ttft_s for s in df.stats if s.ttft_s is not None]
+    return BenchRow(
+        dataset=dataset, concurrency=c, mode_label=label, ar_tok_s=ar.tok_s, dflash_tok_s=df.tok_s,
+        speedup=df.tok_s / ar.tok_s if ar.tok_s else 0.0,
+        tau_per_request=sum(per_request) / len(per_request) if per_request else 0.0,
+        tau_steps=sum(sum(s.acceptance_lengths) for s in df.stats) / steps if steps else 0.0,
+        ar_decode_tok_s=ar.decode_tok_s, dflash_decode_tok_s=df.decode_tok_s,
+        ttft_p50_s=percentile(ttft, 50), ttft_p99_s=percentile(ttft, 99),
+        # forced oracle outputs equal AR by construction: not a measurement, so left out
+        identical_share=sum(a == d for a, d in zip(ar.outputs, df.outputs)) / len(ar.outputs) if real else None,
+        num_prompts=len(ar.outputs),
+        verify_width=(sum(s.verified_drafts + s.verify_steps for s in df.stats) / steps if steps else 0.0),
+        ar_overlap=overlap,
+    )
 
 
 def format_table(rows: Sequence[BenchRow]) -> str:
@@ -266,7 +287,9 @@ def format_table(rows: Sequence[BenchRow]) -> str:
               "Identical", "Prompts", "Verify width", "Mode"]
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     for r in rows:
-        cells = [r.dataset, str(r.concurrency), f"{r.ar_tok_s:.1f}", f"{r.dflash_tok_s:.1f}", f"{r.speedup:.2f}x",
+        speedup = f"{r.speedup:.2f}x" + (f" ({r.speedup_range[0]:.2f}-{r.speedup_range[1]:.2f}x, {r.runs} runs)"
+                                         if r.speedup_range else "")
+        cells = [r.dataset, str(r.concurrency), f"{r.ar_tok_s:.1f}", f"{r.dflash_tok_s:.1f}", speedup,
                  f"{r.tau_steps:.2f}", f"{r.ar_decode_tok_s:.1f}", f"{r.dflash_decode_tok_s:.1f}",
                  f"{r.decode_speedup:.2f}x", f"{r.ttft_p50_s * 1e3:.1f} / {r.ttft_p99_s * 1e3:.1f}",
                  "n/a" if r.identical_share is None else f"{r.identical_share:.0%}", str(r.num_prompts),
@@ -358,7 +381,7 @@ def run_report(loaded_engine, datasets: Sequence[str], *, urls: Sequence[str] = 
                chat: bool = True, thinking: bool = False, oracle_tau: float | None = None,
                compare_transformers: bool = False, progress: Progress | None = None,
                prefill_chunk: int | None = None, stall_prompt: int = 0, verify_width: str | None = None,
-               oracle_dist: str = "two-point", overlap: bool | None = None) -> Report:
+               oracle_dist: str = "two-point", overlap: bool | None = None, repeat: int = 1) -> Report:
     """Per dataset: in-process rows (with an engine), the transformers row (if asked), and rows
     through each server URL (Triton's gRPC host:port, or the OpenAI API's http:// address), all
     over the same prompts. `stall_prompt` N > 0 runs prefill_stall.py's test instead (a prompt of
@@ -383,7 +406,8 @@ def run_report(loaded_engine, datasets: Sequence[str], *, urls: Sequence[str] = 
             rows = run_bench(loaded_engine, prompts, dataset=label, concurrencies=concurrencies,
                              max_tokens=max_tokens, chat=chat, thinking=thinking, oracle_tau=oracle_tau,
                              progress=progress, ar_outputs=ar_outputs, prefill_chunk=prefill_chunk,
-                             verify_width=verify_width, oracle_dist=oracle_dist, overlap=overlap)
+                             verify_width=verify_width, oracle_dist=oracle_dist, overlap=overlap,
+                             repeat=repeat)
             report.rows += rows
         if hf_model is not None:
             at_1 = next((r for r in rows if r.concurrency == 1), None)
