@@ -82,9 +82,9 @@ class Checkpoint:
 
 
 class Unread:
-    """A checkpoint tensor not read yet, for a tensor-parallel cut (parallel.plan) to narrow or
-    index: only the rows or columns the rank keeps leave the file, not the whole tensor (a
-    397B-A17B rank would otherwise read all 793 GB to keep an eighth)."""
+    """A checkpoint tensor not read yet, for a tensor-parallel cut (parallel.plan) or FSDP's
+    split to narrow or index: only the rows or columns the rank keeps leave the file, not the
+    whole tensor (each rank of a model split N ways would otherwise read all of it)."""
 
     def __init__(self, checkpoint: Checkpoint, name: str):
         self.checkpoint, self.name = checkpoint, name
@@ -150,9 +150,9 @@ def load_weights(model: nn.Module, checkpoint: Checkpoint, prefixes: tuple[str, 
     """Fill every parameter of `model` from `checkpoint`, checking shapes; extra tensors are ignored.
 
     With `cuts` (a tensor-parallel rank's, parallel.plan), each parameter is cut to this rank's
-    shard and set anew on `device`, so the model may be on "meta": one stored tensor of the
-    parameter's shape is cut before it is read (Unread); parts to stack are read whole, one
-    parameter at a time."""
+    shard and set anew on `device`, so the model may be on "meta"; a parameter FSDP shards keeps
+    its rows. Either way one stored tensor of the parameter's shape is cut before it is read
+    (Unread); parts to stack are read whole, one parameter at a time."""
     modules = dict(model.named_modules())
     for param_name, param in model.named_parameters():
         if param_name in skip:
@@ -160,10 +160,15 @@ def load_weights(model: nn.Module, checkpoint: Checkpoint, prefixes: tuple[str, 
         module = modules[param_name.rpartition(".")[0]]
         parts = []
         sources = _sources(module, param_name, checkpoint, prefixes)
-        if cuts is not None and param_name in cuts and len(sources) == 1:  # one stored tensor: cut it unread
-            stored = checkpoint.resolve(sources[0], prefixes)
+        if len(sources) == 1 and (cuts is not None and param_name in cuts or _fsdp_rows(param) is not None):
+            stored = checkpoint.resolve(sources[0], prefixes)  # one stored tensor: cut it before reading
             if checkpoint.shape(stored) == tuple(param.shape):
-                set_parameter(model, param_name, cuts[param_name](checkpoint.unread(stored)).to(device, param.dtype))
+                if cuts is not None:
+                    shard = cuts[param_name](checkpoint.unread(stored))
+                    set_parameter(model, param_name, shard.to(device, param.dtype))
+                else:
+                    with torch.no_grad():
+                        param.copy_(_own_rows(param, checkpoint.unread(stored)))
                 continue
         for source in sources:
             stored = checkpoint.resolve(source, prefixes)
@@ -189,6 +194,29 @@ def load_weights(model: nn.Module, checkpoint: Checkpoint, prefixes: tuple[str, 
             continue
         with torch.no_grad():
             param.copy_(_own_part(param, tensor))
+
+
+def _fsdp_rows(param: torch.Tensor) -> slice | None:
+    """The rows this rank keeps of a parameter FSDP shards by rows (torch.chunk's split of dim
+    0, as fully_shard makes it), or None for any other parameter."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(param, DTensor) or tuple(param.placements) != (Shard(0),):
+        return None
+    n, mesh = param.shape[0], param.device_mesh
+    per = -(-n // mesh.size())
+    rank = mesh.get_local_rank()
+    return slice(min(rank * per, n), min((rank + 1) * per, n))
+
+
+def _own_rows(param: torch.Tensor, stored: Unread) -> torch.Tensor:
+    """An FSDP parameter's part of a stored tensor, only its rows read, as the DTensor `param` is."""
+    from torch.distributed.tensor import DTensor
+
+    rows = _fsdp_rows(param)
+    local = (stored[rows] if rows.stop > rows.start else torch.empty((0, *param.shape[1:])))
+    return DTensor.from_local(local.to(param.device, param.dtype), param.device_mesh, param.placements,
+                              run_check=False, shape=param.shape, stride=param.stride())
 
 
 def _own_part(param: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,7 @@ weights, data-parallel ranks step with the averaged gradients of their halves, a
 sharded over the ranks (FSDP) computes what the whole one does."""
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -18,7 +19,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 from torch.distributed.device_mesh import init_device_mesh
 
-from dflash_trt import parallel
+from dflash_trt import parallel, weights
 from dflash_trt.engine import Engine
 from dflash_trt.errors import ConfigError
 from dflash_trt.fixtures import DEMO_DIR
@@ -358,3 +359,45 @@ def test_a_run_under_torchrun_trains_over_its_ranks_and_speaks_once(tmp_path):
     assert "data: 4/4 responses (a share on each of 2 processes)" in run.stderr
     assert run.stdout.count("drafter: ") == 1 and "held-out prompts (2)" in run.stdout
     assert json.loads((tmp_path / "d" / "eval.json").read_text())["steps"] == 2
+
+
+def _fsdp_reading_rank(rank: int, world: int, init: str, target_dir, result: str) -> None:
+    from torch.distributed.tensor import DTensor
+
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank))
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    try:
+        reads = []  # (stored name, bytes, whole or a part)
+        get, part = weights.Checkpoint.get, weights.Unread.__getitem__
+        weights.Checkpoint.get = lambda self, name: _noted(reads, name, "whole", get(self, name))
+        weights.Unread.__getitem__ = lambda self, where: _noted(reads, self.name, "part", part(self, where))
+        target = load_target(target_dir, fsdp=init_device_mesh("cpu", (world,)))
+        full = {name: p.full_tensor() for name, p in target.named_parameters() if isinstance(p, DTensor)}
+        if rank == 0:
+            torch.save({"reads": reads, "full": full}, result)
+    finally:
+        dist.destroy_process_group()
+    parallel.leave()
+
+
+def _noted(reads: list, name: str, how: str, tensor: torch.Tensor) -> torch.Tensor:
+    reads.append((name, tensor.numel() * tensor.element_size(), how))
+    return tensor
+
+
+@pytest.mark.slow
+def test_an_fsdp_rank_reads_only_its_rows_of_each_tensor_stored_whole(make_pair, no_tokenizer, tmp_path):
+    pair = make_pair(num_experts=4, **no_tokenizer)  # experts stored one tensor each, stacked on loading
+    mp.start_processes(_fsdp_reading_rank, args=(2, str(tmp_path / "init"), pair.target, str(tmp_path / "r")),
+                       nprocs=2, start_method="spawn")
+    got = torch.load(tmp_path / "r", weights_only=True)
+    whole = load_target(pair.target)
+    for name, tensor in got["full"].items():  # the ranks' rows make up the whole target's parameter
+        assert torch.equal(tensor, whole.get_parameter(name)), name
+    stored = weights.Checkpoint(pair.target)
+    parts = [(name, size) for name, size, how in got["reads"] if how == "part"]
+    assert any(".self_attn.o_proj." in name for name, _ in parts)
+    for name, size in parts:  # half the rows, rounded up, never the whole tensor
+        rows, *rest = stored.shape(name)
+        assert size == -(-rows // 2) * math.prod(rest) * stored.get(name).element_size(), name
+    assert not {name for name, _ in parts} & {name for name, _, how in got["reads"] if how == "whole"}
