@@ -26,7 +26,7 @@ from dflash_trt.fixtures import DEMO_DIR
 from dflash_trt.kv_cache import Batch
 from dflash_trt.loading import load_drafter, load_target
 from dflash_trt.sampling import SamplingParams
-from dflash_trt.training import data
+from dflash_trt.training import data, trainer
 from dflash_trt.training.drafter_files import DrafterShape
 from dflash_trt.training.objective import IGNORE, Blocks, DraftObjective, attention_mask, block_inputs, sample_anchors
 from dflash_trt.training.trainer import TrainConfig, Trainer, initial_drafter, rank_device, sharded_engine
@@ -199,13 +199,18 @@ def test_bad_training_input_fails_by_name_and_leaves_no_run(make_pair, tmp_path)
     assert not any((tmp_path / d).exists() for d in ("d5", "d6", "d7", "d8", "d9"))
 
 
-def test_each_rank_trains_on_its_own_gpu_and_one_named_gpu_cannot_serve_several():
+def test_each_rank_trains_on_its_own_gpu_and_one_named_gpu_cannot_serve_several(monkeypatch):
     assert rank_device("cuda", 1, 2, cuda=True) == torch.device("cuda", 1)
     assert rank_device(None, 1, 2, cuda=True) == torch.device("cuda", 1)
     assert rank_device("cuda:1", 0, 1, cuda=True) == torch.device("cuda", 1)  # one process: as named
     assert rank_device(None, 1, 2, cuda=False) == torch.device("cpu")
     with pytest.raises(ConfigError, match="--device cuda:0 names one GPU for 2 processes"):
         rank_device("cuda:0", 1, 2, cuda=True)
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    assert trainer._device(0, "cuda", 1) == torch.device("cuda") and chosen == []  # one process: the current GPU
+    assert trainer._device(1, None, 2) == torch.device("cuda", 1) and chosen == [torch.device("cuda", 1)]
 
 
 # no clipping: a rank clips the averaged gradient, one process would clip each half

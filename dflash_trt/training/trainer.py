@@ -119,7 +119,7 @@ def rank_device(device: str | None, local_rank: int, world: int, cuda: bool) -> 
 
 def _device(rank: int, device: str | None, world: int) -> torch.device:
     dev = rank_device(device, int(os.environ.get("LOCAL_RANK", rank)), world, torch.cuda.is_available())
-    if dev.type == "cuda":
+    if dev.type == "cuda" and dev.index is not None:  # a bare "cuda" (one process) is the current GPU already
         torch.cuda.set_device(dev)  # collectives and "cuda" tensors without an index use it
     return dev
 
