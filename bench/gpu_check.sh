@@ -7,6 +7,8 @@
 #   bash bench/gpu_check.sh benches    # Qwen3.5 kernels, the Qwen3.5-9B profile and bench
 #   bash bench/gpu_check.sh roofline   # Qwen3-8B AR at batch 1: its GEMMs per BLAS library, profiles
 #   bash bench/gpu_check.sh bench8b    # Qwen3-8B AR vs DFlash, oracle acceptance, concurrency 1 and 32
+#   bash bench/gpu_check.sh goals      # the issue goals at the line, repeated (the median run and the range):
+#                                      # Qwen3-8B at concurrency 1, Qwen3.5-9B at 32
 #   bash bench/gpu_check.sh overlap    # AR's step n+1 queued before step n is read, or not: the host gap
 #                                      # per step (Qwen3-8B, Qwen3.5-9B) and Qwen3-8B's bench without it
 #   bash bench/gpu_check.sh identity   # Qwen3-8B-shaped random pair in fp32: DFlash output identical to AR
@@ -51,7 +53,7 @@
 # The machine has no `unzip`: zips are opened with `python3 -m zipfile`, which drops the
 # executable bits, so they are set again.
 set -u
-usage="usage: gpu_check.sh STAGE... (tests hybrid benches roofline bench8b overlap identity triton window flashinfer splits moe moe-models moe-bench moe-split draft-vocab prefill stall fa3 fa3-engine burst train-ranks demo-target demo-drafter demo-eval)"
+usage="usage: gpu_check.sh STAGE... (tests hybrid benches roofline bench8b goals overlap identity triton window flashinfer splits moe moe-models moe-bench moe-split draft-vocab prefill stall fa3 fa3-engine burst train-ranks demo-target demo-drafter demo-eval)"
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
@@ -146,6 +148,12 @@ overlap)
     --json "$OUT/overlap_prof9b.json"
   step bench8b-serial 300 dflash-trt bench --random-weights qwen3-8b --oracle-tau 6.5 --dataset gsm8k \
     --num-prompts 32 --max-tokens 256 --concurrency 1,32 --no-overlap --json "$OUT/bench8b_serial.json"
+  ;;
+goals)
+  step goals8b 300 dflash-trt bench --random-weights qwen3-8b --oracle-tau 6.5 --dataset gsm8k --num-prompts 32 \
+    --max-tokens 256 --concurrency 1 --repeat 3 --json "$OUT/goals8b.json"
+  step goals9b 200 dflash-trt bench --random-weights qwen3.5-9b --oracle-tau 7 --dataset gsm8k --num-prompts 32 \
+    --max-tokens 128 --concurrency 32 --repeat 5 --json "$OUT/goals9b.json"
   ;;
 bench8b)
   step bench8b 300 dflash-trt bench --random-weights qwen3-8b --oracle-tau 6.5 --dataset gsm8k --num-prompts 32 \
