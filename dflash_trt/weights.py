@@ -7,7 +7,9 @@ so do the packed MoE experts (`Experts`) for checkpoints that store one tensor p
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -101,6 +103,66 @@ class Unread:
         return self[(slice(None),) * dim + (slice(start, start + length),)]
 
 
+class Stacked:
+    """A parameter the engine stacks by rows from several stored tensors (q/k/v, gate/up, the
+    experts one by one or packed with a shared expert), not read yet: indexing reads from each
+    only the rows and columns it selects. Rows are the parameter's flattened leading dims (a
+    1-D one's elements), as load_weights stacks them."""
+
+    def __init__(self, parts: list[Unread], shape: tuple[int, ...]):
+        self.parts, self.shape = parts, shape
+        self.flat = len(shape) == 1
+        self.sizes = [math.prod(p.shape) if self.flat else math.prod(p.shape[:-1]) for p in parts]
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        return self[(slice(None),) * dim + (slice(start, start + length),)]
+
+    def __getitem__(self, index) -> torch.Tensor:
+        index = (index if isinstance(index, tuple) else (index,)) + (slice(None),) * len(self.shape)
+        spans = [range(*where.indices(n)) for where, n in zip(index, self.shape)]
+        assert all(span.step == 1 for span in spans), index
+        lead, cols = (spans, None) if self.flat else (spans[:-1], index[len(self.shape) - 1])
+        strides = [math.prod(self.shape[d + 1:len(lead)]) for d in range(len(lead))]  # flat rows per index
+        pieces = []
+        for outer in itertools.product(*lead[:-1]):  # a run of rows for each index of the dims before the last
+            base = sum(i * stride for i, stride in zip(outer, strides))
+            pieces += self._rows(base + lead[-1].start, base + lead[-1].stop, cols)
+        out = torch.cat(pieces)
+        return out.view(*map(len, lead), *out.shape[1:])
+
+    def _rows(self, start: int, stop: int, cols) -> list[torch.Tensor]:
+        """Flat rows start..stop-1 (their `cols`), from the parts that hold them."""
+        pieces, offset = [], 0
+        for part, size in zip(self.parts, self.sizes):
+            lo, hi = max(start, offset) - offset, min(stop, offset + size) - offset
+            if lo < hi:
+                if self.flat:
+                    pieces.append(part[lo:hi])
+                elif len(part.shape) == 2:
+                    pieces.append(part[lo:hi, cols])
+                else:  # a packed [experts, rows, width] part: its rows expert by expert
+                    inner = part.shape[1]
+                    for e in range(lo // inner, (hi - 1) // inner + 1):
+                        pieces.append(part[e, max(lo - e * inner, 0):min(hi - e * inner, inner), cols])
+            offset += size
+        return pieces
+
+
+def _unread_parameter(module: nn.Module, param_name: str, shape: tuple[int, ...],
+                      parts: list[Unread]) -> "Unread | Stacked | None":
+    """The stored parts of a parameter as one tensor to cut before reading, or None if they do
+    not fit it (load_weights then reads them whole and names the misfit)."""
+    if len(parts) == 1:
+        return parts[0] if parts[0].shape == shape else None
+    if isinstance(module, Experts):  # packed [experts, rows, width], or one projection of an expert
+        one = (shape[1] // (2 if param_name.endswith("gate_up_proj") else 1), shape[2])
+        fits = all(len(p.shape) == 3 and p.shape[1:] == shape[1:] or p.shape == one for p in parts)
+    else:
+        fits = all(p.shape[1:] == shape[1:] for p in parts) and sum(p.shape[0] for p in parts) == shape[0]
+    fits = fits and sum(math.prod(p.shape) for p in parts) == math.prod(shape)
+    return Stacked(parts, shape) if fits else None
+
+
 def _in_language_model(name: str) -> str:
     """Multimodal checkpoints (Qwen3.5/3.6) keep the text model's "model.X" as
     "model.language_model.X"; the runtime models use the text-only names."""
@@ -151,8 +213,8 @@ def load_weights(model: nn.Module, checkpoint: Checkpoint, prefixes: tuple[str, 
 
     With `cuts` (a tensor-parallel rank's, parallel.plan), each parameter is cut to this rank's
     shard and set anew on `device`, so the model may be on "meta"; a parameter FSDP shards keeps
-    its rows. Either way one stored tensor of the parameter's shape is cut before it is read
-    (Unread); parts to stack are read whole, one parameter at a time."""
+    its rows. Either way its stored tensors are cut before they are read (Unread, Stacked): a
+    rank reads its part of the checkpoint, not all of it."""
     modules = dict(model.named_modules())
     for param_name, param in model.named_parameters():
         if param_name in skip:
@@ -160,15 +222,15 @@ def load_weights(model: nn.Module, checkpoint: Checkpoint, prefixes: tuple[str, 
         module = modules[param_name.rpartition(".")[0]]
         parts = []
         sources = _sources(module, param_name, checkpoint, prefixes)
-        if len(sources) == 1 and (cuts is not None and param_name in cuts or _fsdp_rows(param) is not None):
-            stored = checkpoint.resolve(sources[0], prefixes)  # one stored tensor: cut it before reading
-            if checkpoint.shape(stored) == tuple(param.shape):
+        if cuts is not None and param_name in cuts or _fsdp_rows(param) is not None:  # cut before reading
+            unread = _unread_parameter(module, param_name, tuple(param.shape),
+                                       [checkpoint.unread(checkpoint.resolve(s, prefixes)) for s in sources])
+            if unread is not None:
                 if cuts is not None:
-                    shard = cuts[param_name](checkpoint.unread(stored))
-                    set_parameter(model, param_name, shard.to(device, param.dtype))
+                    set_parameter(model, param_name, cuts[param_name](unread).to(device, param.dtype))
                 else:
                     with torch.no_grad():
-                        param.copy_(_own_rows(param, checkpoint.unread(stored)))
+                        param.copy_(_own_rows(param, unread))
                 continue
         for source in sources:
             stored = checkpoint.resolve(source, prefixes)
@@ -209,7 +271,7 @@ def _fsdp_rows(param: torch.Tensor) -> slice | None:
     return slice(min(rank * per, n), min((rank + 1) * per, n))
 
 
-def _own_rows(param: torch.Tensor, stored: Unread) -> torch.Tensor:
+def _own_rows(param: torch.Tensor, stored: "Unread | Stacked") -> torch.Tensor:
     """An FSDP parameter's part of a stored tensor, only its rows read, as the DTensor `param` is."""
     from torch.distributed.tensor import DTensor
 

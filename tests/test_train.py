@@ -378,8 +378,7 @@ def _fsdp_reading_rank(rank: int, world: int, init: str, target_dir, result: str
         weights.Unread.__getitem__ = lambda self, where: _noted(reads, self.name, "part", part(self, where))
         target = load_target(target_dir, fsdp=init_device_mesh("cpu", (world,)))
         full = {name: p.full_tensor() for name, p in target.named_parameters() if isinstance(p, DTensor)}
-        if rank == 0:
-            torch.save({"reads": reads, "full": full}, result)
+        torch.save({"reads": reads, "full": full}, f"{result}.{rank}")
     finally:
         dist.destroy_process_group()
     parallel.leave()
@@ -391,18 +390,19 @@ def _noted(reads: list, name: str, how: str, tensor: torch.Tensor) -> torch.Tens
 
 
 @pytest.mark.slow
-def test_an_fsdp_rank_reads_only_its_rows_of_each_tensor_stored_whole(make_pair, no_tokenizer, tmp_path):
-    pair = make_pair(num_experts=4, **no_tokenizer)  # experts stored one tensor each, stacked on loading
+@pytest.mark.parametrize("spec", [dict(num_experts=4), dict(target_type="qwen3_5", num_experts=4)],
+                         ids=["experts-one-by-one", "experts-packed-with-a-shared-one"])
+def test_fsdp_ranks_read_each_layer_tensor_once_between_them(make_pair, no_tokenizer, spec, tmp_path):
+    pair = make_pair(**spec, **no_tokenizer)  # q/k/v, gate/up and experts stored apart, stacked on loading
     mp.start_processes(_fsdp_reading_rank, args=(2, str(tmp_path / "init"), pair.target, str(tmp_path / "r")),
                        nprocs=2, start_method="spawn")
-    got = torch.load(tmp_path / "r", weights_only=True)
+    got = [torch.load(tmp_path / f"r.{rank}", weights_only=True) for rank in range(2)]
     whole = load_target(pair.target)
-    for name, tensor in got["full"].items():  # the ranks' rows make up the whole target's parameter
+    for name, tensor in got[0]["full"].items():  # the ranks' rows make up the whole target's parameters
         assert torch.equal(tensor, whole.get_parameter(name)), name
     stored = weights.Checkpoint(pair.target)
-    parts = [(name, size) for name, size, how in got["reads"] if how == "part"]
-    assert any(".self_attn.o_proj." in name for name, _ in parts)
-    for name, size in parts:  # half the rows, rounded up, never the whole tensor
-        rows, *rest = stored.shape(name)
-        assert size == -(-rows // 2) * math.prod(rest) * stored.get(name).element_size(), name
-    assert not {name for name, _ in parts} & {name for name, _, how in got["reads"] if how == "whole"}
+    layer_bytes = sum(math.prod(stored.shape(n)) * stored.get(n).element_size() for n in stored.files
+                      if ".layers." in n)
+    layer_reads = [(how, size) for g in got for name, size, how in g["reads"] if ".layers." in name]
+    assert {how for how, _ in layer_reads} == {"part"}  # no rank read a layer tensor whole
+    assert sum(size for _, size in layer_reads) == layer_bytes  # and between them, every byte once
