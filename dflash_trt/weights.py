@@ -83,7 +83,14 @@ class Checkpoint:
         raise CheckpointError(f"{self.directory}: tensor '{prefixes[0] + name}' is missing from the checkpoint")
 
 
-class Unread:
+class _Lazy:
+    """What a cut may call on a tensor not read yet, besides indexing with slices."""
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        return self[(slice(None),) * dim + (slice(start, start + length),)]
+
+
+class Unread(_Lazy):
     """A checkpoint tensor not read yet, for a tensor-parallel cut (parallel.plan) or FSDP's
     split to narrow or index: only the rows or columns the rank keeps leave the file, not the
     whole tensor (each rank of a model split N ways would otherwise read all of it)."""
@@ -99,11 +106,8 @@ class Unread:
         except (SafetensorError, OSError, RuntimeError) as e:
             raise CheckpointError(f"{path}: cannot read tensor '{self.name}' ({e})") from None
 
-    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
-        return self[(slice(None),) * dim + (slice(start, start + length),)]
 
-
-class Stacked:
+class Stacked(_Lazy):
     """A parameter the engine stacks by rows from several stored tensors (q/k/v, gate/up, the
     experts one by one or packed with a shared expert), not read yet: indexing reads from each
     only the rows and columns it selects. Rows are the parameter's flattened leading dims (a
@@ -113,9 +117,6 @@ class Stacked:
         self.parts, self.shape = parts, shape
         self.flat = len(shape) == 1
         self.sizes = [math.prod(p.shape) if self.flat else math.prod(p.shape[:-1]) for p in parts]
-
-    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
-        return self[(slice(None),) * dim + (slice(start, start + length),)]
 
     def __getitem__(self, index) -> torch.Tensor:
         index = (index if isinstance(index, tuple) else (index,)) + (slice(None),) * len(self.shape)

@@ -95,11 +95,15 @@ def _distributed(device: str | None) -> tuple[int, int]:
     """(rank, world) under torchrun or `--nproc`, with the process group up; (0, 1) alone."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():  # torchrun's ranks (`--nproc` starts the group in _rank_main)
-        dist.init_process_group("nccl" if torch.cuda.is_available() and device != "cpu" else "gloo")
+        dist.init_process_group(_backend(device))
         # ended before the interpreter's teardown, where a live group's threads can abort the
         # process (pytorch/pytorch#179291) and torchrun would report a finished run as failed
         atexit.register(dist.destroy_process_group)
     return (dist.get_rank(), world) if world > 1 else (0, 1)
+
+
+def _backend(device: str | None) -> str:
+    return "nccl" if torch.cuda.is_available() and device != "cpu" else "gloo"
 
 
 def rank_device(device: str | None, local_rank: int, world: int, cuda: bool) -> torch.device:
@@ -478,8 +482,8 @@ def _rank_main(rank: int, world: int, folder: str, kwargs: dict) -> None:
     """One rank of train_processes; `folder` holds the group's rendezvous, rank 0's report and
     a rank's domain error, for the parent to raise as itself."""
     os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
-    dist.init_process_group("nccl" if torch.cuda.is_available() and kwargs.get("device") != "cpu" else "gloo",
-                            init_method=f"file://{folder}/rendezvous", rank=rank, world_size=world)
+    dist.init_process_group(_backend(kwargs.get("device")), init_method=f"file://{folder}/rendezvous", rank=rank,
+                            world_size=world)
     try:
         report = train(**kwargs)
         if rank == 0:
