@@ -629,14 +629,16 @@ def gated_delta_prepare_reference(qkv, a, b, neg_a, dt_bias, num_k_heads, key_di
 
 
 def gated_delta_prepare(qkv, a, b, neg_a, dt_bias, num_k_heads: int, key_dim: int, value_dim: int, eps: float,
-                        q_scale: float):
+                        q_scale: float, out: tuple[torch.Tensor, ...] | None = None):
     """The recurrence's inputs of a decode/verify pass from a Gated DeltaNet layer's projections
     -> (q, k [..., Hk, dk] L2-normalised, q times q_scale; v [..., Hv, dv]; g = neg_a *
     softplus(a + dt_bias) and beta = sigmoid(b) [..., Hv]), all fp32 and contiguous.
 
     qkv [..., 2 Hk dk + Hv dv] after the causal conv, contiguous; a, b [..., Hv] in qkv's
     dtype (views of the packed projection: the last dim contiguous); neg_a = -exp(A_log) and
-    dt_bias [Hv] fp32. plugins/gated_delta.cu on CUDA (one launch), else the reference.
+    dt_bias [Hv] fp32. `out`: five tensors of those shapes to write (a verify writes its
+    inputs where commit replays them from), returned. plugins/gated_delta.cu on CUDA (one
+    launch), else the reference.
     """
     Hv = neg_a.shape[0] if neg_a.dim() == 1 else -1
     width = 2 * num_k_heads * key_dim + Hv * value_dim
@@ -649,13 +651,30 @@ def gated_delta_prepare(qkv, a, b, neg_a, dt_bias, num_k_heads: int, key_dim: in
     for name, t in (("neg_a", neg_a), ("dt_bias", dt_bias)):
         assert t.shape == (Hv,) and t.dtype == torch.float32 and t.device == qkv.device and t.is_contiguous(), \
             f"{name} must be a contiguous fp32 [{Hv}] on qkv's device"
+    lead = tuple(qkv.shape[:-1])
+    if out is not None:
+        shapes = ((num_k_heads, key_dim), (num_k_heads, key_dim), (Hv, value_dim), (Hv,), (Hv,))
+        assert len(out) == 5, "out must be five tensors: q, k, v, g, beta"
+        for name, t, tail in zip(("q", "k", "v", "g", "beta"), out, shapes):
+            assert t.shape == (*lead, *tail) and t.dtype == torch.float32 and t.device == qkv.device and \
+                t.is_contiguous(), f"out {name} must be contiguous fp32 {[*lead, *tail]} on qkv's device, " \
+                                   f"got {t.dtype} {list(t.shape)} {t.device}"
     if qkv.is_cuda and qkv.dtype in (torch.bfloat16, torch.float16, torch.float32) and 1 <= key_dim <= 256 and \
             a.dim() == 3 and a.stride() == b.stride() and a.stride(1) >= Hv and num_k_heads <= GRID_LIMIT and \
             a.stride(0) == a.stride(1) * a.shape[1] and _plugins_loaded():
-        return torch.ops.dflash.gated_delta_prepare(qkv, a, b, neg_a, dt_bias, num_k_heads, key_dim, value_dim,
-                                                    float(eps), float(q_scale))
+        if out is None:
+            return torch.ops.dflash.gated_delta_prepare(qkv, a, b, neg_a, dt_bias, num_k_heads, key_dim, value_dim,
+                                                        float(eps), float(q_scale))
+        torch.ops.dflash.gated_delta_prepare_into(qkv, a, b, neg_a, dt_bias, *out, num_k_heads, key_dim, value_dim,
+                                                  float(eps), float(q_scale))
+        return tuple(out)
     _log_fallback("gated_delta_prepare", qkv)
-    return gated_delta_prepare_reference(qkv, a, b, neg_a, dt_bias, num_k_heads, key_dim, value_dim, eps, q_scale)
+    made = gated_delta_prepare_reference(qkv, a, b, neg_a, dt_bias, num_k_heads, key_dim, value_dim, eps, q_scale)
+    if out is None:
+        return made
+    for t, x in zip(out, made):
+        t.copy_(x)
+    return tuple(out)
 
 
 def gated_delta_rule_reference(q, k, v, g, beta, state, num_tokens, num_snapshots):

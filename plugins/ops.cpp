@@ -522,10 +522,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_del
 
 // qkv [..., 2 Hk dk + Hv dv] (bf16, fp16 or fp32, contiguous); a, b [..., Hv] in qkv's dtype
 // with a contiguous last dim (views of the packed projection); neg_a, dt_bias [Hv] fp32.
-// Returns q, k [..., Hk, dk], v [..., Hv, dv], g, beta [..., Hv], all fp32 and contiguous.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_delta_prepare_cuda(
-    const at::Tensor& qkv, const at::Tensor& a, const at::Tensor& b, const at::Tensor& neg_a,
-    const at::Tensor& dt_bias, int64_t num_k_heads, int64_t key_dim, int64_t value_dim, double eps, double q_scale) {
+// Writes q, k [..., Hk, dk], v [..., Hv, dv], g, beta [..., Hv], all fp32 and contiguous.
+void gated_delta_prepare_into(const at::Tensor& qkv, const at::Tensor& a, const at::Tensor& b,
+                              const at::Tensor& neg_a, const at::Tensor& dt_bias, const at::Tensor& q,
+                              const at::Tensor& k, const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
+                              int64_t num_k_heads, int64_t key_dim, int64_t value_dim, double eps, double q_scale) {
   const auto dtype = attention_dtype(qkv.scalar_type());
   TORCH_CHECK(qkv.is_cuda() && dtype, "qkv must be a bf16, fp16 or fp32 CUDA tensor");
   TORCH_CHECK(qkv.dim() >= 1 && qkv.is_contiguous(), "qkv must be contiguous");
@@ -551,8 +552,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_del
                     t->dim() == 1 && t->numel() == Hv && t->is_contiguous(),
                 "neg_a and dt_bias must be contiguous fp32 [Hv] CUDA tensors");
   }
+  const std::pair<const at::Tensor*, int64_t> outs[] = {
+      {&q, num_k_heads * key_dim}, {&k, num_k_heads * key_dim}, {&v, Hv * value_dim}, {&g, Hv}, {&beta, Hv}};
+  for (const auto& [t, per_token] : outs) {
+    TORCH_CHECK(t->device() == qkv.device() && t->scalar_type() == at::kFloat && t->is_contiguous() &&
+                    t->numel() == N * per_token,
+                "the outputs must be contiguous fp32 tensors on qkv's device, ", per_token, " values per token");
+  }
   const c10::cuda::CUDAGuard guard(qkv.device());
-  auto [q, k, v, g, beta] = gated_delta_prepare_outputs(qkv, Hv, num_k_heads, key_dim, value_dim);
 
   dflash::GatedDeltaPrepareParams p;
   p.dtype = *dtype;
@@ -577,6 +584,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_del
   if (const char* why = dflash::gated_delta_prepare_check(p)) TORCH_CHECK(false, "gated_delta_prepare: ", why);
   check_launch(dflash::gated_delta_prepare_launch(p, c10::cuda::getCurrentCUDAStream().stream()),
                "gated_delta_prepare");
+}
+
+// gated_delta_prepare_into's inputs -> its outputs, new tensors
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_delta_prepare_cuda(
+    const at::Tensor& qkv, const at::Tensor& a, const at::Tensor& b, const at::Tensor& neg_a,
+    const at::Tensor& dt_bias, int64_t num_k_heads, int64_t key_dim, int64_t value_dim, double eps, double q_scale) {
+  TORCH_CHECK(qkv.dim() >= 1 && neg_a.numel() > 0, "qkv must have a last dim, neg_a values");
+  auto [q, k, v, g, beta] = gated_delta_prepare_outputs(qkv, neg_a.numel(), num_k_heads, key_dim, value_dim);
+  gated_delta_prepare_into(qkv, a, b, neg_a, dt_bias, q, k, v, g, beta, num_k_heads, key_dim, value_dim, eps, q_scale);
   return {q, k, v, g, beta};
 }
 
@@ -786,6 +802,10 @@ TORCH_LIBRARY(dflash, m) {
   m.def(
       "gated_delta_prepare(Tensor qkv, Tensor a, Tensor b, Tensor neg_a, Tensor dt_bias, int num_k_heads, "
       "int key_dim, int value_dim, float eps, float q_scale) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "gated_delta_prepare_into(Tensor qkv, Tensor a, Tensor b, Tensor neg_a, Tensor dt_bias, Tensor(a!) q, "
+      "Tensor(b!) k, Tensor(c!) v, Tensor(d!) g, Tensor(e!) beta, int num_k_heads, int key_dim, int value_dim, "
+      "float eps, float q_scale) -> ()");
   m.def("moe_route(Tensor logits, int top_k, bool renormalize, bool shared) -> (Tensor, Tensor)");
   m.def(
       "moe_experts(Tensor x, Tensor gate_up, Tensor down, Tensor weights, Tensor ids, bool fp32_out=True) "
@@ -805,6 +825,7 @@ TORCH_LIBRARY_IMPL(dflash, CUDA, m) {
   m.impl("causal_conv", &causal_conv_cuda);
   m.impl("gated_delta_recurrent", &gated_delta_recurrent_cuda);
   m.impl("gated_delta_prepare", &gated_delta_prepare_cuda);
+  m.impl("gated_delta_prepare_into", &gated_delta_prepare_into);
   m.impl("moe_route", &moe_route_cuda);
   m.impl("moe_experts", &moe_experts_cuda);
   m.impl("moe_sort", &moe_sort_cuda);

@@ -202,6 +202,24 @@ def test_a_row_without_tokens_writes_nothing_even_on_a_slot_another_row_writes(d
     assert torch.equal(case["snapshot_cache"][[0, 2, 3, 4]], untouched)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_prepare_into_given_buffers_writes_what_it_returns_otherwise(device):
+    """A verify writes its inputs where commit replays them from (a layer's block of
+    HybridCache's replay buffers): the same values as fresh outputs, bit for bit, nothing
+    written outside the buffers."""
+    case = packed_projection(3, 5, 2, 4, 16, 32, device=device)
+    fresh = gated_delta_prepare(**case)
+    store = [torch.full((2, *x.shape), float("nan"), device=device) for x in fresh]  # two layers' blocks
+    got = gated_delta_prepare(**case, out=[t[1] for t in store])
+    for name, x, y, t in zip("q k v g beta".split(), fresh, got, store):
+        assert y.data_ptr() == t[1].data_ptr() and torch.equal(x, y), name
+        assert t[0].isnan().all(), name
+    wrong = [t[1] for t in store]
+    wrong[2] = wrong[2][:, :4]  # not v's shape
+    with pytest.raises(AssertionError, match="out v must be contiguous fp32"):
+        gated_delta_prepare(**case, out=wrong)
+
+
 def test_prepare_rejects_bad_arguments_naming_them():
     ok = packed_projection(2, 3, 2, 4, 16, 32)
     for changes, message in (({"qkv": ok["qkv"][..., 1:]}, "qkv must be"),

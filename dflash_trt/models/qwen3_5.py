@@ -32,6 +32,7 @@ BENCHMARKS.md, "Qwen3.5 hybrid".
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 import torch.nn.functional as F
@@ -66,10 +67,10 @@ class HybridCache(KVCache):
     per slot, committed: state [Ll, slots, Hv, dk, dv] fp32 and conv [Ll, slots, K-1, C];
     per slot, conv_snapshots [Ll, slots, S, K-1, C]: the window after each of the last
     pass's last S tokens, right-aligned (index S-1 = after all its tokens);
-    per row of the last decode pass (rows <= slots, tokens <= S), the recurrence's inputs as
-    the kernel took them, fp32, row-major so that a row's layers are adjacent: replay_q /
-    replay_k [rows, Ll, S, Hk, dk], replay_v [rows, Ll, S, Hv, dv], replay_g / replay_beta
-    [rows, Ll, S, Hv].
+    per row of the last decode pass (rows <= slots, width <= S), the recurrence's inputs as
+    the kernel took them, fp32: replay_q, replay_k, replay_v, replay_g, replay_beta, flat
+    buffers whose first Ll x rows x width tokens are that pass's inputs [Ll, rows, width, ...]
+    (`replay_inputs`), so that a layer's are one contiguous block the pass writes in place.
 
     A decode pass of several tokens (a verify) leaves `state` as it was; commit replays the
     accepted tokens from the saved inputs (the module docstring says why, not snapshots).
@@ -85,34 +86,29 @@ class HybridCache(KVCache):
         self.state = torch.zeros((n, num_slots, *state), dtype=torch.float32, device=device)
         self.conv = torch.zeros((n, num_slots, *window), dtype=dtype, device=device)
         self.conv_snapshots = torch.zeros((n, num_slots, S, *window), dtype=dtype, device=device)
-        replay = lambda *shape: torch.zeros((num_slots, n, S, *shape), dtype=torch.float32, device=device)  # noqa: E731
-        self.replay_q = replay(lin.num_key_heads, lin.key_head_dim)
-        self.replay_k = replay(lin.num_key_heads, lin.key_head_dim)
-        self.replay_v = replay(lin.num_value_heads, lin.value_head_dim)
-        self.replay_g = replay(lin.num_value_heads)
-        self.replay_beta = replay(lin.num_value_heads)
+        self.replay_shapes = ((lin.num_key_heads, lin.key_head_dim), (lin.num_key_heads, lin.key_head_dim),
+                              (lin.num_value_heads, lin.value_head_dim), (lin.num_value_heads,), (lin.num_value_heads,))
+        tokens = n * num_slots * S
+        self.replay_q, self.replay_k, self.replay_v, self.replay_g, self.replay_beta = (
+            torch.zeros(tokens * math.prod(shape), dtype=torch.float32, device=device) for shape in self.replay_shapes)
         # the kernel's "no snapshots" (NS = 0): a verify pass writes nothing but its output
         self.no_snapshots = torch.zeros((num_slots, 0, *state), dtype=torch.float32, device=device)
 
-    def _replay_buffers(self, layer: int, rows: int, width: int) -> list[torch.Tensor]:
-        assert rows <= self.replay_q.shape[0] and width <= self.num_snapshots, (rows, width)
-        return [t[:rows, layer, :width] for t in (self.replay_q, self.replay_k, self.replay_v, self.replay_g,
-                                                   self.replay_beta)]
-
-    def save_replay_inputs(self, layer: int, inputs: tuple[torch.Tensor, ...]) -> None:
-        for buffer, x in zip(self._replay_buffers(layer, *inputs[0].shape[:2]), inputs):
-            buffer.copy_(x)
+    def replay_inputs(self, rows: int, width: int) -> list[torch.Tensor]:
+        """q, k, v, g, beta of a decode pass of `rows` x `width` tokens, [Ll, rows, width, ...]
+        (views: layer l's are contiguous, where its pass writes them). A layer-major layout,
+        so that the one kernel of commit (below) reads them all as [Ll * rows, width, ...]."""
+        layers, slots = self.state.shape[:2]
+        assert rows <= slots and width <= self.num_snapshots, (rows, width)
+        tokens = layers * rows * width
+        return [t[: tokens * math.prod(shape)].view(layers, rows, width, *shape)
+                for t, shape in zip((self.replay_q, self.replay_k, self.replay_v, self.replay_g, self.replay_beta),
+                                    self.replay_shapes)]
 
     # Commit replays every linear layer's kept tokens in one kernel launch: the layers are
     # independent, and one layer's rows alone fill few CTAs (a launch per layer left the GPU
-    # mostly idle at small batch). Row b's layer l is row b * layers + l of the flattened
-    # replay buffers (all S tokens: a narrower pass's rows run only their kept tokens), its
-    # state the flattened state's row l * slots + slot.
-
-    def all_replay_inputs(self, rows: int) -> list[torch.Tensor]:
-        """q, k, v, g, beta of the first `rows` rows' layers, [rows * layers, S, ...] (views)."""
-        return [t[:rows].flatten(0, 1) for t in (self.replay_q, self.replay_k, self.replay_v, self.replay_g,
-                                                  self.replay_beta)]
+    # mostly idle at small batch). Layer l's row b is row l * rows + b of the flattened
+    # replay inputs, its state the flattened state's row l * slots + slot.
 
     def all_layer_rows(self, batch: Batch, num_committed: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The state cache, snapshot cache (the state in place), slots, start and kept counts of
@@ -120,8 +116,8 @@ class HybridCache(KVCache):
         layers, slots = self.state.shape[:2]
         first = torch.arange(layers, dtype=torch.int32, device=batch.slots.device) * slots  # layer l's first slot
         state = self.state.flatten(0, 1)
-        return (state, state.unsqueeze(1), (batch.slots[:, None].int() + first).flatten(),
-                batch.start.int().repeat_interleave(layers), num_committed.int().repeat_interleave(layers))
+        return (state, state.unsqueeze(1), (first[:, None] + batch.slots[None, :].int()).flatten(),
+                batch.start.int().repeat(layers), num_committed.int().repeat(layers))
 
 
 class ZeroCenteredRMSNorm(nn.Module):
@@ -260,13 +256,10 @@ class GatedDeltaNet(nn.Module):
             # prefill writes the new state over it; a verify writes nothing and saves its
             # inputs, from which commit replays the accepted tokens.
             slots, _, start, num_tokens, _ = lengths
+            kept = None if in_place else [t[layer] for t in cache.replay_inputs(*x.shape[:2])]
             inputs = gated_delta_prepare(qkv, a, b, neg_a, dt_bias, lin.num_key_heads, lin.key_head_dim,
-                                         lin.value_head_dim, L2_EPS, lin.key_head_dim**-0.5)
-            if in_place:
-                written = cache.state[layer].unsqueeze(1)
-            else:
-                cache.save_replay_inputs(layer, inputs)
-                written = cache.no_snapshots
+                                         lin.value_head_dim, L2_EPS, lin.key_head_dim**-0.5, out=kept)
+            written = cache.state[layer].unsqueeze(1) if in_place else cache.no_snapshots
             out = gated_delta_recurrent(*inputs, cache.state[layer], written, slots, start, num_tokens, x.dtype)
         else:  # a long prefill: the chunked form (fla on CUDA); only the final state is kept
             q, k, v = qkv.split([lin.key_size, lin.key_size, lin.value_size], dim=-1)
@@ -374,7 +367,7 @@ class Qwen3_5ForCausalLM(nn.Module):
                 f"asked to keep {kept.tolist()} of {batch.num_tokens.tolist()}")
             return
         num_committed = torch.as_tensor(num_committed, device=batch.slots.device)  # a host list: one copy
-        replay = cache.all_replay_inputs(batch.slots.shape[0])
+        replay = [t.flatten(0, 1) for t in cache.replay_inputs(batch.slots.shape[0], batch.width)]
         gated_delta_recurrent(*replay, *cache.all_layer_rows(batch, num_committed), outputs=False)
         dropped = batch.num_tokens - num_committed  # 0 <= dropped < num_tokens, by the engine
         cache.conv[:, batch.slots] = cache.conv_snapshots[:, batch.slots, S - 1 - dropped]
