@@ -50,13 +50,10 @@ log = logging.getLogger(__name__)
 
 # How far a pass can be cut back at commit: B = 16 drafters need 16 snapshots.
 DEFAULT_SNAPSHOTS = 16
-# A prefill of up to this many token slots (rows x width) runs the token-by-token kernel of
-# decode passes (a launch or two per layer) rather than the chunked form, whose many small
-# launches cost more host time than a short prompt's recurrence costs the GPU. The token
-# loop's time grows with the width, not the rows, but its rows share the GPU with the
-# pass's GEMMs: a burst of many prompts is GPU-bound, so there the chunked form's launches
-# hide behind its work, and its matrix form beats a token loop a hundred steps long
-# (BENCHMARKS.md, "Prefill").
+# A prefill up to this many tokens wide runs the token-by-token kernel of decode passes (a
+# launch or two per layer) rather than the chunked form, whose many small launches cost
+# more host time than a short prompt's recurrence costs the GPU (BENCHMARKS.md, "Qwen3.5
+# hybrid").
 RECURRENT_PREFILL_TOKENS = 512
 
 
@@ -247,7 +244,7 @@ class GatedDeltaNet(nn.Module):
         # state in place. A prefill (wider than S) commits all its tokens: its window and state
         # go straight to the cache. A verify keeps the window after each of its tokens.
         prefill = batch.width > S
-        in_place = batch.width == 1 or (prefill and x.shape[0] * batch.width <= RECURRENT_PREFILL_TOKENS)
+        in_place = batch.width == 1 or (prefill and batch.width <= RECURRENT_PREFILL_TOKENS)
         qkv = self._conv(qkv, batch, cache, lengths, in_place or prefill)
         neg_a, dt_bias = self._decay_constants()
         if not prefill or in_place:
