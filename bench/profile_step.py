@@ -369,6 +369,10 @@ def main(argv=None) -> int:
         block = random_block(DecodePasses.draft(passes, x), engine.target.config.vocab_size)
         result["profile_draft_ms"] = profile(lambda: DecodePasses.draft(passes, x), top=args.top_kernels)
         result["profile_verify_ms"] = profile(lambda: DecodePasses.verify(passes, x, block), top=args.top_kernels)
+        if engine.target.stateful:  # the rollback keeping half the block, as commit_ms times it
+            half = [engine.block_size // 2] * args.profile_batch
+            result["profile_commit_ms"] = profile(lambda: DecodePasses.commit(passes, x, engine.block_size, half),
+                                                  top=args.top_kernels)
         for n in prefills:
             result[f"prefill{n}"] = row = prefill_profile(engine, n)
             print(f"prefill of {n} tokens: {row['wall_ms']:.2f} ms wall ({'graphed' if row['graphed'] else 'eager'}), "
