@@ -384,24 +384,6 @@ def silu_mul(gate_up):
     return silu_mul_reference(gate_up)
 
 
-SWIGLU_MAX_FEATURES = 32768  # plugins/gemv.h kGemvMaxSwiGLUFeatures
-
-
-def silu_mul_linear(gate_up, weight, bias=None):
-    """An MLP's down projection of its activation, linear(silu_mul(gate_up), weight, bias) for
-    gate_up [..., 2I] and weight [N, I]. One row on CUDA (an AR step at batch 1) is one gemv
-    kernel that applies the activation to its input as it stages it, with silu_mul's rounding,
-    so the same bits come out without a kernel between gate_up and down; else the two ops."""
-    width = weight.shape[-1]
-    if gate_up.dim() >= 1 and gate_up.numel() == gate_up.shape[-1] == 2 * width <= 2 * SWIGLU_MAX_FEATURES \
-            and gate_up.is_contiguous():
-        x = gate_up.reshape(1, -1)
-        # the gate half stands for the kernel's input in the checks it shares with gemv
-        if _gemv_kernel_fits(x[:, :width], weight, bias):
-            return torch.ops.dflash.gemv(x, weight, bias, True)  # swiglu.reshape(*gate_up.shape[:-1], weight.shape[0])
-    return linear(silu_mul(gate_up), weight, bias)
-
-
 # ----------------------------------------------------------------------------------------------
 # Mixture of experts: the routing (softmax, top-k, renormalisation) and the expert MLPs of the
 # tokens' picks, one op each (plugins/moe_route.cu, plugins/moe.cu); the experts' reference loops

@@ -19,17 +19,4 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { re
 template <>
 __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
 
-// x rounded to T (nearest even, as torch's .to(dtype)) and back: the value a torch op
-// producing a T tensor hands to the next op.
-template <typename T>
-__device__ __forceinline__ float rounded(float x) { return to_float(from_float<T>(x)); }
-
-// The MLP's activation as torch computes it in T: silu(gate) = gate / (1 + exp(-gate)) in
-// fp32, rounded to T; times up in fp32 (the caller rounds the product to T). One definition,
-// so every kernel that applies it gives the same bits.
-template <typename T>
-__device__ __forceinline__ float silu_mul(float gate, float up) {
-  return __fmul_rn(rounded<T>(gate / (1.0f + expf(-gate))), up);
-}
-
 }  // namespace dflash

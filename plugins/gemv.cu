@@ -42,33 +42,15 @@ constexpr int kThreads = 256;  // 8 warps
 constexpr int kWarps = kThreads / 32;
 constexpr int kLoadsInFlight = 8;  // 16-byte weight loads per lane per iteration
 
-// x = silu(gate) * up of gate_up [2K] (16-bit), `chunks` 16-byte chunks of K, into shared
-// memory by the whole CTA: each CTA computes it once, rather than every warp per use.
-template <typename T>
-__device__ __forceinline__ void stage_swiglu(const uint4* gate_up, int64_t chunks, uint4* x_s) {
-  for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) {
-    float g[8], u[8];
-    unpack8<T>(__ldg(gate_up + c), g);
-    unpack8<T>(__ldg(gate_up + chunks + c), u);
-    T y[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) y[i] = from_float<T>(silu_mul<T>(g[i], u[i]));
-    x_s[c] = *reinterpret_cast<const uint4*>(y);
-  }
-  __syncthreads();
-}
-
-template <typename T, int R, bool kSwiGLU>
+template <typename T, int R>
 __global__ void __launch_bounds__(kThreads) gemv_kernel(GemvParams p) {
-  extern __shared__ uint4 x_s[];  // kSwiGLU: the activated x, [K / 8] chunks
   constexpr int U = kLoadsInFlight / R;
   const int lane = threadIdx.x % 32;
   const int64_t n0 = (static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32) * R;
-  const bool active = n0 < p.out_features;
-  // whole warps: the shuffles below see all 32 lanes (a staging CTA's warps all stage first)
-  if (!kSwiGLU && !active) return;
+  if (n0 >= p.out_features) return;  // whole warps: the shuffles below see all 32 lanes
   const int64_t chunks = p.in_features / 8;
   const uint4* w = static_cast<const uint4*>(p.weight);
+  const uint4* x = static_cast<const uint4*>(p.x);
   const uint4* rows[R];
 #pragma unroll
   for (int r = 0; r < R; ++r)  // past the last feature: read the last row again, never written
@@ -78,19 +60,13 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(GemvParams p) {
   for (int u = 0; u < U; ++u) {  // the first iteration's weight lines, while the input is computed
 #pragma unroll
     for (int r = 0; r < R; ++r)
-      if (active && lane + 32 * u < chunks) prefetch_l2(rows[r] + lane + 32 * u);
+      if (lane + 32 * u < chunks) prefetch_l2(rows[r] + lane + 32 * u);
   }
   pdl_wait();
   pdl_allow_dependents();
 
   float acc[R] = {};
-  if constexpr (kSwiGLU) {
-    stage_swiglu<T>(static_cast<const uint4*>(p.x), chunks, x_s);
-    if (!active) return;
-    lane_dots<T, R, U, true>(rows, x_s, chunks, lane, acc);
-  } else {
-    lane_dots<T, R, U>(rows, static_cast<const uint4*>(p.x), chunks, lane, acc);
-  }
+  lane_dots<T, R, U>(rows, x, chunks, lane, acc);
 #pragma unroll
   for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]);
   if (lane != 0) return;
@@ -107,23 +83,14 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(GemvParams p) {
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-template <typename T, bool kSwiGLU>
+template <typename T>
 cudaError_t launch_one_row(const GemvParams& p, int sms, cudaStream_t stream) {
   const int64_t N = p.out_features;
   const auto ctas = [&](int r) { return ceil_div(N, static_cast<int64_t>(kWarps) * r); };
   const auto grid = [&](int r) { return dim3(static_cast<unsigned>(ctas(r))); };
-  const size_t smem = kSwiGLU ? static_cast<size_t>(p.in_features) * sizeof(T) : 0;
-  const auto launch = [&](auto kernel, int r) {
-    if (smem > 48 * 1024) {  // beyond the default: opt in (checked against the device's limit first)
-      const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                 static_cast<int>(smem));
-      if (e != cudaSuccess) return e;
-    }
-    return pdl_launch(kernel, grid(r), dim3(kThreads), smem, stream, true, p);
-  };
-  if (ctas(4) >= 4 * sms) return launch(gemv_kernel<T, 4, kSwiGLU>, 4);
-  if (ctas(2) >= 2 * sms) return launch(gemv_kernel<T, 2, kSwiGLU>, 2);
-  return launch(gemv_kernel<T, 1, kSwiGLU>, 1);
+  if (ctas(4) >= 4 * sms) return pdl_launch(gemv_kernel<T, 4>, grid(4), dim3(kThreads), 0, stream, true, p);
+  if (ctas(2) >= 2 * sms) return pdl_launch(gemv_kernel<T, 2>, grid(2), dim3(kThreads), 0, stream, true, p);
+  return pdl_launch(gemv_kernel<T, 1>, grid(1), dim3(kThreads), 0, stream, true, p);
 }
 
 // y[m, n] for the 16 MT features n of tile blockIdx.x and every row m of x (NT tiles of 8); the
@@ -186,8 +153,7 @@ cudaError_t launch_rows(const GemvParams& p, int sms, cudaStream_t stream) {
 template <typename T>
 cudaError_t launch_typed(const GemvParams& p, cudaStream_t stream) {
   const int sms = device_sms();  // 0 where unknown: the widest layouts, which run anywhere
-  if (p.swiglu) return launch_one_row<T, true>(p, sms, stream);
-  return p.rows == 1 ? launch_one_row<T, false>(p, sms, stream) : launch_rows<T>(p, sms, stream);
+  return p.rows == 1 ? launch_one_row<T>(p, sms, stream) : launch_rows<T>(p, sms, stream);
 }
 
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
@@ -201,8 +167,6 @@ const char* gemv_check(const GemvParams& p) {
   if (p.in_features < 8 || p.in_features % 8 != 0) return "in_features must be a positive multiple of 8";
   if (!p.x || !p.weight || !p.y) return "null pointer";
   if (!aligned16(p.x) || !aligned16(p.weight)) return "x and weight must be 16-byte aligned";
-  if (p.swiglu && p.rows != 1) return "swiglu takes one row";
-  if (p.swiglu && p.in_features > kGemvMaxSwiGLUFeatures) return "swiglu takes at most 32768 in_features";
   return nullptr;
 }
 

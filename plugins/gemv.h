@@ -6,8 +6,7 @@
 // read at the copy bandwidth. The kernel keeps eight 16-byte weight loads in flight per lane,
 // reads x through L1, and sums in fp32 (CUDA cores for one row, tensor cores for 2 to 16).
 //
-// The Python reference with these semantics is dflash_trt.ops.gemv_reference (with swiglu,
-// dflash_trt.ops.silu_mul_reference first):
+// The Python reference with these semantics is dflash_trt.ops.gemv_reference:
 //   y[m, n] = round(sum_k float(x[m, k]) * float(W[n, k]) (+ float(bias[n])))   (fp32 sum)
 // The order of the fp32 sum differs from cuBLAS's (as cuBLAS's own kernels differ by shape).
 
@@ -22,8 +21,6 @@
 namespace dflash {
 
 constexpr int kGemvMaxRows = 16;  // rows of x (M) the kernel takes; more go to a GEMM
-// K of a swiglu launch: its activated x (K 16-bit values) sits in a CTA's shared memory
-constexpr int64_t kGemvMaxSwiGLUFeatures = 32768;
 
 struct GemvParams {
   DType dtype = DType::kBFloat16;  // of x, W, bias and y (bf16 or fp16)
@@ -34,10 +31,6 @@ struct GemvParams {
   const void* weight = nullptr;    // [N, K] contiguous, 16-byte aligned
   const void* bias = nullptr;      // [N] or null
   void* y = nullptr;               // [M, N] contiguous
-  // x is [1, 2K] (M = 1): an MLP's gate and up halves, and the kernel multiplies by
-  // silu(gate) * up, rounded to the dtype as the silu_mul op rounds it (layer_ops.h): the
-  // down projection without the activation's kernel between it and gate_up.
-  bool swiglu = false;
 };
 
 // nullptr when the launch would be valid, else why not.

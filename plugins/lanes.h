@@ -26,9 +26,8 @@ __device__ __forceinline__ void unpack8(const uint4& chunk, float (&f)[8]) {
 
 // acc[r] += this lane's share of rows[r] . x (16-bit values, `chunks` 16-byte chunks each): chunks
 // lane, lane + 32, ..., U of each row loaded at once, so that R U loads are in flight. The rows
-// are streamed (read once: evict first); x is small and read by every warp, through L1, or
-// from shared memory (kSharedX).
-template <typename T, int R, int U, bool kSharedX = false>
+// are streamed (read once: evict first); x is small and read by every warp, through L1.
+template <typename T, int R, int U>
 __device__ __forceinline__ void lane_dots(const uint4* const (&rows)[R], const uint4* x, int64_t chunks, int lane,
                                           float (&acc)[R]) {
   for (int64_t c0 = lane; c0 < chunks; c0 += 32 * U) {
@@ -44,7 +43,7 @@ __device__ __forceinline__ void lane_dots(const uint4* const (&rows)[R], const u
       const int64_t c = c0 + 32 * u;
       if (c >= chunks) break;
       float xf[8];
-      unpack8<T>(kSharedX ? x[c] : __ldg(x + c), xf);
+      unpack8<T>(__ldg(x + c), xf);
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         float wf[8];

@@ -29,6 +29,11 @@
 namespace dflash {
 namespace {
 
+// x rounded to T (nearest even, as torch's .to(dtype)) and back: the value a torch op
+// producing a T tensor hands to the next op.
+template <typename T>
+__device__ __forceinline__ float rounded(float x) { return to_float(from_float<T>(x)); }
+
 // N consecutive elements at src (N * sizeof(T) a multiple of 16: 16-byte loads; N == 1: one
 // plain load) -> fp32.
 template <int N, typename T>
@@ -280,7 +285,11 @@ __global__ void __launch_bounds__(kSiluThreads) silu_mul_kernel(SiluMulParams p)
     load<V>(gate_up + r * 2 * p.inter + c, g);
     load<V>(gate_up + r * 2 * p.inter + p.inter + c, u);
 #pragma unroll
-    for (int k = 0; k < V; ++k) y[k] = silu_mul<T>(g[k], u[k]);  // rounded to T by store
+    for (int k = 0; k < V; ++k) {
+      // torch's silu: x / (1 + exp(-x)) in fp32, rounded; then the product, rounded.
+      const float silu = rounded<T>(g[k] / (1.0f + expf(-g[k])));
+      y[k] = __fmul_rn(silu, u[k]);
+    }
     store<V>(out + r * p.inter + c, y);
   }
 }

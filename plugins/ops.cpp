@@ -316,17 +316,14 @@ at::Tensor silu_mul_cuda(const at::Tensor& gate_up) {
 }
 
 // x [M, K] (M <= 16), weight [N, K], bias [N] or None, all one dtype, contiguous -> [M, N].
-// swiglu: x is [1, 2K], an MLP's gate and up halves, and y = (silu(gate) * up) W^T (gemv.h).
-at::Tensor gemv_cuda(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                     bool swiglu) {
+at::Tensor gemv_cuda(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.is_cuda() && weight.is_cuda() && weight.device() == x.device(), "x and weight must be on one GPU");
   const dflash::DType dtype = model_dtype(x, "x");
   TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "weight must have x's dtype");
-  const int64_t K = swiglu ? x.size(-1) / 2 : x.size(-1);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.dim() == 2 && weight.is_contiguous() &&
-                  weight.size(1) == K && (!swiglu || x.size(1) == 2 * K),
-              "x must be a contiguous [M, K] (swiglu: [1, 2K]) and weight a contiguous [N, K] tensor, got ",
-              x.sizes(), " and ", weight.sizes());
+                  weight.size(1) == x.size(1),
+              "x must be a contiguous [M, K] and weight a contiguous [N, K] tensor, got ", x.sizes(), " and ",
+              weight.sizes());
   if (bias.has_value()) {
     TORCH_CHECK(bias->device() == x.device() && bias->scalar_type() == x.scalar_type() && bias->dim() == 1 &&
                     bias->size(0) == weight.size(0) && bias->is_contiguous(),
@@ -339,12 +336,11 @@ at::Tensor gemv_cuda(const at::Tensor& x, const at::Tensor& weight, const std::o
   p.dtype = dtype;
   p.rows = static_cast<int>(x.size(0));
   p.out_features = weight.size(0);
-  p.in_features = K;
+  p.in_features = x.size(1);
   p.x = x.data_ptr();
   p.weight = weight.data_ptr();
   p.bias = bias.has_value() ? bias->data_ptr() : nullptr;
   p.y = y.data_ptr();
-  p.swiglu = swiglu;
   if (const char* why = dflash::gemv_check(p)) TORCH_CHECK(false, "gemv: ", why);
   check_launch(dflash::gemv_launch(p, c10::cuda::getCurrentCUDAStream().stream()), "gemv");
   return y;
@@ -430,7 +426,7 @@ at::Tensor causal_conv_meta(const at::Tensor& x, const at::Tensor&, const at::Te
   return at::empty(x.sizes(), x.options());
 }
 
-at::Tensor gemv_meta(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>&, bool) {
+at::Tensor gemv_meta(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>&) {
   return at::empty({x.size(0), weight.size(0)}, x.options());
 }
 
@@ -795,7 +791,7 @@ TORCH_LIBRARY(dflash, m) {
       "Tensor? positions=None, bool zero_centered=False, int rotary_dim=0, bool q_gate=False) "
       "-> (Tensor, Tensor, Tensor)");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
-  m.def("gemv(Tensor x, Tensor weight, Tensor? bias=None, bool swiglu=False) -> Tensor");
+  m.def("gemv(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
   m.def(
       "causal_conv(Tensor x, Tensor weight, Tensor(a!) conv_cache, Tensor(b!)? snapshots, Tensor slots, "
       "Tensor start, Tensor? num_tokens=None) -> Tensor");

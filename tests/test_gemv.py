@@ -34,13 +34,6 @@ def test_linear_layers_compute_what_nn_linear_does_on_the_cpu():
     assert torch.equal(mlp(x), F.linear(ops.silu_mul(F.linear(x, mlp.gate_up_proj.weight)), mlp.down_proj.weight))
 
 
-@pytest.mark.parametrize("shape", [(1, 1), (2, 3)], ids=["one row", "six rows"])
-def test_down_projection_of_the_activation_is_linear_of_silu_mul(shape):
-    gate_up, w, b = rand(*shape, 64, seed=6), rand(7, 32, seed=7), rand(7, seed=8)
-    y = ops.silu_mul_linear(gate_up, w, b)
-    assert y.shape == (*shape, 7) and torch.equal(y, F.linear(ops.silu_mul(gate_up), w, b))
-
-
 def test_linear_takes_empty_inputs_as_nn_linear_does():
     for x, w in ((torch.ones(2, 0), torch.ones(3, 0)), (torch.ones(0, 4), torch.ones(3, 4))):
         assert torch.equal(ops.linear(x, w), F.linear(x, w))
@@ -105,39 +98,6 @@ def test_kernel_matches_the_reference(dtype, m, n, k, bias):
     y = ops.gemv(x, w, b)
     assert y.shape == (m, n) and y.dtype == dtype
     assert_within_an_ulp(y, ops.gemv_reference(x, w, b), None if m == 1 else tensor_core_slack(x, w))
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("n, k", [
-    (1, 8),  # one feature, one chunk
-    (37, 264),  # ragged
-    (2048, 512),  # an MoE's shared expert (Qwen3.6-35B-A3B)
-    (4096, 12288),  # Qwen3-8B's down_proj: 24 KB of activations per CTA
-    (5120, 17408),  # Qwen3.5-27B's: past the 48 KB of shared memory a launch has without opting in
-])
-@pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
-def test_down_projection_of_one_row_in_one_kernel_gives_the_two_kernels_bits(monkeypatch, dtype, n, k, bias):
-    """An AR step's MLP at batch 1: the gemv kernel applies silu(gate) * up as it stages its
-    input, rounded as the silu_mul kernel rounds it, so the output is bit for bit the two
-    kernels' (the dot products run in the same order) and no silu_mul kernel runs."""
-    gate_up = rand(1, 2 * k, dtype=dtype, device="cuda", seed=k, scale=4.0)  # both tails of silu's exp
-    w = rand(n, k, dtype=dtype, device="cuda", seed=k + 1, scale=k ** -0.5)
-    b = rand(n, dtype=dtype, device="cuda", seed=k + 2) if bias else None
-    expected = ops.gemv(ops.silu_mul(gate_up), w, b)
-    activations = []
-    monkeypatch.setattr(ops, "silu_mul", lambda x: activations.append(x) or pytest.fail("silu_mul ran"))
-    fused = ops.silu_mul_linear(gate_up[None], w, b)  # [bs = 1, T = 1, 2K]
-    assert fused.shape == (1, 1, n) and torch.equal(fused[0], expected) and not activations
-
-
-@pytest.mark.cuda
-def test_down_projection_of_several_rows_runs_the_activation_then_the_projection():
-    gate_up = rand(3, 128, dtype=torch.bfloat16, device="cuda", seed=1)
-    w = rand(64, 64, dtype=torch.bfloat16, device="cuda", seed=2, scale=0.125)
-    assert torch.equal(ops.silu_mul_linear(gate_up, w), ops.linear(ops.silu_mul(gate_up), w))
-    with pytest.raises(RuntimeError, match="swiglu takes one row"):
-        torch.ops.dflash.gemv(gate_up, w, None, True)
 
 
 @pytest.fixture

@@ -88,7 +88,7 @@ def plain_qkv(attn, x, cos, sin):
 
 def plain_mlp(mlp, x):
     gate, up = mlp.gate_up_proj(x).chunk(2, dim=-1)
-    return torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, mlp.down_proj.weight)
+    return mlp.down_proj(torch.nn.functional.silu(gate) * up)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -376,7 +376,7 @@ def test_silu_mul_reference_is_the_model_mlp(dtype):
     gate_up = mlp.gate_up_proj(x)
     out = silu_mul(gate_up)
     assert out.dtype == dtype and out.shape == (2, 5, 96) and out.is_contiguous()
-    assert torch.equal(mlp.down_proj(gate_up), plain_mlp(mlp, x)) and torch.equal(mlp(x), plain_mlp(mlp, x))
+    assert torch.equal(mlp.down_proj(out), plain_mlp(mlp, x)) and torch.equal(mlp(x), plain_mlp(mlp, x))
     assert torch.equal(silu_mul_reference(gate_up), out)
 
 

@@ -148,23 +148,15 @@ class AttentionProjections(nn.Module):
         return tuple(None if t is None else t.unflatten(0, (bs, T)) for t in (q, k, v))
 
 
-class ActivatedLinear(Linear):
-    """An MLP's down_proj, called on gate_up [..., 2I]: the activation silu(gate) * up first
-    (ops.silu_mul_linear: one kernel with the projection for a single row)."""
-
-    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return ops.silu_mul_linear(gate_up, self.weight, self.bias)
-
-
 class MLP(nn.Module):
     def __init__(self, dims: LayerDims, intermediate_size: int | None = None):
         super().__init__()
         width = intermediate_size or dims.intermediate_size  # another width: an MoE's shared expert
         self.gate_up_proj = PackedLinear(dims.hidden_size, {"gate_proj": width, "up_proj": width})
-        self.down_proj = ActivatedLinear(width, dims.hidden_size, bias=False)
+        self.down_proj = Linear(width, dims.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(self.gate_up_proj(x))
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
