@@ -25,6 +25,7 @@
 #   bash bench/gpu_check.sh moe-models # MoE: lossless on the GPU, the Qwen3.6-35B-A3B step profile (H200)
 #   bash bench/gpu_check.sh moe-bench  # MoE: Qwen3.6-35B-A3B AR vs DFlash, the 397B-A17B at 4 and 8 layers
 #   bash bench/gpu_check.sh moe-split  # MoE experts at TP2 per rank: tensor- vs expert-parallel
+#   bash bench/gpu_check.sh tp         # (2 GPUs) a two-rank run exits; one rank vs two, Qwen3-1.7B pair
 #   bash bench/gpu_check.sh draft-vocab # Qwen3-8B's draft pass with the whole vocabulary and with 32k tokens
 #   bash bench/gpu_check.sh prefill    # one prefill's wall, kernel and host time: Qwen3.5-9B and Qwen3-8B
 #   bash bench/gpu_check.sh stall      # chunked prefill on the GPU (tests), then a 30k-token prompt arriving
@@ -53,7 +54,7 @@
 # The machine has no `unzip`: zips are opened with `python3 -m zipfile`, which drops the
 # executable bits, so they are set again.
 set -u
-usage="usage: gpu_check.sh STAGE... (tests hybrid benches roofline bench8b goals overlap identity triton window flashinfer splits moe moe-models moe-bench moe-split draft-vocab prefill stall fa3 fa3-engine burst train-ranks demo-target demo-drafter demo-eval)"
+usage="usage: gpu_check.sh STAGE... (tests hybrid benches roofline bench8b goals overlap identity triton window flashinfer splits moe moe-models moe-bench moe-split tp draft-vocab prefill stall fa3 fa3-engine burst train-ranks demo-target demo-drafter demo-eval)"
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
@@ -248,6 +249,19 @@ moe-split)
   for shape in 35b-a3b 397b-a17b; do
     step "split-$shape" 120 python3 bench/moe_kernels.py --shape $shape --ranks 2 \
       --tokens 1,8,16,32,64,128,256,512,2048 --out "$OUT/moe_tp_ep_$shape.json"
+  done
+  ;;
+tp)
+  # (2 GPUs) a two-rank run of the demo must exit; then one rank against two on a Qwen3-1.7B pair
+  step build-tiny2 120 dflash-trt build --preset tiny --tensor-parallel 2 --device cuda --dtype float32 --force \
+    -o /tmp/tiny2
+  step run-tiny2 90 dflash-trt run /tmp/tiny2 "def quicksort(arr):" --max-tokens 48 --stats
+  [ -d /tmp/r17/target ] || step write 150 python3 bench/write_random_pair.py qwen3-1.7b /tmp/r17
+  for tp in 1 2; do
+    step "build-tp$tp" 150 dflash-trt build --target /tmp/r17/target --drafter /tmp/r17/drafter --device cuda \
+      --tensor-parallel $tp --max-batch-size 8 --force -o /tmp/r17_tp$tp
+    step "bench-tp$tp" 150 dflash-trt bench /tmp/r17_tp$tp --oracle-tau 6.5 --dataset gsm8k --num-prompts 16 \
+      --max-tokens 128 --concurrency 1,8 --json "$OUT/tp${tp}_17b.json"
   done
   ;;
 draft-vocab)
