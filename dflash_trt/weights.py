@@ -149,6 +149,12 @@ class Stacked(_Lazy):
         return pieces
 
 
+def _one_expert_part(param_name: str, shape: tuple[int, ...]) -> tuple[int, int]:
+    """The shape of one stored tensor of one expert in an Experts parameter [E, rows, width]:
+    gate or up (half of gate_up's rows), or down."""
+    return shape[1] // (2 if param_name.endswith("gate_up_proj") else 1), shape[2]
+
+
 def _unread_parameter(module: nn.Module, param_name: str, shape: tuple[int, ...],
                       parts: list[Unread]) -> "Unread | Stacked | None":
     """The stored parts of a parameter as one tensor to cut before reading, or None if they do
@@ -156,7 +162,7 @@ def _unread_parameter(module: nn.Module, param_name: str, shape: tuple[int, ...]
     if len(parts) == 1:
         return parts[0] if parts[0].shape == shape else None
     if isinstance(module, Experts):  # packed [experts, rows, width], or one projection of an expert
-        one = (shape[1] // (2 if param_name.endswith("gate_up_proj") else 1), shape[2])
+        one = _one_expert_part(param_name, shape)
         fits = all(len(p.shape) == 3 and p.shape[1:] == shape[1:] or p.shape == one for p in parts)
     else:
         fits = all(p.shape[1:] == shape[1:] for p in parts) and sum(p.shape[0] for p in parts) == shape[0]
@@ -238,7 +244,7 @@ def load_weights(model: nn.Module, checkpoint: Checkpoint, prefixes: tuple[str, 
             parts.append(checkpoint.get(stored))
         stacked = True
         if isinstance(module, Experts) and len(parts) > 1:  # experts' rows one after the other
-            one = (param.shape[1] // (2 if param_name.endswith("gate_up_proj") else 1), param.shape[2])
+            one = _one_expert_part(param_name, tuple(param.shape))
             stacked = all(p.dim() == 3 or tuple(p.shape) == one for p in parts)  # each expert's own shape
             parts = [p.reshape(-1, p.shape[-1]) for p in parts]
         stacked = stacked and all(p.shape[1:] == parts[0].shape[1:] for p in parts)  # else cat cannot stack
