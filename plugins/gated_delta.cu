@@ -399,6 +399,7 @@ int warps_per_cta(const GatedDeltaParams& p) {
 
 constexpr int kPrepareThreads = 256;
 constexpr int kPrepareWarps = kPrepareThreads / 32;
+constexpr int kVAhead = 8;
 
 __device__ __forceinline__ float load_as_float(const void* base, int64_t i, DType dtype) {
   switch (dtype) {
@@ -436,10 +437,23 @@ __global__ void __launch_bounds__(kPrepareThreads) gated_delta_prepare_kernel(Ga
       if (e < dk) out[e] = is_q ? __fmul_rn(__fmul_rn(x[i], r), p.q_scale) : __fmul_rn(x[i], r);
     }
   }
+  // v: kVAhead loads in flight per thread before the first store (the stores could alias
+  // the loads as far as the compiler knows, so a plain loop waits out each load in turn)
   const int64_t v0 = in0 + 2 * static_cast<int64_t>(Hk) * dk;
   const int per_part = (Hv * dv + parts - 1) / parts, end = min(Hv * dv, (part + 1) * per_part);
-  for (int e = part * per_part + threadIdx.x; e < end; e += blockDim.x)
-    p.v[n * Hv * dv + e] = load_as_float(p.qkv, v0 + e, p.dtype);
+  for (int e0 = part * per_part + threadIdx.x; e0 < end; e0 += kVAhead * blockDim.x) {
+    float x[kVAhead];
+#pragma unroll
+    for (int u = 0; u < kVAhead; ++u) {
+      const int e = e0 + u * blockDim.x;
+      if (e < end) x[u] = load_as_float(p.qkv, v0 + e, p.dtype);
+    }
+#pragma unroll
+    for (int u = 0; u < kVAhead; ++u) {
+      const int e = e0 + u * blockDim.x;
+      if (e < end) p.v[n * Hv * dv + e] = x[u];
+    }
+  }
   for (int h = part * blockDim.x + threadIdx.x; h < Hv; h += parts * blockDim.x) {
     const float x = __fadd_rn(load_as_float(p.a, n * p.ab_stride + h, p.dtype), p.dt_bias[h]);
     const float softplus = x > 20.0f ? x : log1pf(expf(x));  // torch's threshold

@@ -96,28 +96,42 @@ auto by_dtype(DType dtype, F&& f) {
 // rms_norm / add_rms_norm: one CTA per row. A thread owns up to kIters vectors of V elements
 // (vector i of the row is thread i % blockDim's, pass i / blockDim) and keeps their fp32 sums
 // in registers between the two passes, so the row is read from memory once. Rows of up to 1024
-// vectors take one pass (a warp for small rows, 512 threads for 4096 bf16 elements); only
-// rows over 32768 elements (kIters = 8 with V = 8) spill a few registers.
+// vectors take one pass (512 threads for 4096 bf16 elements); only rows over 32768 elements
+// (kIters = 8 with V = 8) spill a few registers. Rows of at most 32 vectors (a Qwen3.5 value
+// head's gated norm, a small model's hidden) take a warp each, kWarpRows to a CTA: a CTA per
+// such row left most of each SM's warp slots empty (an SM holds at most 32 CTAs) and paid a
+// barrier for a sum that one warp does in registers. A one-pass row loads its gate with x,
+// so the gate's latency overlaps the sum's.
 
 constexpr int kNormMaxThreads = 1024;
 constexpr int kNormMaxIters = 8;
+constexpr int kWarpRows = 8;
 
-template <typename T, typename X, bool kDelta, int V, int kIters>
+template <typename T, typename X, bool kDelta, int V, int kIters, bool kRowPerWarp>
 __global__ void __launch_bounds__(kNormMaxThreads) rms_norm_kernel(RmsNormParams p) {
   pdl_wait();
   pdl_allow_dependents();  // a matmul reads this output next: it may fetch its weights meanwhile
   __shared__ float warp_sums[kNormMaxThreads / 32];
   const int H = p.hidden;
-  const int64_t base = static_cast<int64_t>(blockIdx.x) * H;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t row = kRowPerWarp ? static_cast<int64_t>(blockIdx.x) * kWarpRows + warp : blockIdx.x;
+  if (kRowPerWarp && row >= p.rows) return;  // whole warps: the shuffles below see all 32 lanes
+  const int tid = kRowPerWarp ? lane : threadIdx.x, threads = kRowPerWarp ? 32 : blockDim.x;
+  const int64_t base = row * H;
   const X* x = static_cast<const X*>(p.x) + base;
   const T* delta = kDelta ? static_cast<const T*>(p.delta) + base : nullptr;
-  float s[kIters][V];
+  const T* gate = p.gate ? static_cast<const T*>(p.gate) + base : nullptr;
+  constexpr bool kGateAhead = kIters == 1;
+  float s[kIters][V], z[V];  // z: the gate (kIters == 1: loaded with x)
   float sq = 0.0f;
 #pragma unroll
   for (int it = 0; it < kIters; ++it) {
-    const int i = (it * blockDim.x + threadIdx.x) * V;
+    const int i = (it * threads + tid) * V;
     if (i < H) {
       load<V>(x + i, s[it]);
+      if constexpr (kGateAhead) {
+        if (gate) load<V>(gate + i, z);
+      }
       if constexpr (kDelta) {
         float d[V];
         load<V>(delta + i, d);
@@ -129,23 +143,25 @@ __global__ void __launch_bounds__(kNormMaxThreads) rms_norm_kernel(RmsNormParams
       for (int k = 0; k < V; ++k) sq = __fadd_rn(sq, __fmul_rn(s[it][k], s[it][k]));
     }
   }
-  // Block sum: warps, then the first warp over the warp sums; every thread reads the total.
   sq = warp_sum(sq);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
-  if (lane == 0) warp_sums[warp] = sq;
-  __syncthreads();
-  if (warp == 0) {
-    sq = warp_sum(lane < warps ? warp_sums[lane] : 0.0f);
-    if (lane == 0) warp_sums[0] = sq;
+  if constexpr (!kRowPerWarp) {  // block sum: the first warp over the warp sums; every thread reads it
+    const int warps = blockDim.x / 32;
+    if (lane == 0) warp_sums[warp] = sq;
+    __syncthreads();
+    if (warp == 0) {
+      sq = warp_sum(lane < warps ? warp_sums[lane] : 0.0f);
+      if (lane == 0) warp_sums[0] = sq;
+    }
+    __syncthreads();
+    sq = warp_sums[0];
   }
-  __syncthreads();
   // torch: mean = sum * (1 / H), then + eps, then rsqrt (CUDA's rsqrtf, as torch.rsqrt).
-  const float inv = rsqrtf(__fadd_rn(__fmul_rn(warp_sums[0], 1.0f / H), p.eps));
+  const float inv = rsqrtf(__fadd_rn(__fmul_rn(sq, 1.0f / H), p.eps));
   const T* weight = static_cast<const T*>(p.weight);
   T* out = static_cast<T*>(p.out) + base;
 #pragma unroll
   for (int it = 0; it < kIters; ++it) {
-    const int i = (it * blockDim.x + threadIdx.x) * V;
+    const int i = (it * threads + tid) * V;
     if (i < H) {
       float w[V], y[V];
       load<V>(weight + i, w);
@@ -155,9 +171,8 @@ __global__ void __launch_bounds__(kNormMaxThreads) rms_norm_kernel(RmsNormParams
         // Qwen3 rounds n to the model dtype and scales in it; Qwen3.5 scales by 1 + w in fp32
         y[k] = p.zero_centered ? __fmul_rn(n, __fadd_rn(1.0f, w[k])) : __fmul_rn(w[k], rounded<T>(n));
       }
-      if (p.gate) {  // the scaled value, rounded, times torch's silu of the gate in fp32
-        float z[V];
-        load<V>(static_cast<const T*>(p.gate) + base + i, z);
+      if (gate) {  // the scaled value, rounded, times torch's silu of the gate in fp32
+        if constexpr (!kGateAhead) load<V>(gate + i, z);
 #pragma unroll
         for (int k = 0; k < V; ++k) y[k] = __fmul_rn(rounded<T>(y[k]), z[k] / (1.0f + expf(-z[k])));
       }
@@ -299,10 +314,13 @@ __global__ void __launch_bounds__(kSiluThreads) silu_mul_kernel(SiluMulParams p)
 // walks the row's T tokens; neighbouring threads take neighbouring channels (coalesced). The
 // Qwen3.5/3.6 kernel size (4) is a template argument, so that the window's indices are known
 // at compile time and it stays in registers (a runtime size, kTaps 0, keeps it in local
-// memory); small CTAs spread a decode pass's few rows over more SMs.
+// memory); small CTAs spread a decode pass's few rows over more SMs. The walk is serial, so
+// the inputs of kConvAhead tokens are loaded before any of them is used: one memory latency
+// per kConvAhead tokens instead of one per token (a verify is 16, a prefill hundreds).
 
 constexpr int kConvThreads = 64;
 constexpr int kConvMaxTaps = 8;
+constexpr int kConvAhead = 8;
 
 template <typename T, int kTaps>
 __global__ void __launch_bounds__(kConvThreads) causal_conv_kernel(CausalConvParams p) {
@@ -340,21 +358,29 @@ __global__ void __launch_bounds__(kConvThreads) causal_conv_kernel(CausalConvPar
   to_cache(0);
   const T* x = static_cast<const T*>(p.x) + static_cast<int64_t>(b) * T_ * p.x_stride + c;
   T* out = static_cast<T*>(p.out) + static_cast<int64_t>(b) * T_ * C + c;
-  for (int t = 0; t < T_; ++t) {
-    const float xt = to_float(x[t * p.x_stride]);
-    win[W] = xt;  // tap W meets the token itself
-    float acc = rounded<T>(__fmul_rn(win[0], w[0]));
+  for (int t0 = 0; t0 < T_; t0 += kConvAhead) {
+    T ahead[kConvAhead];
 #pragma unroll
-    for (int j = 1; j < kConvMaxTaps; ++j) {
-      if (j <= W) acc = rounded<T>(__fadd_rn(acc, rounded<T>(__fmul_rn(win[j], w[j]))));
-    }
-    out[static_cast<int64_t>(t) * C] = from_float<T>(acc / (1.0f + expf(-acc)));
+    for (int u = 0; u < kConvAhead; ++u)
+      if (t0 + u < T_) ahead[u] = x[static_cast<int64_t>(t0 + u) * p.x_stride];
 #pragma unroll
-    for (int j = 0; j + 1 < kConvMaxTaps; ++j) {
-      if (j < W) win[j] = win[j + 1];
+    for (int u = 0; u < kConvAhead; ++u) {
+      const int t = t0 + u;
+      if (t >= T_) break;
+      win[W] = to_float(ahead[u]);  // tap W meets the token itself
+      float acc = rounded<T>(__fmul_rn(win[0], w[0]));
+#pragma unroll
+      for (int j = 1; j < kConvMaxTaps; ++j) {
+        if (j <= W) acc = rounded<T>(__fadd_rn(acc, rounded<T>(__fmul_rn(win[j], w[j]))));
+      }
+      out[static_cast<int64_t>(t) * C] = from_float<T>(acc / (1.0f + expf(-acc)));
+#pragma unroll
+      for (int j = 0; j + 1 < kConvMaxTaps; ++j) {
+        if (j < W) win[j] = win[j + 1];
+      }
+      snapshot(t + 1);
+      to_cache(t + 1);
     }
-    snapshot(t + 1);
-    to_cache(t + 1);
   }
 }
 
@@ -379,17 +405,24 @@ cudaError_t rms_norm_launch(const RmsNormParams& p, cudaStream_t stream) {
   if (p.rows == 0) return cudaSuccess;
   const int vec = norm_vec(p);
   const int vectors = (p.hidden + vec - 1) / vec;
-  // Enough threads for one vector each up to the maximum, then more passes: small rows get
-  // one warp, Qwen3-8B's 4096 (bf16, 8 per vector) 512 threads.
+  // Enough threads for one vector each up to the maximum, then more passes: rows of up to 32
+  // vectors a warp each, Qwen3-8B's 4096 (bf16, 8 per vector) 512 threads.
   const int iters_needed = (vectors + kNormMaxThreads - 1) / kNormMaxThreads;
   const int iters = iters_needed <= 1 ? 1 : iters_needed <= 2 ? 2 : iters_needed <= 4 ? 4 : 8;
-  const int threads = std::max(32, ((vectors + iters - 1) / iters + 31) / 32 * 32);
-  const dim3 grid(static_cast<unsigned>(p.rows));
+  const bool row_per_warp = vectors <= 32;
+  const int threads = row_per_warp ? 32 * kWarpRows : ((vectors + iters - 1) / iters + 31) / 32 * 32;
+  const dim3 grid(static_cast<unsigned>(row_per_warp ? (p.rows + kWarpRows - 1) / kWarpRows : p.rows));
   auto launch = [&](auto t, auto x_fp32, auto v, auto n) {
     using T = typename decltype(t)::type;
     using X = std::conditional_t<decltype(x_fp32)::value != 0, float, T>;
     constexpr int V = decltype(v)::value, N = decltype(n)::value;
-    const auto kernel = p.delta ? rms_norm_kernel<T, X, true, V, N> : rms_norm_kernel<T, X, false, V, N>;
+    if constexpr (N == 1) {
+      if (row_per_warp) {
+        const auto kernel = p.delta ? rms_norm_kernel<T, X, true, V, 1, true> : rms_norm_kernel<T, X, false, V, 1, true>;
+        return pdl_launch(kernel, grid, dim3(threads), 0, stream, true, p);
+      }
+    }
+    const auto kernel = p.delta ? rms_norm_kernel<T, X, true, V, N, false> : rms_norm_kernel<T, X, false, V, N, false>;
     return pdl_launch(kernel, grid, dim3(threads), 0, stream, true, p);
   };
   auto by_iters = [&](auto t, auto x_fp32, auto v) {
