@@ -38,6 +38,7 @@
 #include "device.h"
 #include "float_convert.h"
 #include "lanes.h"
+#include "mma_tile.h"
 #include "pdl.h"
 
 #include <cuda_bf16.h>
@@ -226,50 +227,85 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kOutputs || kRows > 16 ? 0 : 5
 // what stays sequential is a T-step recurrence of scalars per column, and no state is updated
 // (a verify pass writes none). The token loop above runs the T steps one after another on the
 // whole [dk, dv] state: at T = 16 that chain, not the bytes, is a verify's delta-rule time.
-// A CTA takes 32 columns of one (row, head): warp w computes P and Q for tokens w and w + 8 (a
-// lane per column), warp 0 runs the recurrence, and every warp writes its tokens' outputs.
 // Same algebra as the reference in another order: a few fp32 ulps.
+//
+// Two ways to get P and Q, the bulk of the arithmetic (2 T dk dv per (row, head)):
+// - CUDA cores (kMma false): a CTA takes 32 columns of one (row, head), stages them in shared
+//   memory, and warp w sums tokens w and w + 8 (a lane per column). Its CTAs each redo the
+//   Gram matrices and pass the state through shared memory: once they fill the SMs a few times
+//   over the token loop is as fast.
+// - tensor cores (kMma, dk = 128): a CTA takes 128 columns, warp w columns 16w .. 16w + 15, as
+//   [K; Q] (32 x dk) times its [dk x 16] of S0, in m16n8k8 TF32 MMAs three at a time for fp32
+//   precision (mma_tile.h). Its lanes hold their fragments of S0 in registers, loaded from the
+//   cache before the first barrier, so the state is read once, straight from global memory,
+//   with all of it in flight. That leaves the state's bytes as the pass's cost at any batch.
+// Either way the threads of group 0 (a column each) run the recurrence and every group writes
+// its tokens' outputs.
 
-constexpr int kOutWidth = 16;                     // at most T tokens
-constexpr int kOutCols = 32;                      // value columns per CTA, a lane each
-constexpr int kOutGroups = 8;                     // token groups (warps)
-constexpr int kOutThreads = kOutCols * kOutGroups;
+constexpr int kOutWidth = 16;  // at most T tokens
+constexpr int kOutThreads = 256;
 constexpr int kOutMaxDk = 128;
-constexpr int kOutPad = 4;  // k/q rows 16-byte aligned, and rows t, t + 1 start in other banks
-static_assert(kOutWidth == 2 * kOutGroups, "a warp takes tokens group and group + kOutGroups");
+constexpr int kOutPad = 4;     // k/q rows 16-byte aligned, and rows t, t + 1 start in other banks
+constexpr int kMmaDk = 128;    // the tensor-core form's dk (Qwen3.5/3.6)
 
-// Where it runs: its CTAs each redo the chunk's Gram matrices and stage the state through
-// shared memory, so once they fill the SMs a few times over (a verify of several rows) the
-// token loop, whose warps then run side by side, takes less time (BENCHMARKS.md, "Qwen3.5
-// hybrid").
+template <bool kMma>
+__host__ __device__ constexpr int out_cols() { return kMma ? 128 : 32; }  // value columns per CTA
+
+// Where the CUDA-core form runs: a few rows (its CTAs fill the SMs at most four times over);
+// past that the tensor-core form where it applies, else the token loop.
 bool outputs_form_runs(const GatedDeltaParams& p) {
-  if (p.num_snapshots != 0 || p.width > kOutWidth || p.key_dim > kOutMaxDk || p.value_dim % kOutCols != 0)
+  if (p.num_snapshots != 0 || p.width > kOutWidth || p.key_dim > kOutMaxDk || p.value_dim % out_cols<false>() != 0)
     return false;
-  const int64_t ctas = static_cast<int64_t>(p.batch) * p.num_v_heads * (p.value_dim / kOutCols);
+  const int64_t ctas = static_cast<int64_t>(p.batch) * p.num_v_heads * (p.value_dim / out_cols<false>());
   const int sms = device_sms();
   return sms > 0 && ctas <= 4 * static_cast<int64_t>(sms);
 }
 
-__global__ void __launch_bounds__(kOutThreads) gated_delta_outputs_kernel(GatedDeltaParams p) {
-  pdl_wait();
-  pdl_allow_dependents();
+bool mma_form_runs(const GatedDeltaParams& p) {
+  return p.num_snapshots == 0 && p.out != nullptr && p.width <= kOutWidth && p.key_dim == kMmaDk &&
+         p.value_dim % out_cols<true>() == 0;
+}
+
+template <bool kMma>
+__global__ void __launch_bounds__(kOutThreads, kMma ? 2 : 1) gated_delta_outputs_kernel(GatedDeltaParams p) {
+  constexpr int kCols = out_cols<kMma>(), kGroups = kOutThreads / kCols;
   __shared__ __align__(16) float k_s[kOutWidth][kOutMaxDk + kOutPad];
   __shared__ __align__(16) float q_s[kOutWidth][kOutMaxDk + kOutPad];
-  __shared__ __align__(16) float s_s[kOutMaxDk][kOutCols];  // S0's columns of the CTA
-  __shared__ __align__(16) float v_s[kOutWidth][kOutCols];
-  __shared__ float p_s[kOutWidth][kOutCols];   // P, then delta
-  __shared__ float q0_s[kOutWidth][kOutCols];  // Q
+  __shared__ __align__(16) float s_s[kMma ? 1 : kOutMaxDk][kCols];  // S0's columns of the CTA (CUDA cores)
+  __shared__ __align__(16) float v_s[kOutWidth][kCols];
+  __shared__ float p_s[kOutWidth][kCols];   // P, then delta
+  __shared__ float q0_s[kOutWidth][kCols];  // Q
   __shared__ float kk_s[kOutWidth][kOutWidth];  // D[t][s] (k_s . k_t), s < t
   __shared__ float kq_s[kOutWidth][kOutWidth];  // D[t][s] (k_s . q_t), s <= t
   __shared__ float g_s[kOutWidth], beta_s[kOutWidth], e_s[kOutWidth];
 
   const int T = p.width, Hk = p.num_k_heads, Hv = p.num_v_heads, dk = p.key_dim, dv = p.value_dim;
   const int b = blockIdx.z, h = blockIdx.y, kh = h / (Hv / Hk);
-  const int col0 = blockIdx.x * kOutCols;
-  const int tid = threadIdx.x, j = tid % kOutCols, group = tid / kOutCols;
+  const int col0 = blockIdx.x * kCols;
+  const int tid = threadIdx.x, j = tid % kCols, group = tid / kCols;
+  const int warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
+  // Read before the wait: the slots, starts and committed state are written before the pass
+  // (its batch copy, the last commit), never by the kernel just before this one, the only one
+  // that may still run (pdl.h).
   const int64_t slot = p.slots[b];
-  const int n = min(max(p.num_tokens[b], 0), T);
   const bool fresh = p.start[b] == 0;
+  const float* state = p.state_cache + (slot * Hv + h) * static_cast<int64_t>(dk) * dv + col0;
+
+  // Tensor cores: the lane's B fragments of S0 (rows 8 ks + t4 and + 4, columns 16 warp + 8 nt + g).
+  float sb[kMma ? kMmaDk / 8 : 1][2][2];
+  if constexpr (kMma) {
+    const float* w = state + 16 * warp + g;
+#pragma unroll
+    for (int ks = 0; ks < kMmaDk / 8; ++ks)
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+          sb[ks][nt][i] = fresh ? 0.0f : __ldcs(w + static_cast<int64_t>(8 * ks + t4 + 4 * i) * dv + 8 * nt);
+  }
+  pdl_wait();
+  pdl_allow_dependents();
+  const int n = min(max(p.num_tokens[b], 0), T);
   const int64_t token0 = static_cast<int64_t>(b) * T;
 
   const int dk4 = dk / 4;
@@ -279,18 +315,19 @@ __global__ void __launch_bounds__(kOutThreads) gated_delta_outputs_kernel(GatedD
     *reinterpret_cast<float4*>(&k_s[t][e]) = __ldg(reinterpret_cast<const float4*>(p.k + at));
     *reinterpret_cast<float4*>(&q_s[t][e]) = __ldg(reinterpret_cast<const float4*>(p.q + at));
   }
-  constexpr int cols4 = kOutCols / 4;
+  constexpr int cols4 = kCols / 4;
   for (int i = tid; i < n * cols4; i += kOutThreads) {
     const int t = i / cols4, e = i % cols4 * 4;
     const int64_t at = ((token0 + t) * Hv + h) * dv + col0 + e;
     *reinterpret_cast<float4*>(&v_s[t][e]) = __ldg(reinterpret_cast<const float4*>(p.v + at));
   }
-  if (!fresh) {  // a new sequence starts from zeros: P = Q = 0, nothing read
-    const float* state = p.state_cache + (slot * Hv + h) * static_cast<int64_t>(dk) * dv + col0;
-    for (int i = tid; i < dk * cols4; i += kOutThreads) {
-      const int row = i / cols4, e = i % cols4 * 4;
-      *reinterpret_cast<float4*>(&s_s[row][e]) =
-          __ldcs(reinterpret_cast<const float4*>(state + static_cast<int64_t>(row) * dv + e));
+  if constexpr (!kMma) {
+    if (!fresh) {  // a new sequence starts from zeros: P = Q = 0, nothing read
+      for (int i = tid; i < dk * cols4; i += kOutThreads) {
+        const int row = i / cols4, e = i % cols4 * 4;
+        *reinterpret_cast<float4*>(&s_s[row][e]) =
+            __ldcs(reinterpret_cast<const float4*>(state + static_cast<int64_t>(row) * dv + e));
+      }
     }
   }
   if (tid < n) {
@@ -300,30 +337,55 @@ __global__ void __launch_bounds__(kOutThreads) gated_delta_outputs_kernel(GatedD
   }
   __syncthreads();
 
-  // The decayed Gram matrices (entry (t, s) of k.k, then of k.q) and E.
-  for (int i = tid; i < 2 * kOutWidth * kOutWidth; i += kOutThreads) {
-    const bool is_q = i >= kOutWidth * kOutWidth;
-    const int t = i / kOutWidth % kOutWidth, s = i % kOutWidth;
-    if (t >= n || s > t || (s == t && !is_q)) continue;
-    const float* x = is_q ? q_s[t] : k_s[t];
-    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    for (int e = 0; e < dk; e += 4) {
-      const float4 a = *reinterpret_cast<const float4*>(&k_s[s][e]), c = *reinterpret_cast<const float4*>(&x[e]);
-      acc = make_float4(fmaf(a.x, c.x, acc.x), fmaf(a.y, c.y, acc.y), fmaf(a.z, c.z, acc.z), fmaf(a.w, c.w, acc.w));
+  if constexpr (kMma) {
+    // P (M rows 0-15: k_t) and Q (q_t) of the warp's 16 columns. Rows t >= n of k_s and q_s
+    // hold whatever was there: an MMA's output row reads only its own A row, and rows t >= n
+    // of P and Q are never read.
+    float acc[2][2][4] = {};  // [P, Q][n tile][fragment]
+#pragma unroll
+    for (int ks = 0; ks < kMmaDk / 8; ++ks) {
+      // each operand split into TF32 halves once, for the two MMAs it meets (mma_tile.h)
+      const int e = 8 * ks + t4;
+      uint32_t ab[2][4], as[2][4], bb[2][2], bs[2][2];
+#pragma unroll
+      for (int m = 0; m < 2; ++m) {
+        const float(*a)[kOutMaxDk + kOutPad] = m == 0 ? k_s : q_s;
+        const float x[4] = {a[g][e], a[g + 8][e], a[g][e + 4], a[g + 8][e + 4]};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) mma_tile::split_tf32(__float_as_uint(x[i]), ab[m][i], as[m][i]);
+      }
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int i = 0; i < 2; ++i) mma_tile::split_tf32(__float_as_uint(sb[ks][nt][i]), bb[nt][i], bs[nt][i]);
+#pragma unroll
+      for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          float c[4] = {};  // small terms first, then added to the running sum rounded (as mma_3xtf32)
+          mma_tile::mma_tf32(c, as[m], bb[nt]);
+          mma_tile::mma_tf32(c, ab[m], bs[nt]);
+          mma_tile::mma_tf32(c, ab[m], bb[nt]);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc[m][nt][i] += c[i];
+        }
     }
-    float log_decay = 0.0f;
-    for (int u = s + 1; u <= t; ++u) log_decay += g_s[u];
-    (is_q ? kq_s : kk_s)[t][s] = expf(log_decay) * ((acc.x + acc.y) + (acc.z + acc.w));
-  }
-  if (tid < n) {
-    float log_decay = 0.0f;
-    for (int u = 0; u <= tid; ++u) log_decay += g_s[u];
-    e_s[tid] = expf(log_decay);
-  }
-  // P and Q of this warp's tokens (group and group + 8), a lane per column: each S element
-  // read from shared memory serves all four sums.
-  {
-    const int t0 = group, t1 = group + kOutGroups;
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      const int c = 16 * warp + 8 * nt + 2 * t4;
+      p_s[g][c] = acc[0][nt][0];
+      p_s[g][c + 1] = acc[0][nt][1];
+      p_s[g + 8][c] = acc[0][nt][2];
+      p_s[g + 8][c + 1] = acc[0][nt][3];
+      q0_s[g][c] = acc[1][nt][0];
+      q0_s[g][c + 1] = acc[1][nt][1];
+      q0_s[g + 8][c] = acc[1][nt][2];
+      q0_s[g + 8][c + 1] = acc[1][nt][3];
+    }
+  } else {
+    // P and Q of this warp's tokens (group and group + 8), a lane per column: each S element
+    // read from shared memory serves all four sums.
+    const int t0 = group, t1 = group + kGroups;
     float4 pk0 = make_float4(0.0f, 0.0f, 0.0f, 0.0f), pq0 = pk0, pk1 = pk0, pq1 = pk0;
     if (!fresh && t0 < n) {
       const int u = t1 < n ? t1 : t0;  // a row that was loaded
@@ -348,6 +410,33 @@ __global__ void __launch_bounds__(kOutThreads) gated_delta_outputs_kernel(GatedD
       q0_s[t1][j] = (pq1.x + pq1.y) + (pq1.z + pq1.w);
     }
   }
+  // The decayed Gram matrices, an entry a thread: (t, s) of k.q for s <= t (the first 136
+  // threads, row t from thread t (t + 1) / 2 on), of k.k for s < t (the other 120).
+  {
+    constexpr int kWithDiagonal = kOutWidth * (kOutWidth + 1) / 2;
+    static_assert(kWithDiagonal + kOutWidth * (kOutWidth - 1) / 2 == kOutThreads, "an entry per thread");
+    const bool is_q = tid < kWithDiagonal;
+    const int i = is_q ? tid : tid - kWithDiagonal;
+    const float root = sqrtf(8.0f * i + 1.0f);  // exact where it is an integer: t is exact
+    const int t = is_q ? static_cast<int>((root - 1.0f) * 0.5f) : static_cast<int>((root + 1.0f) * 0.5f);
+    const int s = is_q ? i - t * (t + 1) / 2 : i - t * (t - 1) / 2;
+    if (t < n) {
+      const float* x = is_q ? q_s[t] : k_s[t];
+      float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      for (int e = 0; e < dk; e += 4) {
+        const float4 a = *reinterpret_cast<const float4*>(&k_s[s][e]), c = *reinterpret_cast<const float4*>(&x[e]);
+        acc = make_float4(fmaf(a.x, c.x, acc.x), fmaf(a.y, c.y, acc.y), fmaf(a.z, c.z, acc.z), fmaf(a.w, c.w, acc.w));
+      }
+      float log_decay = 0.0f;
+      for (int u = s + 1; u <= t; ++u) log_decay += g_s[u];
+      (is_q ? kq_s : kk_s)[t][s] = expf(log_decay) * ((acc.x + acc.y) + (acc.z + acc.w));
+    }
+  }
+  if (tid < n) {
+    float log_decay = 0.0f;
+    for (int u = 0; u <= tid; ++u) log_decay += g_s[u];
+    e_s[tid] = expf(log_decay);
+  }
   __syncthreads();
 
   if (group == 0) {  // the recurrence over the chunk, column j; delta replaces P
@@ -365,7 +454,7 @@ __global__ void __launch_bounds__(kOutThreads) gated_delta_outputs_kernel(GatedD
   }
   __syncthreads();
 
-  for (int t = group; t < T; t += kOutGroups) {
+  for (int t = group; t < T; t += kGroups) {
     float out = 0.0f;  // padding tokens output zeros
     if (t < n) {
       out = e_s[t] * q0_s[t][j];
@@ -505,8 +594,12 @@ cudaError_t gated_delta_recurrent_launch(const GatedDeltaParams& p, cudaStream_t
   if (gated_delta_recurrent_check(p) != nullptr) return cudaErrorInvalidValue;
   if (p.batch == 0 || p.width == 0 || (p.out == nullptr && p.num_snapshots == 0)) return cudaSuccess;
   if (outputs_form_runs(p)) {
-    const dim3 grid(p.value_dim / kOutCols, p.num_v_heads, p.batch);
-    return pdl_launch(gated_delta_outputs_kernel, grid, dim3(kOutThreads), 0, stream, true, p);
+    const dim3 grid(p.value_dim / out_cols<false>(), p.num_v_heads, p.batch);
+    return pdl_launch(gated_delta_outputs_kernel<false>, grid, dim3(kOutThreads), 0, stream, true, p);
+  }
+  if (mma_form_runs(p)) {
+    const dim3 grid(p.value_dim / out_cols<true>(), p.num_v_heads, p.batch);
+    return pdl_launch(gated_delta_outputs_kernel<true>, grid, dim3(kOutThreads), 0, stream, true, p);
   }
   const int warps = warps_per_cta(p);
   const dim3 grid(p.value_dim / (kWarpCols * warps), p.num_v_heads, p.batch);

@@ -342,9 +342,12 @@ CUDA_CASES = {
     "dk=48 dv=80 (partial rows)": (2, 5, 1, 2, 48, 80, 4, [5, 2], [0, 1]),
     "dk=dv=256": (2, 4, 1, 2, 256, 256, 4, [4, 3], [1, 0]),
     "dk=256 dv=64 T=17": (1, 17, 1, 1, 256, 64, 16, [17], [3]),
-    # NS = 0 up to 16 tokens, dk <= 128 and dv a multiple of 32 runs the outputs-only kernel
+    # NS = 0 up to 16 tokens runs the outputs-only kernel: on the tensor cores for dk = 128 and
+    # dv a multiple of 128, at any batch
     "qwen verify, no snapshots": (4, 16, 16, 32, 128, 128, 0, [16, 1, 7, 0], [3, 0, 90, 5]),
     "no snapshots, batch 8": (8, 16, 16, 32, 128, 128, 0, [16, 16, 3, 16, 1, 16, 9, 16], [0, 1, 2, 3, 0, 5, 6, 7]),
+    "no snapshots T=8 dv=256 GQA": (3, 8, 2, 4, 128, 256, 0, [8, 3, 0], [1, 0, 7]),
+    # on the CUDA cores for smaller dk and dv a multiple of 32, at small batch
     "no snapshots T=5 dk=48 dv=64 GQA": (3, 5, 1, 4, 48, 64, 0, [5, 2, 4], [0, 3, 1]),
     "no snapshots T=1": (2, 1, 2, 2, 16, 32, 0, [1, 0], [4, 0]),
     # and the token loop past those
