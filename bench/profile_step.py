@@ -39,6 +39,7 @@ from dflash_trt.models import qwen3_5
 from dflash_trt.models.moe import SparseMoeBlock
 from dflash_trt.sampling import SamplingParams
 from dflash_trt.sequence import Sequence
+from dflash_trt.verify_width import candidate_widths
 
 
 def copy_bandwidth(device="cuda", nbytes=1 << 30, reps=20) -> float:
@@ -322,12 +323,14 @@ def main(argv=None) -> int:
             x = passes.inputs(fake_running(engine, n, args.context))
             ar = time_ms(lambda: passes.ar(x))
             dr = time_ms(lambda: passes.draft(x))
+            # a draft proposes for its step's verify width only (its LM head's rows)
+            draft_by_width = {w: time_ms(lambda w=w: passes.draft(x, w)) for w in candidate_widths(engine.block_size)}
             block = random_block(passes.draft(x), engine.target.config.vocab_size)
             ve = time_ms(lambda: passes.verify(x, block))
             ar_wall, ar_serial = (step_wall_ms(engine, fake_running(engine, n, args.context), "ar", overlap)
                                   for overlap in (True, False))
             row = {"ar_step_ms": ar, "draft_ms": dr, "verify_ms": ve, "ar_tok_s": n * 1e3 / ar,
-                   "dflash_step_over_ar": (dr + ve) / ar, "ar_step_wall_ms": ar_wall,
+                   "draft_ms_by_width": draft_by_width, "dflash_step_over_ar": (dr + ve) / ar, "ar_step_wall_ms": ar_wall,
                    "ar_step_wall_serial_ms": ar_serial, "ar_host_gap_ms": ar_wall - ar,
                    "ar_host_gap_serial_ms": ar_serial - ar}
             # counted on eager passes of their own inputs (python hooks do not run in graph replays)
@@ -353,7 +356,9 @@ def main(argv=None) -> int:
             result[f"batch{n}"] = row
             print(f"batch {n}: AR step {ar:.3f} ms ({n * 1e3 / ar:.1f} tok/s; {ar_wall:.3f} ms with the host work "
                   f"overlapped, {ar_serial:.3f} serially), "
-                  f"draft {dr:.3f} ms, verify {ve:.3f} ms, (draft+verify)/AR {(dr + ve) / ar:.2f}; "
+                  f"draft {dr:.3f} ms (for verify widths "
+                  + ", ".join(f"{w}: {ms:.3f}" for w, ms in draft_by_width.items())
+                  + f"), verify {ve:.3f} ms, (draft+verify)/AR {(dr + ve) / ar:.2f}; "
                   f"roofline share AR {row['ar_roofline_share']:.1%}, verify {row['verify_roofline_share']:.1%}"
                   + (f"; distinct experts per layer AR {ar_experts:.1f}, verify {verify_experts:.1f}"
                      if "ar_distinct_experts" in row else "")

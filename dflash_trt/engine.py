@@ -287,11 +287,15 @@ class Engine:
         if self.mode == "ar":
             return self._ar_step(seqs)
         self._start_width_policy()
-        width = self.width_policy.choose(len(seqs)) if self.width_policy else self.block_size
         drafted, self.queued_draft = self.queued_draft, None
         if drafted is not None and not same_rows(drafted.seqs, seqs):
             drafted = None  # drafted for other rows: one finished, joined or was aborted since
-        out = speculative_step(self.passes, seqs, self.oracle, width, drafted, self._draft_ahead(seqs, width))
+        # A step verifies the width its draft proposed for, so a draft launched ahead needs the
+        # next step's width now: chosen before this step's outcome is counted (a step's lag).
+        width = drafted.width if drafted is not None else self._choose_width(len(seqs))
+        ahead = self._draft_ahead(seqs, width)
+        out = speculative_step(self.passes, seqs, self.oracle, width, drafted, ahead,
+                               self._choose_width(len(seqs)) if ahead else None)
         self.queued_draft = out.next_draft
         if self.width_policy:
             self.width_policy.update(out.accepted, width)
@@ -303,6 +307,9 @@ class Engine:
             s.num_cached += len(new)  # the committed rows: everything but the new last token
             events.append(StepEvent(s, s.emit(new)))
         return events
+
+    def _choose_width(self, num_rows: int) -> int:
+        return self.width_policy.choose(num_rows) if self.width_policy else self.block_size
 
     def _draft_ahead(self, seqs: list[Sequence], width: int) -> bool:
         """Whether this step may launch the next one's draft before it is read: greedy rows

@@ -176,20 +176,25 @@ class DecodePasses:
         hidden, _ = self.target(x.last_tokens[:, None], self._batch(x, 1), self.target_cache)
         return hidden, self.target.lm_head.argmax(hidden[:, 0])
 
-    def draft(self, x: StepInputs) -> torch.Tensor:
+    def draft(self, x: StepInputs, width: int | None = None) -> torch.Tensor:
         """One drafter pass over [bonus, MASK x (B-1)] per row -> the block [bs, B] with the
-        B-1 proposals filled in (argmax over the LM head at the B-1 mask slots only)."""
+        proposals for the verify's `width` (default: all B) filled in at 1 .. width-1: the LM
+        head and argmax run at those rows only (at load, most of the draft pass's arithmetic),
+        the block's other slots keep the mask token. The drafter still attends over the whole
+        block, as it was trained to."""
+        width = width or self.block_size
         batch = self._batch(x, self.block_size)
         block = torch.full((batch.size, batch.width), self.drafter.config.mask_token_id, dtype=torch.long,
                            device=x.last_tokens.device)
         block[:, 0] = x.last_tokens
         hidden = self.drafter(block, batch, self.draft_cache)
-        block[:, 1:] = self.drafter.propose(hidden[:, 1:])
+        block[:, 1:width] = self.drafter.propose(hidden[:, 1:width])
         return block
 
     def verify(self, x: StepInputs, block: torch.Tensor,
                width: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One causal target pass over the block's first `width` tokens (default: all B) ->
+        """One causal target pass over the block's first `width` tokens (default: all B; at
+        most the width of the draft that filled the block) ->
         (hidden [bs, width, H], accepted [bs], bonus [bs]), greedy; the drafter's context K/V
         of those rows is cached on the way.
 
@@ -271,9 +276,8 @@ class GraphedPasses(DecodePasses):
             x = StepInputs(self._pad(torch.empty((3, size), dtype=torch.long, device=self.device), 0), size)
             self.ar(x)
             if self.drafter is not None:
-                block = self.draft(x)
                 for width in sorted({self.block_size, *widths}):
-                    self.verify(x, block, width)
+                    self.verify(x, self.draft(x, width), width)
                     self.commit(x, width, [1] * size)
 
     def step_ms(self, widths: tuple[int, ...], reps: int = 10) -> dict[int, dict[int, float]]:
@@ -288,7 +292,7 @@ class GraphedPasses(DecodePasses):
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
                 for _ in range(reps):
-                    self.verify(x, self.draft(x), width)
+                    self.verify(x, self.draft(x, width), width)
                     self.commit(x, width, [1] * size)
                 end.record()
                 end.synchronize()
@@ -327,15 +331,16 @@ class GraphedPasses(DecodePasses):
         hidden, token = self._replay("ar", x, lambda s: DecodePasses.ar(self, s))
         return hidden[: x.size], token[: x.size]
 
-    def draft(self, x: StepInputs) -> torch.Tensor:
-        return self._replay("draft", x, lambda s: DecodePasses.draft(self, s))[: x.size]
+    def draft(self, x: StepInputs, width: int | None = None) -> torch.Tensor:
+        width = width or self.block_size  # a graph per verify width: its LM head's rows
+        return self._replay("draft", x, lambda s: DecodePasses.draft(self, s, width), width)[: x.size]
 
     def verify(self, x: StepInputs, block: torch.Tensor, width: int | None = None):
-        # The block is the draft graph's output buffer: verify reads it in place.
+        # The block is the output buffer of the draft graph of this width: verify reads it in place.
         width = width or self.block_size
         b = self.bucket(x.size)
-        static_block = self._graphs[("draft", b, 0)][2]
-        assert block.data_ptr() == static_block.data_ptr(), "verify expects the draft graph's block"
+        static_block = self._graphs[("draft", b, width)][2]
+        assert block.data_ptr() == static_block.data_ptr(), f"verify expects the block of the width-{width} draft graph"
         hidden, accepted, bonus = self._replay("verify", x, lambda s: DecodePasses.verify(self, s, static_block, width),
                                                width)
         return hidden[: x.size], accepted[: x.size], bonus[: x.size]

@@ -102,11 +102,13 @@ class OracleDrafts:
 
 @dataclass(frozen=True)
 class Drafted:
-    """A draft pass launched for these rows: the inputs it ran on and its block [bs, B]."""
+    """A draft pass launched for these rows: the inputs it ran on, its block [bs, B] and the
+    verify width it proposed for (drafts 1 .. width-1)."""
 
     seqs: list[Sequence]
     inputs: StepInputs
     block: torch.Tensor
+    width: int
 
 
 @dataclass(frozen=True)
@@ -117,23 +119,27 @@ class StepOutput:
 
 
 def speculative_step(passes, seqs: list[Sequence], oracle: OracleDrafts | None = None, width: int | None = None,
-                     drafted: Drafted | None = None, draft_ahead: bool = False) -> StepOutput:
+                     drafted: Drafted | None = None, draft_ahead: bool = False,
+                     next_width: int | None = None) -> StepOutput:
     """draft -> verify -> accept -> commit for the running sequences (`passes`: graphs.DecodePasses).
 
     `width` (default: the block): how many tokens of the block the target verifies, the
-    bonus token and width - 1 drafts. Fewer drafts can only be accepted less far, and every
-    acceptance rule still holds, so any width is lossless (verify_width.py chooses it).
+    bonus token and width - 1 drafts, which are all the draft proposes. Fewer drafts can
+    only be accepted less far, and every acceptance rule still holds, so any width is
+    lossless (verify_width.py chooses it).
 
-    `drafted`: these rows' draft, launched by the previous step. `draft_ahead` (greedy rows
-    only): commit and launch the next step's draft from the verify's outcome on the device
-    before reading it, so the host's reading, emitting and next launches overlap the draft
-    pass instead of leaving the device idle; the caller drops that draft if its rows change."""
+    `drafted`: these rows' draft, launched by the previous step for `width`. `draft_ahead`
+    (greedy rows only): commit and launch the next step's draft, for `next_width` (default:
+    this width), from the verify's outcome on the device before reading it, so the host's
+    reading, emitting and next launches overlap the draft pass instead of leaving the device
+    idle; the caller drops that draft if its rows change."""
     width = width or passes.block_size
 
     # draft (or the one the previous step launched)
     if drafted is None:
         inputs = passes.inputs(seqs)
-        drafted = Drafted(list(seqs), inputs, passes.draft(inputs))
+        drafted = Drafted(list(seqs), inputs, passes.draft(inputs, width), width)
+    assert drafted.width == width, f"a draft for width {drafted.width} verified at {width}"
     inputs, block = drafted.inputs, drafted.block
     plans = oracle.apply(seqs, block[:, 1:]) if oracle is not None else None
 
@@ -147,8 +153,8 @@ def speculative_step(passes, seqs: list[Sequence], oracle: OracleDrafts | None =
     next_draft = None
     if draft_ahead:
         passes.commit(inputs, width, accepted + 1)
-        following = passes.after_verify(inputs, accepted, bonus)
-        next_draft = Drafted(list(seqs), following, passes.draft(following))
+        following, next_width = passes.after_verify(inputs, accepted, bonus), next_width or width
+        next_draft = Drafted(list(seqs), following, passes.draft(following, next_width), next_width)
 
     # accept: the step's one host sync; sampled rows redo acceptance with the lossless rule
     rows = readback.tolist()

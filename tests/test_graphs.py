@@ -95,7 +95,8 @@ def test_warm_up_captures_every_bucket_and_leaves_outputs_unchanged(loaded):
     prompts = _prompts(3, seed=11)
     sp = SamplingParams(max_tokens=20, ignore_eos=True)
     before = [r.token_ids for r in engine.generate(prompts, sp, mode="dflash")]
-    width = {"ar": 0, "draft": 0, "verify": cold.block_size}  # verify graphs are per width, the whole block here
+    # draft and verify graphs are per verify width, the whole block here
+    width = {"ar": 0, "draft": cold.block_size, "verify": cold.block_size}
     decode = [(name, b, width[name]) for name in width for b in (1, 2, 3)]
     # one prompt at a time, padded to a width the cache holds (256 + the block)
     prefill = [(name, 1, w) for name in ("prefill", "prefill+context") for w in (32, 64, 128, 256)]

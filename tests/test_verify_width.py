@@ -12,8 +12,10 @@ from test_sampling import P_MIN, _fields, chi_square_p, exact_next_token_margina
 from dflash_trt.benchmark.bench import OracleNumCorrect
 from dflash_trt.config import resolve_config
 from dflash_trt.errors import ConfigError
+from dflash_trt.graphs import DecodePasses
 from dflash_trt.loading import load_pair
 from dflash_trt.sampling import SamplingParams
+from dflash_trt.sequence import Sequence
 from dflash_trt.speculate import OracleDrafts
 from dflash_trt.verify_width import EXPLORE, VerifyWidth, candidate_widths
 
@@ -92,6 +94,26 @@ def test_greedy_dflash_equals_ar_at_any_verify_width(make_pair, device, target, 
     assert all(2 <= w < 8 for w in widths), widths  # the stats count what was verified
     if oracle == "random-acceptance":  # the oracle's k is cut to the width: never more than width - 1
         assert max(a for d in dflash for a in d.stats.acceptance_lengths) <= 8
+
+
+def test_a_draft_for_a_narrow_verify_proposes_only_the_drafts_it_verifies(make_pair, device):
+    pair = make_pair(**TARGETS["qwen3"])
+    engine = load_pair(pair.target, pair.drafter, device=device, max_seq_len=96)
+    rows = []
+    for i, prompt in enumerate(PROMPTS[1:]):
+        seq = Sequence(i, prompt, SamplingParams(max_tokens=8), frozenset())
+        seq.slot, seq.num_cached, seq.output_ids = i, len(prompt), [5 + i]
+        rows.append(seq)
+    passes = DecodePasses(engine.target, engine.drafter, engine.target_cache, engine.draft_cache, engine.taps,
+                          engine.block_size)
+    x = passes.inputs(rows)
+    whole = passes.draft(x)
+    mask = engine.drafter.config.mask_token_id
+    for width in (2, 5, 8):
+        block = passes.draft(x, width)
+        assert torch.equal(block[:, :width], whole[:, :width])  # the same proposals where it makes them
+        assert (block[:, width:] == mask).all()  # none past the width: their LM head rows never ran
+    assert (whole[:, 1:] != mask).any()
 
 
 def test_sampled_dflash_at_a_narrow_width_matches_the_target_distribution(make_pair, device):
