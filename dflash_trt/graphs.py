@@ -179,7 +179,7 @@ class DecodePasses:
     def draft(self, x: StepInputs, width: int | None = None) -> torch.Tensor:
         """One drafter pass over [bonus, MASK x (B-1)] per row -> the block [bs, B] with the
         proposals for the verify's `width` (default: all B) filled in at 1 .. width-1: the LM
-        head and argmax run at those rows only (at load, most of the draft pass's arithmetic),
+        head and argmax run at those rows only (at load, a third of the draft pass at the full block),
         the block's other slots keep the mask token. The drafter still attends over the whole
         block, as it was trained to."""
         width = width or self.block_size

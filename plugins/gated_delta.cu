@@ -238,7 +238,8 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kOutputs || kRows > 16 ? 0 : 5
 //   [K; Q] (32 x dk) times its [dk x 16] of S0, in m16n8k8 TF32 MMAs three at a time for fp32
 //   precision (mma_tile.h). Its lanes hold their fragments of S0 in registers, loaded from the
 //   cache before the first barrier, so the state is read once, straight from global memory,
-//   with all of it in flight. That leaves the state's bytes as the pass's cost at any batch.
+//   with all of it in flight. It still takes several times the state's bytes' time (two CTAs
+//   an SM, and each one's phases in turn: BENCHMARKS.md, "Qwen3.5 hybrid").
 // Either way the threads of group 0 (a column each) run the recurrence and every group writes
 // its tokens' outputs.
 
