@@ -8,6 +8,8 @@ trained by `dflash-trt train` on the target's own responses. Seeded; run on a GP
         -o out/demo_train/drafter --block-size 16 --draft-layers 2 ...   (bench/gpu_check.sh demo-drafter)
     python bench/train_demo.py eval dflash_trt/fixtures/demo --report eval.json
                                   # real τ per dataset, block 8 and 16, greedy and sampled; DFlash == AR in fp32
+    python bench/train_demo.py ceiling dflash_trt/fixtures/demo --report ceiling.json
+                                  # how sure the target is of its own tokens: the τ that caps
 
 The shipped pair is the target of the `target` stage and the drafter of `dflash-trt train`
 (config.json and model.safetensors of each, with the target's tokenizer files).
@@ -187,9 +189,55 @@ def evaluate(pair: Path, report_path: Path, max_tokens: int, device: str) -> Non
     report_path.write_text(json.dumps(report, indent=1) + "\n")
 
 
+def ceiling_tau(top1: list[torch.Tensor], threshold: float, block: int) -> float:
+    """τ of a drafter that names the target's own next token exactly where the target gives it a
+    probability above `threshold` (top1: per response, that probability at each of its tokens):
+    each step's bonus token, then drafts while the target is that sure, at most block - 1."""
+    steps = tokens = 0
+    for probs in top1:
+        i = 0
+        while i < len(probs):
+            accepted = 0
+            while accepted < block - 1 and i + 1 + accepted < len(probs) and probs[i + 1 + accepted] > threshold:
+                accepted += 1
+            steps, tokens, i = steps + 1, tokens + accepted + 1, i + accepted + 1
+    return tokens / steps
+
+
+def ceiling(pair: Path, report_path: Path, max_tokens: int, device: str, limit: int | None) -> None:
+    """How far any drafter can get on this target: its confidence along its own greedy responses
+    to the eval's prompts (fp32, transformers' model of the same checkpoint). A draft is accepted
+    where it names the target's argmax; a drafter that managed that only where the target's top-1
+    probability is above p reaches the τ reported per p: a flat target caps τ whatever drafts it."""
+    from transformers import AutoModelForCausalLM
+
+    tok = Tokenizer.from_dir(pair / "target")
+    model = AutoModelForCausalLM.from_pretrained(pair / "target", dtype=torch.float32).to(device).eval()
+    report = {}
+    for dataset in ("gsm8k", "humaneval"):
+        top1 = []
+        for prompt in load_prompts(dataset, limit):
+            ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt}], enable_thinking=False))
+            x = torch.tensor([ids], device=device)
+            with torch.no_grad():
+                out = model.generate(x, max_new_tokens=max_tokens, do_sample=False, eos_token_id=tok.stop_token_ids)
+                probs = model(out).logits[0, len(ids) - 1:-1].float().softmax(-1)
+            top1.append(probs.max(-1).values.cpu())
+        every = torch.cat(top1)
+        report[dataset] = {
+            "responses": len(top1), "tokens": every.numel(),
+            "top1_quantiles_10_25_50": [round(every.quantile(q).item(), 3) for q in (0.1, 0.25, 0.5)],
+            "share_top1_below_0.5": round((every < 0.5).float().mean().item(), 3),
+            "tau_if_right_above": {f"{p:g}": {f"block {b}": round(ceiling_tau(top1, p, b), 2) for b in (8, 16)}
+                                   for p in (0.3, 0.5, 0.7, 0.9)},
+        }
+        print(dataset, report[dataset], flush=True)
+    report_path.write_text(json.dumps(report, indent=1) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("stage", choices=("corpus", "target", "eval"))
+    parser.add_argument("stage", choices=("corpus", "target", "eval", "ceiling"))
     parser.add_argument("out", type=Path)
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--batch", type=int, default=64)
@@ -198,12 +246,15 @@ def main() -> None:
     parser.add_argument("--max-seconds", type=float, default=1e9)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--report", type=Path, default=Path("demo_eval.json"), help="eval: where the JSON goes")
+    parser.add_argument("--report", type=Path, default=Path("demo_eval.json"), help="eval, ceiling: where the JSON goes")
+    parser.add_argument("--prompts", type=int, help="ceiling: the first N prompts of each set (default: all)")
     args = parser.parse_args()
     if args.stage == "corpus":
         corpus(args.out)
     elif args.stage == "target":
         target(args.out, args.steps, args.batch, args.length, args.lr, args.max_seconds)
+    elif args.stage == "ceiling":
+        ceiling(args.out, args.report, args.max_tokens, args.device, args.prompts)
     else:
         evaluate(args.out, args.report, args.max_tokens, args.device)
 
