@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from dflash_trt.benchmark.datasets import load_prompts
 from dflash_trt.engine import Engine
 from dflash_trt.fixtures.tokenizer import write_qwen_tokenizer
+from dflash_trt.graphs import DecodePasses
 from dflash_trt.loading import load_drafter, load_target
 from dflash_trt.sampling import SamplingParams
 from dflash_trt.sequence import acceptance_summary
@@ -204,11 +205,51 @@ def ceiling_tau(top1: list[torch.Tensor], threshold: float, block: int) -> float
     return tokens / steps
 
 
+class _RecordingPasses(DecodePasses):
+    """Eager passes that also note, at each verify, every draft the verify shows (the accepted
+    ones and the first rejected): its position in the block, the target's top-1 probability
+    there and whether the draft named the target's token."""
+
+    shown: list[tuple[int, float, bool]] = []
+
+    def verify(self, x, block, width=None):
+        hidden, accepted, bonus = super().verify(x, block, width)
+        top1, choice = self.target.logits(hidden).softmax(-1).max(-1)
+        for row, a in enumerate(accepted.tolist()):
+            for j in range(min(a + 1, hidden.shape[1] - 1)):
+                self.shown.append((j + 1, top1[row, j].item(), bool(block[row, j + 1] == choice[row, j])))
+        return hidden, accepted, bonus
+
+
+def draft_accuracy(pair: Path, tok: Tokenizer, prompts: list[list[int]], max_tokens: int, device: str) -> dict:
+    """How often the pair's drafts name the target's token, by the target's top-1 probability
+    there and by position in the block (16, greedy, fp32, eager passes)."""
+    target = load_target(pair / "target", device, torch.float32)
+    drafter = load_drafter(pair / "drafter", target, device, torch.float32)
+    engine = Engine(target, drafter, max_batch_size=16, max_seq_len=max(map(len, prompts)) + max_tokens,
+                    cuda_graphs=False)
+    engine.passes.__class__ = _RecordingPasses  # the eager passes, plus the notes
+    _RecordingPasses.shown = []
+    engine.generate(prompts, SamplingParams(max_tokens=max_tokens, stop_token_ids=tuple(tok.stop_token_ids)),
+                    mode="dflash")
+    position, top1, right = (torch.tensor(c, dtype=torch.float64) for c in zip(*_RecordingPasses.shown))
+    rate = lambda m: round(right[m].mean().item(), 3) if m.any() else None  # noqa: E731
+    bands = ((0.0, 0.5), (0.5, 0.9), (0.9, 0.99), (0.99, 1.01))
+    return {
+        "drafts_shown": len(right), "right": rate(right >= 0),
+        "right_by_target_top1": {f"{lo:g}-{min(hi, 1):g}": rate((top1 >= lo) & (top1 < hi)) for lo, hi in bands},
+        "right_by_position": {j: rate(position == j) for j in (1, 2, 3, 4)},
+        "right_by_position_where_target_top1_over_0.99": {j: rate((position == j) & (top1 >= 0.99))
+                                                          for j in (1, 2, 3, 4)},
+    }
+
+
 def ceiling(pair: Path, report_path: Path, max_tokens: int, device: str, limit: int | None) -> None:
     """How far any drafter can get on this target: its confidence along its own greedy responses
     to the eval's prompts (fp32, transformers' model of the same checkpoint). A draft is accepted
     where it names the target's argmax; a drafter that managed that only where the target's top-1
-    probability is above p reaches the τ reported per p: a flat target caps τ whatever drafts it."""
+    probability is above p reaches the τ reported per p: a flat target caps τ whatever drafts it.
+    Beside it, where the pair's own drafter stands (draft_accuracy)."""
     from transformers import AutoModelForCausalLM
 
     tok = Tokenizer.from_dir(pair / "target")
@@ -216,8 +257,9 @@ def ceiling(pair: Path, report_path: Path, max_tokens: int, device: str, limit: 
     report = {}
     for dataset in ("gsm8k", "humaneval"):
         top1 = []
-        for prompt in load_prompts(dataset, limit):
-            ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt}], enable_thinking=False))
+        prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], enable_thinking=False))
+                   for p in load_prompts(dataset, limit)]
+        for ids in prompts:
             x = torch.tensor([ids], device=device)
             with torch.no_grad():
                 out = model.generate(x, max_new_tokens=max_tokens, do_sample=False, eos_token_id=tok.stop_token_ids)
@@ -230,6 +272,7 @@ def ceiling(pair: Path, report_path: Path, max_tokens: int, device: str, limit: 
             "share_top1_below_0.5": round((every < 0.5).float().mean().item(), 3),
             "tau_if_right_above": {f"{p:g}": {f"block {b}": round(ceiling_tau(top1, p, b), 2) for b in (8, 16)}
                                    for p in (0.3, 0.5, 0.7, 0.9)},
+            "drafter": draft_accuracy(pair, tok, prompts, max_tokens, device),
         }
         print(dataset, report[dataset], flush=True)
     report_path.write_text(json.dumps(report, indent=1) + "\n")
