@@ -73,9 +73,13 @@ def stdlib_chunks() -> list[str]:
     return chunks
 
 
+def chat_prompt(tok: Tokenizer, user: str) -> str:
+    """A user turn in the target's chat template, ready for the answer (thinking off)."""
+    return tok.apply_chat_template([{"role": "user", "content": user}], enable_thinking=False)
+
+
 def chat(tok: Tokenizer, user: str, answer: str) -> list[int]:
-    return tok.encode(tok.apply_chat_template([{"role": "user", "content": user}], enable_thinking=False)
-                      + answer + "<|im_end|>\n")
+    return tok.encode(chat_prompt(tok, user) + answer + "<|im_end|>\n")
 
 
 def corpus(out: Path) -> None:
@@ -164,8 +168,7 @@ def evaluate(pair: Path, report_path: Path, max_tokens: int, device: str) -> Non
         target = load_target(pair / "target", device, dtype)
         drafter = load_drafter(pair / "drafter", target, device, dtype)
         for dataset in ("gsm8k", "humaneval"):
-            prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], enable_thinking=False))
-                       for p in load_prompts(dataset)]
+            prompts = [tok.encode(chat_prompt(tok, p)) for p in load_prompts(dataset)]
             longest = max(map(len, prompts)) + max_tokens
             for block in (16, 8):
                 engine = Engine(target, drafter, max_batch_size=16, max_seq_len=longest, block_size=block)
@@ -180,8 +183,7 @@ def evaluate(pair: Path, report_path: Path, max_tokens: int, device: str) -> Non
                         report[key]["identical_to_ar"] = all(a.token_ids == d.token_ids for a, d in zip(ar, results))
                     print(key, report[key], flush=True)
         if dtype == torch.bfloat16:
-            sample = tok.encode(tok.apply_chat_template([{"role": "user", "content": "def quicksort(arr):"}],
-                                                        enable_thinking=False))
+            sample = tok.encode(chat_prompt(tok, "def quicksort(arr):"))
             engine = Engine(target, drafter, max_batch_size=1, max_seq_len=len(sample) + max_tokens)
             result = engine.generate([sample], SamplingParams(max_tokens=max_tokens,
                                                               stop_token_ids=tuple(tok.stop_token_ids)))[0]
@@ -257,8 +259,7 @@ def ceiling(pair: Path, report_path: Path, max_tokens: int, device: str, limit: 
     report = {}
     for dataset in ("gsm8k", "humaneval"):
         top1 = []
-        prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], enable_thinking=False))
-                   for p in load_prompts(dataset, limit)]
+        prompts = [tok.encode(chat_prompt(tok, p)) for p in load_prompts(dataset, limit)]
         for ids in prompts:
             x = torch.tensor([ids], device=device)
             with torch.no_grad():
