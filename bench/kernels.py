@@ -326,6 +326,20 @@ def gated_delta_rows() -> list[dict]:
             print(f"T={T:<2} batch={batch:<2} kernel {k_us:8.1f} us ({100 * gbps / copy_gbps:4.0f}% copy bw)  "
                   f"today {t_us:9.1f} us  fla {f_us or float('nan'):8.1f} us  verify (no snapshots) "
                   f"{v_us or float('nan'):8.1f} us", file=sys.stderr)
+    # A prefill's pass (NS = 1, in place): the burst's 29 rows of 98 tokens down to one prompt
+    for T, batch in ((98, 29), (98, 16), (98, 8), (98, 4), (98, 1), (512, 4), (512, 1)):
+        q, k = l2_normalize(torch.randn(batch, T, hk, d, device="cuda")) * d**-0.5, \
+            l2_normalize(torch.randn(batch, T, hk, d, device="cuda"))
+        v = torch.randn(batch, T, hv, d, device="cuda")
+        g = -torch.nn.functional.softplus(torch.randn(batch, T, hv, device="cuda"))
+        beta = torch.randn(batch, T, hv, device="cuda").sigmoid()
+        state_cache = 0.1 * torch.randn(batch, hv, d, d, device="cuda")
+        i32 = dict(dtype=torch.int32, device="cuda")
+        slots, start, num_tokens = torch.arange(batch, **i32), torch.ones(batch, **i32), torch.full((batch,), T, **i32)
+        p_us, _ = time_us(lambda: ops.gated_delta_recurrent(q, k, v, g, beta, state_cache, state_cache.unsqueeze(1),
+                                                            slots, start, num_tokens))
+        rows.append(dict(T=T, batch=batch, prefill_in_place_us=p_us))
+        print(f"prefill T={T:<3} batch={batch:<2} {p_us:8.1f} us", file=sys.stderr)
     return rows
 
 

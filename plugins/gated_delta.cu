@@ -1,9 +1,11 @@
 // Gated DeltaNet recurrence of a decode/verify pass, on the cache in place (semantics in
 // gated_delta.h): reads each row's committed state from state_cache, writes the state after
 // the row's last NS tokens into snapshot_cache, one launch per layer. The engine uses NS = 0
-// (outputs only: a verify pass) and NS = 1 in place (an AR step, and the replay of a verify's
-// accepted tokens at commit). Two kernels: the token loop below for every pass, and for a
-// verify pass of up to 16 tokens the outputs-only form further down, which unrolls the chunk.
+// (outputs only: a verify pass) and NS = 1 in place (an AR step, a short prefill, and the
+// replay of a verify's accepted tokens at commit). Two kernels: the token loop below for every
+// pass, and the chunk form further down, which unrolls 16 tokens at a time: a verify pass's one
+// chunk, and (dk = 128) the chunks in turn of a prefill of a few rows, the state updated in
+// registers.
 //
 // Work split. Column j of the state S [dk, dv] evolves on its own: its update needs only the
 // sums S[:, j]^T k and S[:, j]^T q over dk, and v[j]. So a warp owns 16 value columns of one
@@ -262,13 +264,22 @@ bool outputs_form_runs(const GatedDeltaParams& p) {
   return sms > 0 && ctas <= 4 * static_cast<int64_t>(sms);
 }
 
+// The tensor-core form: a verify (NS = 0, one chunk), or a prefill (NS = 1 past one chunk: its
+// chunks in turn, the state kept in registers between them). A prefill's chunks run one after
+// another at one CTA an SM, so it wins only while its CTAs fit one wave (a prompt or a few);
+// a burst of many rows keeps the token loop, whose many small CTAs hide its latencies better
+// (BENCHMARKS.md, "Prefill").
 bool mma_form_runs(const GatedDeltaParams& p) {
-  return p.num_snapshots == 0 && p.out != nullptr && p.width <= kOutWidth && p.key_dim == kMmaDk &&
-         p.value_dim % out_cols<true>() == 0;
+  if (p.out == nullptr || p.key_dim != kMmaDk || p.value_dim % out_cols<true>() != 0) return false;
+  if (p.num_snapshots == 0) return p.width <= kOutWidth;
+  const int64_t ctas = static_cast<int64_t>(p.batch) * p.num_v_heads * (p.value_dim / out_cols<true>());
+  return p.num_snapshots == 1 && p.width > kOutWidth && ctas <= device_sms();
 }
 
-template <bool kMma>
-__global__ void __launch_bounds__(kOutThreads, kMma ? 2 : 1) gated_delta_outputs_kernel(GatedDeltaParams p) {
+// kKeepState (tensor cores, NS = 1): the prefill's chunk loop with the state updated in registers;
+// its own instantiation, so that the verify's keeps its registers.
+template <bool kMma, bool kKeepState = false>
+__global__ void __launch_bounds__(kOutThreads, kMma && !kKeepState ? 2 : 1) gated_delta_outputs_kernel(GatedDeltaParams p) {
   constexpr int kCols = out_cols<kMma>(), kGroups = kOutThreads / kCols;
   __shared__ __align__(16) float k_s[kOutWidth][kOutMaxDk + kOutPad];
   __shared__ __align__(16) float q_s[kOutWidth][kOutMaxDk + kOutPad];
@@ -279,6 +290,7 @@ __global__ void __launch_bounds__(kOutThreads, kMma ? 2 : 1) gated_delta_outputs
   __shared__ float kk_s[kOutWidth][kOutWidth];  // D[t][s] (k_s . k_t), s < t
   __shared__ float kq_s[kOutWidth][kOutWidth];  // D[t][s] (k_s . q_t), s <= t
   __shared__ float g_s[kOutWidth], beta_s[kOutWidth], e_s[kOutWidth];
+  __shared__ float w_s[kOutWidth];  // D[n - 1][s]: a chunk's state update (NS = 1)
 
   const int T = p.width, Hk = p.num_k_heads, Hv = p.num_v_heads, dk = p.key_dim, dv = p.value_dim;
   const int b = blockIdx.z, h = blockIdx.y, kh = h / (Hv / Hk);
@@ -292,7 +304,9 @@ __global__ void __launch_bounds__(kOutThreads, kMma ? 2 : 1) gated_delta_outputs
   const bool fresh = p.start[b] == 0;
   const float* state = p.state_cache + (slot * Hv + h) * static_cast<int64_t>(dk) * dv + col0;
 
-  // Tensor cores: the lane's B fragments of S0 (rows 8 ks + t4 and + 4, columns 16 warp + 8 nt + g).
+  // Tensor cores: the lane's B fragments of S (rows 8 ks + 2 t4 + i, columns 16 warp + 8 nt + g:
+  // each 8-row block's MMA k positions t4 and t4 + 4 relabelled as rows 2 t4 and 2 t4 + 1, which
+  // the A operands below follow, so that a chunk's state update lands in the same registers).
   float sb[kMma ? kMmaDk / 8 : 1][2][2];
   if constexpr (kMma) {
     const float* w = state + 16 * warp + g;
@@ -302,171 +316,239 @@ __global__ void __launch_bounds__(kOutThreads, kMma ? 2 : 1) gated_delta_outputs
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
         for (int i = 0; i < 2; ++i)
-          sb[ks][nt][i] = fresh ? 0.0f : __ldcs(w + static_cast<int64_t>(8 * ks + t4 + 4 * i) * dv + 8 * nt);
+          sb[ks][nt][i] = fresh ? 0.0f : __ldcs(w + static_cast<int64_t>(8 * ks + 2 * t4 + i) * dv + 8 * nt);
   }
   pdl_wait();
   pdl_allow_dependents();
-  const int n = min(max(p.num_tokens[b], 0), T);
-  const int64_t token0 = static_cast<int64_t>(b) * T;
+  const int n_row = min(max(p.num_tokens[b], 0), T);
+  // as the token loop: a row of more tokens than the pass has never reaches its snapshot
+  const bool snapshot_reached = p.num_tokens[b] >= 1 && p.num_tokens[b] <= T;
+  // NS = 1 (tensor cores only): the state after the row's last token goes to its snapshot,
+  // each chunk's update applied to the registers (a prefill, in place).
+  constexpr bool keep_state = kMma && kKeepState;
+  const int chunks = keep_state ? (T + kOutWidth - 1) / kOutWidth : 1;
 
-  const int dk4 = dk / 4;
-  for (int i = tid; i < n * dk4; i += kOutThreads) {
-    const int t = i / dk4, e = i % dk4 * 4;
-    const int64_t at = ((token0 + t) * Hk + kh) * dk + e;
-    *reinterpret_cast<float4*>(&k_s[t][e]) = __ldg(reinterpret_cast<const float4*>(p.k + at));
-    *reinterpret_cast<float4*>(&q_s[t][e]) = __ldg(reinterpret_cast<const float4*>(p.q + at));
-  }
-  constexpr int cols4 = kCols / 4;
-  for (int i = tid; i < n * cols4; i += kOutThreads) {
-    const int t = i / cols4, e = i % cols4 * 4;
-    const int64_t at = ((token0 + t) * Hv + h) * dv + col0 + e;
-    *reinterpret_cast<float4*>(&v_s[t][e]) = __ldg(reinterpret_cast<const float4*>(p.v + at));
-  }
-  if constexpr (!kMma) {
-    if (!fresh) {  // a new sequence starts from zeros: P = Q = 0, nothing read
-      for (int i = tid; i < dk * cols4; i += kOutThreads) {
-        const int row = i / cols4, e = i % cols4 * 4;
-        *reinterpret_cast<float4*>(&s_s[row][e]) =
-            __ldcs(reinterpret_cast<const float4*>(state + static_cast<int64_t>(row) * dv + e));
+  for (int chunk = 0; chunk < chunks; ++chunk) {
+    const int64_t token0 = static_cast<int64_t>(b) * T + chunk * kOutWidth;  // the chunk's first token
+    const int n = min(max(n_row - chunk * kOutWidth, 0), kOutWidth);        // its real tokens
+    const int width = min(T - chunk * kOutWidth, kOutWidth);                // and with padding
+    if (chunk > 0) __syncthreads();  // every thread is done with the last chunk's shared memory
+
+    const int dk4 = dk / 4;
+    for (int i = tid; i < kOutWidth * dk4; i += kOutThreads) {
+      const int t = i / dk4, e = i % dk4 * 4;
+      const int64_t at = ((token0 + t) * Hk + kh) * dk + e;
+      if (t < n) {
+        *reinterpret_cast<float4*>(&k_s[t][e]) = __ldg(reinterpret_cast<const float4*>(p.k + at));
+        *reinterpret_cast<float4*>(&q_s[t][e]) = __ldg(reinterpret_cast<const float4*>(p.q + at));
+      } else if (keep_state) {  // the update's B operand: zeros, not stale bits (0 x NaN is NaN)
+        *reinterpret_cast<float4*>(&k_s[t][e]) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      }
+    }
+    constexpr int cols4 = kCols / 4;
+    for (int i = tid; i < n * cols4; i += kOutThreads) {
+      const int t = i / cols4, e = i % cols4 * 4;
+      const int64_t at = ((token0 + t) * Hv + h) * dv + col0 + e;
+      *reinterpret_cast<float4*>(&v_s[t][e]) = __ldg(reinterpret_cast<const float4*>(p.v + at));
+    }
+    if constexpr (!kMma) {
+      if (!fresh) {  // a new sequence starts from zeros: P = Q = 0, nothing read
+        for (int i = tid; i < dk * cols4; i += kOutThreads) {
+          const int row = i / cols4, e = i % cols4 * 4;
+          *reinterpret_cast<float4*>(&s_s[row][e]) =
+              __ldcs(reinterpret_cast<const float4*>(state + static_cast<int64_t>(row) * dv + e));
+        }
+      }
+    }
+    if (tid < n) {
+      const int64_t at = (token0 + tid) * Hv + h;
+      g_s[tid] = p.g[at];
+      beta_s[tid] = p.beta[at];
+    }
+    __syncthreads();
+
+    if constexpr (kMma) {
+      // P (M rows 0-15: k_t) and Q (q_t) of the warp's 16 columns. Rows t >= n of k_s and q_s
+      // may hold anything: an MMA's output row reads only its own A row, and rows t >= n of P
+      // and Q are never read.
+      float acc[2][2][4] = {};  // [P, Q][n tile][fragment]
+#pragma unroll
+      for (int ks = 0; ks < kMmaDk / 8; ++ks) {
+        // each operand split into TF32 halves once, for the two MMAs it meets (mma_tile.h)
+        const int e = 8 * ks + 2 * t4;
+        uint32_t ab[2][4], as[2][4], bb[2][2], bs[2][2];
+#pragma unroll
+        for (int m = 0; m < 2; ++m) {
+          const float(*a)[kOutMaxDk + kOutPad] = m == 0 ? k_s : q_s;
+          const float x[4] = {a[g][e], a[g + 8][e], a[g][e + 1], a[g + 8][e + 1]};
+#pragma unroll
+          for (int i = 0; i < 4; ++i) mma_tile::split_tf32(__float_as_uint(x[i]), ab[m][i], as[m][i]);
+        }
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int i = 0; i < 2; ++i) mma_tile::split_tf32(__float_as_uint(sb[ks][nt][i]), bb[nt][i], bs[nt][i]);
+#pragma unroll
+        for (int m = 0; m < 2; ++m)
+#pragma unroll
+          for (int nt = 0; nt < 2; ++nt) {
+            float c[4] = {};  // small terms first, then added to the running sum rounded (as mma_3xtf32)
+            mma_tile::mma_tf32(c, as[m], bb[nt]);
+            mma_tile::mma_tf32(c, ab[m], bs[nt]);
+            mma_tile::mma_tf32(c, ab[m], bb[nt]);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[m][nt][i] += c[i];
+          }
+      }
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        const int c = 16 * warp + 8 * nt + 2 * t4;
+        p_s[g][c] = acc[0][nt][0];
+        p_s[g][c + 1] = acc[0][nt][1];
+        p_s[g + 8][c] = acc[0][nt][2];
+        p_s[g + 8][c + 1] = acc[0][nt][3];
+        q0_s[g][c] = acc[1][nt][0];
+        q0_s[g][c + 1] = acc[1][nt][1];
+        q0_s[g + 8][c] = acc[1][nt][2];
+        q0_s[g + 8][c + 1] = acc[1][nt][3];
+      }
+    } else {
+      // P and Q of this warp's tokens (group and group + 8), a lane per column: each S element
+      // read from shared memory serves all four sums.
+      const int t0 = group, t1 = group + kGroups;
+      float4 pk0 = make_float4(0.0f, 0.0f, 0.0f, 0.0f), pq0 = pk0, pk1 = pk0, pq1 = pk0;
+      if (!fresh && t0 < n) {
+        const int u = t1 < n ? t1 : t0;  // a row that was loaded
+        for (int e = 0; e < dk; e += 4) {
+          const float s0 = s_s[e][j], s1 = s_s[e + 1][j], s2 = s_s[e + 2][j], s3 = s_s[e + 3][j];
+          const float4 k0 = *reinterpret_cast<const float4*>(&k_s[t0][e]);
+          const float4 q0 = *reinterpret_cast<const float4*>(&q_s[t0][e]);
+          const float4 k1 = *reinterpret_cast<const float4*>(&k_s[u][e]);
+          const float4 q1 = *reinterpret_cast<const float4*>(&q_s[u][e]);
+          pk0 = make_float4(fmaf(s0, k0.x, pk0.x), fmaf(s1, k0.y, pk0.y), fmaf(s2, k0.z, pk0.z), fmaf(s3, k0.w, pk0.w));
+          pq0 = make_float4(fmaf(s0, q0.x, pq0.x), fmaf(s1, q0.y, pq0.y), fmaf(s2, q0.z, pq0.z), fmaf(s3, q0.w, pq0.w));
+          pk1 = make_float4(fmaf(s0, k1.x, pk1.x), fmaf(s1, k1.y, pk1.y), fmaf(s2, k1.z, pk1.z), fmaf(s3, k1.w, pk1.w));
+          pq1 = make_float4(fmaf(s0, q1.x, pq1.x), fmaf(s1, q1.y, pq1.y), fmaf(s2, q1.z, pq1.z), fmaf(s3, q1.w, pq1.w));
+        }
+      }
+      if (t0 < n) {
+        p_s[t0][j] = (pk0.x + pk0.y) + (pk0.z + pk0.w);
+        q0_s[t0][j] = (pq0.x + pq0.y) + (pq0.z + pq0.w);
+      }
+      if (t1 < n) {
+        p_s[t1][j] = (pk1.x + pk1.y) + (pk1.z + pk1.w);
+        q0_s[t1][j] = (pq1.x + pq1.y) + (pq1.z + pq1.w);
+      }
+    }
+    // The decayed Gram matrices, an entry a thread: (t, s) of k.q for s <= t (the first 136
+    // threads, row t from thread t (t + 1) / 2 on), of k.k for s < t (the other 120).
+    {
+      constexpr int kWithDiagonal = kOutWidth * (kOutWidth + 1) / 2;
+      static_assert(kWithDiagonal + kOutWidth * (kOutWidth - 1) / 2 == kOutThreads, "an entry per thread");
+      const bool is_q = tid < kWithDiagonal;
+      const int i = is_q ? tid : tid - kWithDiagonal;
+      const float root = sqrtf(8.0f * i + 1.0f);  // exact where it is an integer: t is exact
+      const int t = is_q ? static_cast<int>((root - 1.0f) * 0.5f) : static_cast<int>((root + 1.0f) * 0.5f);
+      const int s = is_q ? i - t * (t + 1) / 2 : i - t * (t - 1) / 2;
+      if (t < n) {
+        const float* x = is_q ? q_s[t] : k_s[t];
+        float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        for (int e = 0; e < dk; e += 4) {
+          const float4 a = *reinterpret_cast<const float4*>(&k_s[s][e]), c = *reinterpret_cast<const float4*>(&x[e]);
+          acc = make_float4(fmaf(a.x, c.x, acc.x), fmaf(a.y, c.y, acc.y), fmaf(a.z, c.z, acc.z), fmaf(a.w, c.w, acc.w));
+        }
+        float log_decay = 0.0f;
+        for (int u = s + 1; u <= t; ++u) log_decay += g_s[u];
+        (is_q ? kq_s : kk_s)[t][s] = expf(log_decay) * ((acc.x + acc.y) + (acc.z + acc.w));
+      }
+    }
+    if (tid < n) {
+      float log_decay = 0.0f;
+      for (int u = 0; u <= tid; ++u) log_decay += g_s[u];
+      e_s[tid] = expf(log_decay);
+      // D[n - 1][tid]: how much of token tid's update is left after the chunk's last token
+      float rest = 0.0f;
+      for (int u = tid + 1; u < n; ++u) rest += g_s[u];
+      w_s[tid] = expf(rest);
+    }
+    __syncthreads();
+
+    if (group == 0) {  // the recurrence over the chunk, column j; delta replaces P
+      float delta[kOutWidth];
+#pragma unroll
+      for (int t = 0; t < kOutWidth; ++t) {
+        if (t < n) {
+          float x = v_s[t][j] - e_s[t] * p_s[t][j];
+#pragma unroll
+          for (int s = 0; s < t; ++s) x = fmaf(-kk_s[t][s], delta[s], x);
+          delta[t] = beta_s[t] * x;
+          p_s[t][j] = delta[t];
+        }
+      }
+    }
+    __syncthreads();
+
+    for (int t = group; t < width; t += kGroups) {
+      float out = 0.0f;  // padding tokens output zeros
+      if (t < n) {
+        out = e_s[t] * q0_s[t][j];
+        for (int s = 0; s <= t; ++s) out = fmaf(kq_s[t][s], p_s[s][j], out);
+      }
+      const int64_t at = ((token0 + t) * Hv + h) * dv + col0 + j;
+      switch (p.out_dtype) {
+        case DType::kBFloat16: static_cast<__nv_bfloat16*>(p.out)[at] = from_float<__nv_bfloat16>(out); break;
+        case DType::kFloat16: static_cast<__half*>(p.out)[at] = from_float<__half>(out); break;
+        default: static_cast<float*>(p.out)[at] = out;
+      }
+    }
+    if constexpr (keep_state) {
+      // The state after the chunk: S = E[n - 1] S + sum_s k_s (D[n - 1][s] delta_s)^T, as the
+      // warp's [16 columns x dk] of S^T += (w delta)^T [16 x T] K [T x dk]: its C fragments are
+      // the lane's registers of S (the relabelling above), so the update needs no shuffle.
+      if (n > 0) {
+        const float decay = e_s[n - 1];
+        uint32_t ab[2][4], as[2][4];  // A: (w delta)^T, rows = columns 16 warp + g (+ 8), k = tokens
+#pragma unroll
+        for (int kt = 0; kt < 2; ++kt) {
+          const int s0 = 8 * kt + t4, s1 = s0 + 4, c0 = 16 * warp + g, c1 = c0 + 8;
+          const float x[4] = {s0 < n ? w_s[s0] * p_s[s0][c0] : 0.0f, s0 < n ? w_s[s0] * p_s[s0][c1] : 0.0f,
+                              s1 < n ? w_s[s1] * p_s[s1][c0] : 0.0f, s1 < n ? w_s[s1] * p_s[s1][c1] : 0.0f};
+#pragma unroll
+          for (int i = 0; i < 4; ++i) mma_tile::split_tf32(__float_as_uint(x[i]), ab[kt][i], as[kt][i]);
+        }
+#pragma unroll
+        for (int ks = 0; ks < kMmaDk / 8; ++ks) {
+          float acc[4] = {};
+#pragma unroll
+          for (int kt = 0; kt < 2; ++kt) {  // B: K, k = tokens 8 kt + t4 (+ 4), n = rows 8 ks + g
+            uint32_t bb[2], bs[2];
+            mma_tile::split_tf32(__float_as_uint(k_s[8 * kt + t4][8 * ks + g]), bb[0], bs[0]);
+            mma_tile::split_tf32(__float_as_uint(k_s[8 * kt + t4 + 4][8 * ks + g]), bb[1], bs[1]);
+            float c[4] = {};
+            mma_tile::mma_tf32(c, as[kt], bb);
+            mma_tile::mma_tf32(c, ab[kt], bs);
+            mma_tile::mma_tf32(c, ab[kt], bb);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[i] += c[i];
+          }
+          // C[m][n]: m = g (column nt 0) or g + 8 (nt 1), n = 2 t4 + i (row 8 ks + 2 t4 + i)
+          sb[ks][0][0] = fmaf(decay, sb[ks][0][0], acc[0]);
+          sb[ks][0][1] = fmaf(decay, sb[ks][0][1], acc[1]);
+          sb[ks][1][0] = fmaf(decay, sb[ks][1][0], acc[2]);
+          sb[ks][1][1] = fmaf(decay, sb[ks][1][1], acc[3]);
+        }
       }
     }
   }
-  if (tid < n) {
-    const int64_t at = (token0 + tid) * Hv + h;
-    g_s[tid] = p.g[at];
-    beta_s[tid] = p.beta[at];
-  }
-  __syncthreads();
-
-  if constexpr (kMma) {
-    // P (M rows 0-15: k_t) and Q (q_t) of the warp's 16 columns. Rows t >= n of k_s and q_s
-    // hold whatever was there: an MMA's output row reads only its own A row, and rows t >= n
-    // of P and Q are never read.
-    float acc[2][2][4] = {};  // [P, Q][n tile][fragment]
+  if (keep_state && snapshot_reached) {  // snapshot 0: the state after the row's last token (NS = 1)
+    float* snapshot = p.snapshot_cache + (slot * Hv + h) * static_cast<int64_t>(dk) * dv + col0 + 16 * warp + g;
 #pragma unroll
-    for (int ks = 0; ks < kMmaDk / 8; ++ks) {
-      // each operand split into TF32 halves once, for the two MMAs it meets (mma_tile.h)
-      const int e = 8 * ks + t4;
-      uint32_t ab[2][4], as[2][4], bb[2][2], bs[2][2];
-#pragma unroll
-      for (int m = 0; m < 2; ++m) {
-        const float(*a)[kOutMaxDk + kOutPad] = m == 0 ? k_s : q_s;
-        const float x[4] = {a[g][e], a[g + 8][e], a[g][e + 4], a[g + 8][e + 4]};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) mma_tile::split_tf32(__float_as_uint(x[i]), ab[m][i], as[m][i]);
-      }
+    for (int ks = 0; ks < kMmaDk / 8; ++ks)
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-        for (int i = 0; i < 2; ++i) mma_tile::split_tf32(__float_as_uint(sb[ks][nt][i]), bb[nt][i], bs[nt][i]);
-#pragma unroll
-      for (int m = 0; m < 2; ++m)
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-          float c[4] = {};  // small terms first, then added to the running sum rounded (as mma_3xtf32)
-          mma_tile::mma_tf32(c, as[m], bb[nt]);
-          mma_tile::mma_tf32(c, ab[m], bs[nt]);
-          mma_tile::mma_tf32(c, ab[m], bb[nt]);
-#pragma unroll
-          for (int i = 0; i < 4; ++i) acc[m][nt][i] += c[i];
-        }
-    }
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      const int c = 16 * warp + 8 * nt + 2 * t4;
-      p_s[g][c] = acc[0][nt][0];
-      p_s[g][c + 1] = acc[0][nt][1];
-      p_s[g + 8][c] = acc[0][nt][2];
-      p_s[g + 8][c + 1] = acc[0][nt][3];
-      q0_s[g][c] = acc[1][nt][0];
-      q0_s[g][c + 1] = acc[1][nt][1];
-      q0_s[g + 8][c] = acc[1][nt][2];
-      q0_s[g + 8][c + 1] = acc[1][nt][3];
-    }
-  } else {
-    // P and Q of this warp's tokens (group and group + 8), a lane per column: each S element
-    // read from shared memory serves all four sums.
-    const int t0 = group, t1 = group + kGroups;
-    float4 pk0 = make_float4(0.0f, 0.0f, 0.0f, 0.0f), pq0 = pk0, pk1 = pk0, pq1 = pk0;
-    if (!fresh && t0 < n) {
-      const int u = t1 < n ? t1 : t0;  // a row that was loaded
-      for (int e = 0; e < dk; e += 4) {
-        const float s0 = s_s[e][j], s1 = s_s[e + 1][j], s2 = s_s[e + 2][j], s3 = s_s[e + 3][j];
-        const float4 k0 = *reinterpret_cast<const float4*>(&k_s[t0][e]);
-        const float4 q0 = *reinterpret_cast<const float4*>(&q_s[t0][e]);
-        const float4 k1 = *reinterpret_cast<const float4*>(&k_s[u][e]);
-        const float4 q1 = *reinterpret_cast<const float4*>(&q_s[u][e]);
-        pk0 = make_float4(fmaf(s0, k0.x, pk0.x), fmaf(s1, k0.y, pk0.y), fmaf(s2, k0.z, pk0.z), fmaf(s3, k0.w, pk0.w));
-        pq0 = make_float4(fmaf(s0, q0.x, pq0.x), fmaf(s1, q0.y, pq0.y), fmaf(s2, q0.z, pq0.z), fmaf(s3, q0.w, pq0.w));
-        pk1 = make_float4(fmaf(s0, k1.x, pk1.x), fmaf(s1, k1.y, pk1.y), fmaf(s2, k1.z, pk1.z), fmaf(s3, k1.w, pk1.w));
-        pq1 = make_float4(fmaf(s0, q1.x, pq1.x), fmaf(s1, q1.y, pq1.y), fmaf(s2, q1.z, pq1.z), fmaf(s3, q1.w, pq1.w));
-      }
-    }
-    if (t0 < n) {
-      p_s[t0][j] = (pk0.x + pk0.y) + (pk0.z + pk0.w);
-      q0_s[t0][j] = (pq0.x + pq0.y) + (pq0.z + pq0.w);
-    }
-    if (t1 < n) {
-      p_s[t1][j] = (pk1.x + pk1.y) + (pk1.z + pk1.w);
-      q0_s[t1][j] = (pq1.x + pq1.y) + (pq1.z + pq1.w);
-    }
-  }
-  // The decayed Gram matrices, an entry a thread: (t, s) of k.q for s <= t (the first 136
-  // threads, row t from thread t (t + 1) / 2 on), of k.k for s < t (the other 120).
-  {
-    constexpr int kWithDiagonal = kOutWidth * (kOutWidth + 1) / 2;
-    static_assert(kWithDiagonal + kOutWidth * (kOutWidth - 1) / 2 == kOutThreads, "an entry per thread");
-    const bool is_q = tid < kWithDiagonal;
-    const int i = is_q ? tid : tid - kWithDiagonal;
-    const float root = sqrtf(8.0f * i + 1.0f);  // exact where it is an integer: t is exact
-    const int t = is_q ? static_cast<int>((root - 1.0f) * 0.5f) : static_cast<int>((root + 1.0f) * 0.5f);
-    const int s = is_q ? i - t * (t + 1) / 2 : i - t * (t - 1) / 2;
-    if (t < n) {
-      const float* x = is_q ? q_s[t] : k_s[t];
-      float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      for (int e = 0; e < dk; e += 4) {
-        const float4 a = *reinterpret_cast<const float4*>(&k_s[s][e]), c = *reinterpret_cast<const float4*>(&x[e]);
-        acc = make_float4(fmaf(a.x, c.x, acc.x), fmaf(a.y, c.y, acc.y), fmaf(a.z, c.z, acc.z), fmaf(a.w, c.w, acc.w));
-      }
-      float log_decay = 0.0f;
-      for (int u = s + 1; u <= t; ++u) log_decay += g_s[u];
-      (is_q ? kq_s : kk_s)[t][s] = expf(log_decay) * ((acc.x + acc.y) + (acc.z + acc.w));
-    }
-  }
-  if (tid < n) {
-    float log_decay = 0.0f;
-    for (int u = 0; u <= tid; ++u) log_decay += g_s[u];
-    e_s[tid] = expf(log_decay);
-  }
-  __syncthreads();
-
-  if (group == 0) {  // the recurrence over the chunk, column j; delta replaces P
-    float delta[kOutWidth];
-#pragma unroll
-    for (int t = 0; t < kOutWidth; ++t) {
-      if (t < n) {
-        float x = v_s[t][j] - e_s[t] * p_s[t][j];
-#pragma unroll
-        for (int s = 0; s < t; ++s) x = fmaf(-kk_s[t][s], delta[s], x);
-        delta[t] = beta_s[t] * x;
-        p_s[t][j] = delta[t];
-      }
-    }
-  }
-  __syncthreads();
-
-  for (int t = group; t < T; t += kGroups) {
-    float out = 0.0f;  // padding tokens output zeros
-    if (t < n) {
-      out = e_s[t] * q0_s[t][j];
-      for (int s = 0; s <= t; ++s) out = fmaf(kq_s[t][s], p_s[s][j], out);
-    }
-    const int64_t at = ((token0 + t) * Hv + h) * dv + col0 + j;
-    switch (p.out_dtype) {
-      case DType::kBFloat16: static_cast<__nv_bfloat16*>(p.out)[at] = from_float<__nv_bfloat16>(out); break;
-      case DType::kFloat16: static_cast<__half*>(p.out)[at] = from_float<__half>(out); break;
-      default: static_cast<float*>(p.out)[at] = out;
-    }
+        for (int i = 0; i < 2; ++i)
+          snapshot[static_cast<int64_t>(8 * ks + 2 * t4 + i) * dv + 8 * nt] = sb[ks][nt][i];
   }
 }
 
@@ -600,7 +682,8 @@ cudaError_t gated_delta_recurrent_launch(const GatedDeltaParams& p, cudaStream_t
   }
   if (mma_form_runs(p)) {
     const dim3 grid(p.value_dim / out_cols<true>(), p.num_v_heads, p.batch);
-    return pdl_launch(gated_delta_outputs_kernel<true>, grid, dim3(kOutThreads), 0, stream, true, p);
+    const auto kernel = p.num_snapshots == 1 ? gated_delta_outputs_kernel<true, true> : gated_delta_outputs_kernel<true>;
+    return pdl_launch(kernel, grid, dim3(kOutThreads), 0, stream, true, p);
   }
   const int warps = warps_per_cta(p);
   const dim3 grid(p.value_dim / (kWarpCols * warps), p.num_v_heads, p.batch);

@@ -350,6 +350,10 @@ CUDA_CASES = {
     # on the CUDA cores for smaller dk and dv a multiple of 32, at small batch
     "no snapshots T=5 dk=48 dv=64 GQA": (3, 5, 1, 4, 48, 64, 0, [5, 2, 4], [0, 3, 1]),
     "no snapshots T=1": (2, 1, 2, 2, 16, 32, 0, [1, 0], [4, 0]),
+    # a prefill (NS = 1) past 16 tokens with dk = 128, dv a multiple of 128: the tensor-core form's
+    # chunks in turn, the state kept in registers between them
+    "prefill in chunks T=40": (3, 40, 2, 4, 128, 128, 1, [40, 17, 0], [0, 5, 2]),
+    "prefill in chunks, ragged, dv=256": (3, 33, 1, 2, 128, 256, 1, [33, 16, 1], [1, 0, 4]),
     # and the token loop past those
     "no snapshots T=17": (2, 17, 1, 2, 32, 32, 0, [17, 9], [1, 0]),
     "no snapshots dk=256": (2, 4, 1, 2, 256, 64, 0, [4, 3], [1, 0]),
@@ -454,9 +458,9 @@ def in_place_step(case):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-@pytest.mark.parametrize("T", [1, 3])
-def test_with_one_snapshot_the_state_can_be_stepped_in_place(device, T):
-    case = make_case(3, T, 2, 4, 32, 32, 1, [T, T, max(1, T - 1)], [0, 5, 2], num_slots=5, device=device)
+@pytest.mark.parametrize("T, d", [(1, 32), (3, 32), (40, 128)], ids=["T=1", "T=3", "T=40 in chunks"])
+def test_with_one_snapshot_the_state_can_be_stepped_in_place(device, T, d):
+    case = make_case(3, T, 2, 4, d, d, 1, [T, T, max(1, T - 1)], [0, 5, 2], num_slots=5, device=device)
     (out, state), (want_out, snapshot) = in_place_step(case)
     slots = case["slots"].long()
     check_close(out, want_out, "out")
