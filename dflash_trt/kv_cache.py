@@ -69,6 +69,37 @@ class Batch:
         """Cache slot and position of every token, flattened to [bs * width] int32."""
         return (self.slots[:, None].expand_as(self.positions).flatten().int(), self.positions.flatten().int())
 
+    def packing(self) -> "Packing | None":
+        """The pass's real tokens packed into one row, where it has padding the host knows
+        of (a prefill of prompts of several lengths); None otherwise (decode passes, graphs)."""
+        counts = self.host_num_tokens
+        if self.full_rows or counts is None or sum(counts) == self.size * self.width:
+            return None
+        index = [i * self.width + t for i, n in enumerate(counts) for t in range(n)]
+        return Packing(torch.tensor(index, dtype=torch.long, device=self.slots.device), self.size, self.width)
+
+
+@dataclass(frozen=True)
+class Packing:
+    """A padded pass's real tokens as one row [1, N]. The token-wise work of a layer (its norms,
+    its MLP or experts, the residual stream) runs on that row and skips the padding, a share of
+    a prefill's matmuls as large as the share of padding in its rows; the mixers, which need each
+    sequence as a row (attention, the recurrence), unpack to the padded rows and back."""
+
+    index: torch.Tensor  # [N] long: row * width + t of each real token, in row order
+    size: int
+    width: int
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """[bs, width, ...] -> [1, N, ...]"""
+        return x.flatten(0, 1).index_select(0, self.index).unsqueeze(0)
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        """[1, N, ...] -> [bs, width, ...], the padding zeros (finite: a kernel that multiplies a
+        masked-out key's value by 0 must not meet NaN there)."""
+        out = x.new_zeros(self.size * self.width, *x.shape[2:])
+        return out.index_copy_(0, self.index, x[0]).unflatten(0, (self.size, self.width))
+
 
 class KVCache:
     def __init__(self, num_layers: int, num_slots: int, capacity: int, num_kv_heads: int, head_dim: int,

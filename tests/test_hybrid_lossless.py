@@ -129,7 +129,10 @@ def test_commit_k_equals_running_only_the_first_k_tokens(make_pair, block):
 
         plain = target.new_cache(3, 64)
         prefill(plain, prefixes)
-        only = Batch.make(slots, prefixes, keep, max(keep), "cpu")
+        # rows as wide as the verify's, not packed (Batch.packing): the same matmul shapes, so
+        # that the conv windows can be compared bit for bit
+        only = Batch.padded(torch.tensor(slots), torch.tensor(prefixes), torch.tensor(keep), max(keep),
+                            max(p + k for p, k in zip(prefixes, keep)))
         target(torch.stack([tokens[i, p: p + max(keep)] for i, p in enumerate(prefixes)]), only, plain)
         target.commit(plain, only, only.num_tokens)
 

@@ -14,6 +14,7 @@ from torch import nn
 
 from dflash_trt import ops
 from dflash_trt.config import LayerDims, YaRN
+from dflash_trt.kv_cache import Packing
 from dflash_trt.sampling import Distribution, SamplingParams
 
 
@@ -176,14 +177,37 @@ class DecoderLayer(nn.Module):
         """The attention block on the normed input (a layer with another kind overrides it)."""
         return self.self_attn(h, *attention_args)
 
-    def forward(self, x, mlp_out, *attention_args):
+    def forward(self, x, mlp_out, *attention_args, packing: Packing | None = None):
         """x: the fp32 residual stream [bs, T, H] still without the previous layer's MLP output
         `mlp_out` (None before the first layer): that add is fused into this layer's input
         norm, which saves a kernel per layer. Returns (x, this layer's MLP output), likewise
-        left for the caller to add (`RMSNorm.add_and_norm` or `x + mlp_out`)."""
+        left for the caller to add (`RMSNorm.add_and_norm` or `x + mlp_out`). With `packing`,
+        x and mlp_out are the pass's real tokens as one row, and only attention sees the rows."""
         if mlp_out is None:
             h = self.input_layernorm(x)
         else:
             x, h = self.input_layernorm.add_and_norm(x, mlp_out)
-        x, h = self.post_attention_layernorm.add_and_norm(x, self.attend(h, *attention_args))
+        if packing is None:
+            mixed = self.attend(h, *attention_args)
+        else:
+            mixed = packing.pack(self.attend(packing.unpack(h), *attention_args))
+        x, h = self.post_attention_layernorm.add_and_norm(x, mixed)
         return x, self.mlp(h)
+
+
+def run_layers(layers: nn.ModuleList, final_norm: nn.Module, x: torch.Tensor, attention_args: tuple,
+               taps: tuple[int, ...], packing: Packing | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The fp32 residual stream x through a target's layers -> (final hidden, taps [.., K*H] or
+    None) in the batch's rows; x is packed already where `packing` is given."""
+    tapped, mlp_out = [], None
+    for i, layer in enumerate(layers):
+        x, mlp_out = layer(x, mlp_out, *attention_args, packing=packing)
+        # A tap id names the layer whose *output* is taken: here, right after layer i.
+        # (In HF `output_hidden_states` terms that is hidden_states[i + 1].)
+        if i in taps:
+            tapped.append(x + mlp_out)
+    tapped = [tapped[sorted(set(taps)).index(t)] for t in taps]  # back to the config's order
+    hidden, tapped = final_norm.add_and_norm(x, mlp_out)[1], (torch.cat(tapped, dim=-1) if taps else None)
+    if packing is None:
+        return hidden, tapped
+    return packing.unpack(hidden), (None if tapped is None else packing.unpack(tapped))

@@ -13,7 +13,7 @@ from torch import nn
 
 from dflash_trt.config import LayerDims, TargetConfig
 from dflash_trt.kv_cache import Batch, KVCache
-from dflash_trt.models.layers import AttentionProjections, DecoderLayer, LMHead, RMSNorm, Rotary
+from dflash_trt.models.layers import AttentionProjections, DecoderLayer, LMHead, RMSNorm, Rotary, run_layers
 from dflash_trt.models.moe import feed_forward
 from dflash_trt.ops import paged_block_attention
 
@@ -48,19 +48,12 @@ class Qwen3Model(nn.Module):
         # The residual stream stays fp32 even for bf16 weights: rounding it to bf16 after
         # every layer is the largest source of bf16 noise, and that noise decides greedy
         # near-ties differently for a verify block than for one-token AR steps.
-        x = self.embed_tokens(input_ids).float()
+        packing = batch.packing()  # a ragged prefill: the token-wise work skips the padding
+        x = self.embed_tokens(input_ids if packing is None else packing.pack(input_ids)).float()
         cos, sin = self.rotary(batch.positions, self.embed_tokens.weight.dtype)
         # once per pass: lengths for attention, slot/position of each token for cache writes
         lengths = (batch.slots.int(), (batch.start + batch.num_tokens).int(), batch.start.int(), batch.token_rows())
-        tapped, mlp_out = [], None
-        for i, layer in enumerate(self.layers):
-            x, mlp_out = layer(x, mlp_out, cos, sin, lengths, batch, cache)
-            # A tap id names the layer whose *output* is taken: here, right after layer i.
-            # (In HF `output_hidden_states` terms that is hidden_states[i + 1].)
-            if i in taps:
-                tapped.append(x + mlp_out)
-        tapped = [tapped[sorted(set(taps)).index(t)] for t in taps]  # back to the config's order
-        return self.norm.add_and_norm(x, mlp_out)[1], (torch.cat(tapped, dim=-1) if taps else None)
+        return run_layers(self.layers, self.norm, x, (cos, sin, lengths, batch, cache), taps, packing)
 
 
 class Qwen3ForCausalLM(nn.Module):

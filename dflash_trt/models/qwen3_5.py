@@ -42,7 +42,7 @@ from dflash_trt import ops
 from dflash_trt.config import HybridTargetConfig
 from dflash_trt.kv_cache import Batch, KVCache
 from dflash_trt.models.gated_delta import L2_EPS, gated_delta_rule
-from dflash_trt.models.layers import DecoderLayer, Linear, LMHead, PackedLinear, Rotary, apply_rope
+from dflash_trt.models.layers import DecoderLayer, Linear, LMHead, PackedLinear, Rotary, apply_rope, run_layers
 from dflash_trt.models.moe import feed_forward
 from dflash_trt.ops import causal_conv1d, gated_delta_prepare, gated_delta_recurrent, paged_block_attention
 
@@ -305,18 +305,15 @@ class Qwen3_5Model(nn.Module):
 
     def forward(self, input_ids, batch: Batch, cache: HybridCache, taps: tuple[int, ...] = ()):
         """input_ids [bs, width] -> (final hidden [bs, width, H], taps [bs, width, K*H] or None)."""
-        x = self.embed_tokens(input_ids).float()  # fp32 residual stream, as in the Qwen3 target
+        packing = batch.packing()  # a ragged prefill: the token-wise work skips the padding
+        # fp32 residual stream, as in the Qwen3 target
+        x = self.embed_tokens(input_ids if packing is None else packing.pack(input_ids)).float()
         cos, sin = self.rotary(batch.positions, self.embed_tokens.weight.dtype)
         # once per pass: lengths for attention and the recurrence, slot/position of each token for cache writes
         lengths = (batch.slots.int(), (batch.start + batch.num_tokens).int(), batch.start.int(), batch.num_tokens.int(),
                    batch.token_rows())
-        tapped, mlp_out = [], None
-        for i, layer in enumerate(self.layers):
-            x, mlp_out = layer(x, mlp_out, cos, sin, lengths, batch, cache)
-            if i in taps:  # the output of layer i, whatever its kind (HF hidden_states[i + 1])
-                tapped.append(x + mlp_out)
-        tapped = [tapped[sorted(set(taps)).index(t)] for t in taps]  # back to the config's order
-        return self.norm.add_and_norm(x, mlp_out)[1], (torch.cat(tapped, dim=-1) if taps else None)
+        # taps: the output of layer i, whatever its kind
+        return run_layers(self.layers, self.norm, x, (cos, sin, lengths, batch, cache), taps, packing)
 
 
 class Qwen3_5ForCausalLM(nn.Module):
