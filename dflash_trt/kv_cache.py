@@ -75,8 +75,9 @@ class Batch:
         counts = self.host_num_tokens
         if self.full_rows or counts is None or sum(counts) == self.size * self.width:
             return None
-        index = [i * self.width + t for i, n in enumerate(counts) for t in range(n)]
-        return Packing(torch.tensor(index, dtype=torch.long, device=self.slots.device), self.size, self.width)
+        real = torch.arange(self.width) < torch.tensor(counts)[:, None]  # on the host: no sync
+        index = real.flatten().nonzero()[:, 0]
+        return Packing(index.to(self.slots.device), self.size, self.width)
 
 
 @dataclass(frozen=True)

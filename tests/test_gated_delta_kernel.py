@@ -354,7 +354,8 @@ CUDA_CASES = {
     # chunks in turn, the state kept in registers between them
     "prefill in chunks T=40": (3, 40, 2, 4, 128, 128, 1, [40, 17, 0], [0, 5, 2]),
     "prefill in chunks, ragged, dv=256": (3, 33, 1, 2, 128, 256, 1, [33, 16, 1], [1, 0, 4]),
-    # and the token loop past those
+    # and the token loop past those: a prefill whose CTAs (rows x heads) pass one wave
+    "prefill past one wave T=20": (5, 20, 4, 32, 128, 128, 1, [20, 7, 0, 20, 13], [0, 3, 1, 0, 2]),
     "no snapshots T=17": (2, 17, 1, 2, 32, 32, 0, [17, 9], [1, 0]),
     "no snapshots dk=256": (2, 4, 1, 2, 256, 64, 0, [4, 3], [1, 0]),
     "no snapshots dv=48": (2, 16, 1, 2, 64, 48, 0, [16, 5], [0, 2]),

@@ -182,7 +182,7 @@ class DecoderLayer(nn.Module):
         `mlp_out` (None before the first layer): that add is fused into this layer's input
         norm, which saves a kernel per layer. Returns (x, this layer's MLP output), likewise
         left for the caller to add (`RMSNorm.add_and_norm` or `x + mlp_out`). With `packing`,
-        x and mlp_out are the pass's real tokens as one row, and only attention sees the rows."""
+        x and mlp_out are the pass's real tokens as one row, and only the mixer sees the rows."""
         if mlp_out is None:
             h = self.input_layernorm(x)
         else:

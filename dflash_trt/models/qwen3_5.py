@@ -312,7 +312,6 @@ class Qwen3_5Model(nn.Module):
         # once per pass: lengths for attention and the recurrence, slot/position of each token for cache writes
         lengths = (batch.slots.int(), (batch.start + batch.num_tokens).int(), batch.start.int(), batch.num_tokens.int(),
                    batch.token_rows())
-        # taps: the output of layer i, whatever its kind
         return run_layers(self.layers, self.norm, x, (cos, sin, lengths, batch, cache), taps, packing)
 
 
