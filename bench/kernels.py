@@ -265,18 +265,21 @@ def gated_delta_rows() -> list[dict]:
         print("fla is absent: its column stays empty", file=sys.stderr)
     copy_gbps = copy_bandwidth_gbps()
     print(f"{torch.cuda.get_device_name()}: device-to-device copy {copy_gbps:,.0f} GB/s", file=sys.stderr)
+    i32 = dict(dtype=torch.int32, device="cuda")
+
+    def pass_inputs(batch: int, T: int):
+        """(q, k, v, g, beta, state_cache, slots, start, num_tokens) of a pass, T tokens a row"""
+        rand = lambda *shape: torch.randn(*shape, device="cuda")  # noqa: E731
+        q, k = l2_normalize(rand(batch, T, hk, d)) * d**-0.5, l2_normalize(rand(batch, T, hk, d))
+        v, g, beta = rand(batch, T, hv, d), -torch.nn.functional.softplus(rand(batch, T, hv)), rand(batch, T, hv)
+        return (q, k, v, g, beta.sigmoid(), 0.1 * rand(batch, hv, d, d), torch.arange(batch, **i32),
+                torch.ones(batch, **i32), torch.full((batch,), T, **i32))
+
     rows = []
     for T in (1, 8, 16):  # an AR step, a verify at the adaptive width's usual choice, a full block
         for batch in (1, 8, 32):
-            rand = lambda *shape: torch.randn(*shape, device="cuda")  # noqa: E731
-            q, k = l2_normalize(rand(batch, T, hk, d)) * d**-0.5, l2_normalize(rand(batch, T, hk, d))
-            v, g, beta = rand(batch, T, hv, d), -torch.nn.functional.softplus(rand(batch, T, hv)), rand(batch, T, hv)
-            beta = beta.sigmoid()
-            state_cache = 0.1 * rand(batch, hv, d, d)
+            q, k, v, g, beta, state_cache, slots, start, num_tokens = pass_inputs(batch, T)
             snapshot_cache = torch.zeros(batch, ns, hv, d, d, device="cuda")
-            i32 = dict(dtype=torch.int32, device="cuda")
-            slots, start = torch.arange(batch, **i32), torch.ones(batch, **i32)
-            num_tokens = torch.full((batch,), T, **i32)
             args = (q, k, v, g, beta, state_cache, snapshot_cache, slots, start, num_tokens)
 
             def kernel():
@@ -328,14 +331,7 @@ def gated_delta_rows() -> list[dict]:
                   f"{v_us or float('nan'):8.1f} us", file=sys.stderr)
     # A prefill's pass (NS = 1, in place): the burst's 29 rows of 98 tokens down to one prompt
     for T, batch in ((98, 29), (98, 16), (98, 8), (98, 4), (98, 1), (512, 4), (512, 1)):
-        q, k = l2_normalize(torch.randn(batch, T, hk, d, device="cuda")) * d**-0.5, \
-            l2_normalize(torch.randn(batch, T, hk, d, device="cuda"))
-        v = torch.randn(batch, T, hv, d, device="cuda")
-        g = -torch.nn.functional.softplus(torch.randn(batch, T, hv, device="cuda"))
-        beta = torch.randn(batch, T, hv, device="cuda").sigmoid()
-        state_cache = 0.1 * torch.randn(batch, hv, d, d, device="cuda")
-        i32 = dict(dtype=torch.int32, device="cuda")
-        slots, start, num_tokens = torch.arange(batch, **i32), torch.ones(batch, **i32), torch.full((batch,), T, **i32)
+        q, k, v, g, beta, state_cache, slots, start, num_tokens = pass_inputs(batch, T)
         p_us, _ = time_us(lambda: ops.gated_delta_recurrent(q, k, v, g, beta, state_cache, state_cache.unsqueeze(1),
                                                             slots, start, num_tokens))
         rows.append(dict(T=T, batch=batch, prefill_in_place_us=p_us))
