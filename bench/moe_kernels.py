@@ -17,6 +17,7 @@ must read at least; GB/s = bytes / time, next to a device-to-device copy measure
 
     python bench/moe_kernels.py --out $OUT/moe.json
     python bench/moe_kernels.py --shape 397b-a17b --tokens 1,16,512
+    python bench/moe_kernels.py --shared --tokens 16,128,512   # the engine's call on Qwen3.5/3.6 MoE
 
 --ranks R compares the two ways to split the experts over R tensor-parallel ranks, per rank, on
 this one GPU (ops.moe_experts, the same routing): tensor-parallel experts (every expert, I / R
@@ -107,17 +108,21 @@ def cublas_loop(x, gate_up, down, weights, ids):
     return run
 
 
-def measure(shape: str, n: int, dtype: torch.dtype, gate_up, down) -> dict:
+def measure(shape: str, n: int, dtype: torch.dtype, gate_up, down, shared: bool = False) -> dict:
     E, k, H, I = SHAPES[shape]
     g = torch.Generator(device="cuda").manual_seed(n)
     x = torch.randn(n, H, generator=g, device="cuda").to(dtype)
     ids = torch.rand(n, E, generator=g, device="cuda").topk(k, dim=-1).indices.int()
     weights = torch.softmax(torch.randn(n, k, generator=g, device="cuda"), dim=-1)
+    if shared:  # every token's last pick is expert E, as the engine packs a shared expert (models/moe.py)
+        ids = torch.cat([ids, torch.full_like(ids[:, :1], E)], dim=1)
+        weights = torch.cat([weights, torch.sigmoid(torch.randn(n, 1, generator=g, device="cuda"))], dim=1)
     args = (x, gate_up, down, weights, ids)
     distinct = int(ids.unique().numel())
     nbytes = distinct * 3 * I * H * gate_up.element_size() + x.numel() * x.element_size()
-    grouped = dtype == torch.bfloat16 and ops._moe_grouped_fits(x, n * k, E)
-    row = {"shape": shape, "dtype": str(dtype).removeprefix("torch."), "tokens": n, "distinct_experts": distinct,
+    grouped = dtype == torch.bfloat16 and ops._moe_grouped_fits(x, ids.numel(), gate_up.shape[0])
+    row = {"shape": shape, "dtype": str(dtype).removeprefix("torch."), "tokens": n, "shared": shared,
+           "distinct_experts": distinct,
            "bytes": nbytes, "op_path": "grouped" if grouped else "fused"}
     candidates = {
         "op": lambda: ops.moe_experts(*args),
@@ -196,6 +201,8 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma-separated token counts N")
     parser.add_argument("--ranks", type=int, default=0, help="compare tensor- and expert-parallel experts per rank")
+    parser.add_argument("--shared", action="store_true",
+                        help="a shared expert packed as one expert more that every token picks (Qwen3.5/3.6 MoE)")
     args = parser.parse_args()
     if not torch.cuda.is_available() or plugins.load() is None:
         sys.exit("needs a CUDA GPU and the plugins")
@@ -209,12 +216,12 @@ def main() -> None:
             args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
         return
     E, k, H, I = SHAPES[args.shape]
-    gate_up = (torch.randn(E, 2 * I, H, device="cuda") * H ** -0.5).to(dtype)
-    down = (torch.randn(E, H, I, device="cuda") * I ** -0.5).to(dtype)
-    rows = [measure(args.shape, int(n), dtype, gate_up, down) for n in args.tokens.split(",")]
+    gate_up = (torch.randn(E + args.shared, 2 * I, H, device="cuda") * H ** -0.5).to(dtype)
+    down = (torch.randn(E + args.shared, H, I, device="cuda") * I ** -0.5).to(dtype)
+    rows = [measure(args.shape, int(n), dtype, gate_up, down, args.shared) for n in args.tokens.split(",")]
     copy = copy_gbps()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
-          f"E {E} k {k} H {H} I {I} {args.dtype}, grouped from N k >= {ops.MOE_GROUPED_MIN_PICKS_PER_EXPERT} E")
+          f"E {E} k {k}{' + a shared expert' if args.shared else ''} H {H} I {I} {args.dtype}, grouped from N k >= {ops.MOE_GROUPED_MIN_PICKS_PER_EXPERT} E")
     print_table(rows, copy)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -73,6 +73,7 @@ struct Layout {
   int64_t chunks = 0;      // [max_chunks] int4 (expert, first position, count, unused), 16-byte aligned
   int64_t tiles_done = 0;  // [down row tiles] when the down kernel sums: its CTAs done per tile
   int64_t total = 0;
+  int row_tiles = 1;  // consecutive row tiles of its chunk a projection CTA runs (row_tiles_per_cta)
 };
 
 Layout layout(int64_t slots, int64_t experts, int64_t max_chunks, int64_t counted_tiles = 0) {
@@ -256,19 +257,19 @@ __device__ __forceinline__ void store_sum(void* out, DType out_dtype, int64_t at
   }
 }
 
-// act[slot, r] for the 16 intermediate rows r of tile blockIdx.x: gate rows r, up rows I + r.
+// The row tiles of a projection CTA: l.row_tiles consecutive ones from blockIdx.x's first. A CTA
+// runs them in turn on the same slots, so its warps read their share of the slots' rows from
+// L2 once and then from L1, where one CTA a tile read them from L2 once a tile; each tile's
+// sums are those of a CTA of its own, so the choice does not change a bit.
+__device__ __forceinline__ int first_row_tile(const Layout& l) { return blockIdx.x * l.row_tiles; }
+
+// act[slot, r] for the 16 intermediate rows r from row0: gate rows r, up rows I + r.
 template <typename T, int NT>
-__global__ void __launch_bounds__(kGateUpWarps * 32) moe_gate_up_kernel(MoeParams p, Layout l) {
-  __shared__ float part[kGateUpWarps - 1][2][NT][4][32];
-  pdl_allow_dependents();
-  if (blockIdx.x == 0 && blockIdx.y == 0) {  // the down kernel that follows counts from zero
-    for (int64_t i = l.tiles_done + threadIdx.x; i < l.total; i += blockDim.x) p.work[i] = 0;
-  }
-  int4 chunk;
-  if (!read_chunk(p, l, chunk)) return;
+__device__ __forceinline__ void gate_up_tile(const MoeParams& p, const Layout& l, const int4& chunk, int row0,
+                                             const uint4* const (&b)[NT], float (*part)[2][NT][4][32]) {
   const int e = chunk.x, first = chunk.y, count = chunk.z;
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int I = p.inter, row0 = blockIdx.x * 16;
+  const int I = p.inter;
   const int64_t chunks = static_cast<int64_t>(p.hidden) * sizeof(T) / 16;
   const uint4* w = static_cast<const uint4*>(p.gate_up) + static_cast<int64_t>(e) * 2 * I * chunks;
   const uint4* a[4];
@@ -277,13 +278,6 @@ __global__ void __launch_bounds__(kGateUpWarps * 32) moe_gate_up_kernel(MoeParam
     const int r = min(row0 + g + 8 * h, I - 1);
     a[h] = w + static_cast<int64_t>(r) * chunks;
     a[2 + h] = w + static_cast<int64_t>(I + r) * chunks;
-  }
-  const uint4* b[NT];
-#pragma unroll
-  for (int n = 0; n < NT; ++n) {
-    const int col = 8 * n + g;
-    const int64_t token = col < count ? slot_at(p, l, first + col) / p.top_k : 0;
-    b[n] = col < count ? static_cast<const uint4*>(p.x) + token * chunks : nullptr;
   }
   float acc[2][NT][4] = {};
   warp_tile<T, kGateUpWarps, 2, NT>(a, b, chunks, threadIdx.x / 32, acc);
@@ -304,25 +298,48 @@ __global__ void __launch_bounds__(kGateUpWarps * 32) moe_gate_up_kernel(MoeParam
   }
 }
 
-// y[slot, h] for the 32 rows h of tile blockIdx.x, of the chunk's slots.
 template <typename T, int NT>
-__device__ __forceinline__ void down_tile(const MoeParams& p, const Layout& l, const int4& chunk,
-                                          float (*part)[2][NT][4][32]) {
+__global__ void __launch_bounds__(kGateUpWarps * 32) moe_gate_up_kernel(MoeParams p, Layout l) {
+  __shared__ float part[kGateUpWarps - 1][2][NT][4][32];
+  pdl_allow_dependents();
+  if (blockIdx.x == 0 && blockIdx.y == 0) {  // the down kernel that follows counts from zero
+    for (int64_t i = l.tiles_done + threadIdx.x; i < l.total; i += blockDim.x) p.work[i] = 0;
+  }
+  int4 chunk;
+  if (!read_chunk(p, l, chunk)) return;
+  const int first = chunk.y, count = chunk.z, g = threadIdx.x % 32 / 4;
+  const int64_t chunks = static_cast<int64_t>(p.hidden) * sizeof(T) / 16;
+  const uint4* b[NT];
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+    const int col = 8 * n + g;
+    const int64_t token = col < count ? slot_at(p, l, first + col) / p.top_k : 0;
+    b[n] = col < count ? static_cast<const uint4*>(p.x) + token * chunks : nullptr;
+  }
+  if constexpr (NT == 1) {  // one tile a CTA (row_tiles_per_cta): without the loop, as fast as before it
+    gate_up_tile<T, NT>(p, l, chunk, 16 * blockIdx.x, b, part);
+  } else {
+    const int end = min(first_row_tile(l) + l.row_tiles, (p.inter + 15) / 16);
+#pragma unroll 1
+    for (int tile = first_row_tile(l); tile < end; ++tile) {
+      gate_up_tile<T, NT>(p, l, chunk, 16 * tile, b, part);
+      __syncthreads();  // warp 0 has read `part` before the next tile's warps write it
+    }
+  }
+}
+
+// y[slot, h] for the 32 rows h from row0, of the chunk's slots (act rows b).
+template <typename T, int NT>
+__device__ __forceinline__ void down_tile(const MoeParams& p, const Layout& l, const int4& chunk, int row0,
+                                          const uint4* const (&b)[NT], float (*part)[2][NT][4][32]) {
   const int e = chunk.x, first = chunk.y, count = chunk.z;
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int H = p.hidden, row0 = blockIdx.x * kDownTileRows;
+  const int H = p.hidden;
   const int64_t chunks = static_cast<int64_t>(p.inter) * sizeof(T) / 16;
   const uint4* w = static_cast<const uint4*>(p.down) + static_cast<int64_t>(e) * H * chunks;
   const uint4* a[4];
 #pragma unroll
   for (int r = 0; r < 4; ++r) a[r] = w + static_cast<int64_t>(min(row0 + g + 8 * r, H - 1)) * chunks;
-  const uint4* b[NT];
-#pragma unroll
-  for (int n = 0; n < NT; ++n) {
-    const int col = 8 * n + g;
-    const int64_t slot = col < count ? slot_at(p, l, first + col) : 0;
-    b[n] = col < count ? static_cast<const uint4*>(p.act) + slot * chunks : nullptr;
-  }
   float acc[2][NT][4] = {};
   warp_tile<T, kDownWarps, 2, NT>(a, b, chunks, threadIdx.x / 32, acc);
   if (!sum_warps<kDownWarps, 2, NT>(acc, part)) return;
@@ -342,7 +359,8 @@ __device__ __forceinline__ void down_tile(const MoeParams& p, const Layout& l, c
   }
 }
 
-// kSum: the last CTA of each row tile to finish also sums that tile's rows for every token.
+// kSum: the last CTA of each row tile to finish also sums that tile's rows for every token
+// (a CTA a row tile then, as for one token, whose CTAs prefetch their tile).
 template <typename T, int NT, bool kSum>
 __global__ void __launch_bounds__(kDownWarps * 32) moe_down_kernel(MoeParams p, Layout l) {
   __shared__ float part[kDownWarps - 1][2][NT][4][32];
@@ -356,7 +374,27 @@ __global__ void __launch_bounds__(kDownWarps * 32) moe_down_kernel(MoeParams p, 
       prefetch_l2(w + i / lines * row_bytes + i % lines * 128);
   }
   pdl_wait();
-  if (routed) down_tile<T, NT>(p, l, chunk, part);
+  if (routed) {
+    const int first = chunk.y, count = chunk.z, g = threadIdx.x % 32 / 4;
+    const int64_t chunks = static_cast<int64_t>(p.inter) * sizeof(T) / 16;
+    const uint4* b[NT];
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      const int col = 8 * n + g;
+      const int64_t slot = col < count ? slot_at(p, l, first + col) : 0;
+      b[n] = col < count ? static_cast<const uint4*>(p.act) + slot * chunks : nullptr;
+    }
+    if constexpr (kSum || NT == 1) {
+      down_tile<T, NT>(p, l, chunk, blockIdx.x * kDownTileRows, b, part);
+    } else {
+      const int end = min(first_row_tile(l) + l.row_tiles, (p.hidden + kDownTileRows - 1) / kDownTileRows);
+#pragma unroll 1
+      for (int tile = first_row_tile(l); tile < end; ++tile) {
+        down_tile<T, NT>(p, l, chunk, tile * kDownTileRows, b, part);
+        __syncthreads();  // warp 0 has read `part` before the next tile's warps write it
+      }
+    }
+  }
   if constexpr (kSum) {
     __shared__ bool last;
     __threadfence();  // this CTA's y rows are visible to the CTA that sums them before it counts
@@ -554,8 +592,9 @@ SortArgs sort_args(int32_t* work, const Layout& l, int slots, int experts, const
 
 template <typename T, int NT>
 cudaError_t project(const MoeParams& p, const Layout& l, int64_t chunks, cudaStream_t stream) {
-  const dim3 gate_up_grid(static_cast<unsigned>(ceil_div(p.inter, 16)), static_cast<unsigned>(chunks));
-  const dim3 down_grid(static_cast<unsigned>(down_tiles(p)), static_cast<unsigned>(chunks));
+  const dim3 gate_up_grid(static_cast<unsigned>(ceil_div(ceil_div(p.inter, 16), l.row_tiles)),
+                          static_cast<unsigned>(chunks));
+  const dim3 down_grid(static_cast<unsigned>(ceil_div(down_tiles(p), l.row_tiles)), static_cast<unsigned>(chunks));
   moe_gate_up_kernel<T, NT><<<gate_up_grid, kGateUpWarps * 32, 0, stream>>>(p, l);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
@@ -581,9 +620,17 @@ int64_t launch_chunks(const MoeParams& p) {
   return max_chunks(slots, p.experts, static_cast<int64_t>(kTileTokens) * tiles_per_chunk(p));
 }
 
+// Row tiles per projection CTA: several once the chunks average 8 slots or more (a pass of many
+// tokens; a grid of many waves either way), where the slots' rows, read again for every tile,
+// would otherwise cost the L2 as much as the weights. One where the down kernel sums (its CTAs
+// count per row tile) and for one token (its down CTAs prefetch one tile).
+int row_tiles_per_cta(const MoeParams& p) { return fused_combine(p) || tiles_per_chunk(p) == 1 ? 1 : 4; }
+
 Layout launch_layout(const MoeParams& p) {
   const int64_t slots = static_cast<int64_t>(p.tokens) * p.top_k;
-  return layout(slots, p.experts, launch_chunks(p), fused_combine(p) ? down_tiles(p) : 0);
+  Layout l = layout(slots, p.experts, launch_chunks(p), fused_combine(p) ? down_tiles(p) : 0);
+  l.row_tiles = row_tiles_per_cta(p);
+  return l;
 }
 
 }  // namespace
