@@ -494,7 +494,7 @@ def moe_experts(x, gate_up, down, weights, ids, out_dtype=torch.float32):
                           for i in range(0, N, step)])
     x, weights, ids = x.contiguous(), weights.contiguous(), ids.contiguous()
     if _moe_grouped_fits(x, ids.numel(), E):
-        return _moe_experts_grouped(x, gate_up, down, weights, ids).to(out_dtype)
+        return _moe_experts_grouped(x, gate_up, down, weights, ids, out_dtype)
     return torch.ops.dflash.moe_experts(x, gate_up, down, weights, ids, out_dtype == torch.float32)
 
 
@@ -512,15 +512,16 @@ def _moe_grouped_fits(x, slots: int, num_experts: int) -> bool:
             and hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(x.device) >= (9, 0))
 
 
-def _moe_experts_grouped(x, gate_up, down, weights, ids):
+def _moe_experts_grouped(x, gate_up, down, weights, ids, out_dtype=torch.float32):
     """moe_experts as GEMMs over the picks in expert order: the kernels' sort, x gathered, a
     grouped GEMM, silu_mul, a grouped GEMM, then the kernels' weighted sum reading each pick's
-    row where the sort put it. Picks with an id outside [0, E) sort last, past every group."""
+    row where the sort put it (and storing it in out_dtype). Picks with an id outside [0, E)
+    sort last, past every group."""
     order, rows, ends = torch.ops.dflash.moe_sort(ids, gate_up.shape[0])
     xs = x.index_select(0, torch.div(order, ids.shape[1], rounding_mode="floor"))  # [N k, H]
     h = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=ends)  # [N k, 2I]
     ys = torch._grouped_mm(torch.ops.dflash.silu_mul(h), down.transpose(1, 2), offs=ends)  # [N k, H]
-    return torch.ops.dflash.moe_combine(ys, weights, ids, rows, gate_up.shape[0])
+    return torch.ops.dflash.moe_combine(ys, weights, ids, rows, gate_up.shape[0], out_dtype == torch.float32)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -689,9 +689,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_sort_cuda(const at::Tensor& i
 }
 
 // y [N k, H] (bf16, fp16 or fp32, contiguous): row rows[s] (or s) is slot s's expert output;
-// weights [N, k] fp32, ids [N, k] int32. Returns [N, H] fp32.
+// weights [N, k] fp32, ids [N, k] int32. Returns [N, H]: the fp32 sum, or (fp32_out false) that sum
+// rounded to y's dtype by the kernel's store, without a cast kernel after it.
 at::Tensor moe_combine_cuda(const at::Tensor& y, const at::Tensor& weights, const at::Tensor& ids,
-                            const std::optional<at::Tensor>& rows, int64_t num_experts) {
+                            const std::optional<at::Tensor>& rows, int64_t num_experts, bool fp32_out) {
   TORCH_CHECK(y.is_cuda(), "y must be a CUDA tensor");
   const std::optional<dflash::DType> dtype = attention_dtype(y.scalar_type());
   TORCH_CHECK(dtype.has_value(), "y must be bf16, fp16 or fp32, got ", y.scalar_type());
@@ -708,9 +709,10 @@ at::Tensor moe_combine_cuda(const at::Tensor& y, const at::Tensor& weights, cons
                 "rows must be contiguous int32 [N k] on y's device");
   }
   const c10::cuda::CUDAGuard guard(y.device());
-  auto out = at::empty({N, y.size(1)}, y.options().dtype(at::kFloat));
+  auto out = at::empty({N, y.size(1)}, fp32_out ? y.options().dtype(at::kFloat) : y.options());
   dflash::MoeCombineParams p;
   p.dtype = *dtype;
+  p.out_dtype = fp32_out ? dflash::DType::kFloat32 : *dtype;
   p.tokens = static_cast<int>(N);
   p.top_k = static_cast<int>(k);
   p.experts = static_cast<int>(num_experts);
@@ -719,7 +721,7 @@ at::Tensor moe_combine_cuda(const at::Tensor& y, const at::Tensor& weights, cons
   p.rows = rows ? rows->data_ptr<int32_t>() : nullptr;
   p.weights = weights.data_ptr<float>();
   p.ids = ids.data_ptr<int32_t>();
-  p.out = out.data_ptr<float>();
+  p.out = out.data_ptr();
   if (const char* why = dflash::moe_combine_check(p)) TORCH_CHECK(false, "moe_combine: ", why);
   check_launch(dflash::moe_combine_launch(p, c10::cuda::getCurrentCUDAStream().stream()), "moe_combine");
   return out;
@@ -771,8 +773,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_sort_meta(const at::Tensor& i
 }
 
 at::Tensor moe_combine_meta(const at::Tensor& y, const at::Tensor&, const at::Tensor& ids,
-                            const std::optional<at::Tensor>&, int64_t) {
-  return at::empty({ids.size(0), y.size(1)}, y.options().dtype(at::kFloat));
+                            const std::optional<at::Tensor>&, int64_t, bool fp32_out) {
+  return at::empty({ids.size(0), y.size(1)}, fp32_out ? y.options().dtype(at::kFloat) : y.options());
 }
 
 }  // namespace
@@ -811,7 +813,7 @@ TORCH_LIBRARY(dflash, m) {
       "moe_experts(Tensor x, Tensor gate_up, Tensor down, Tensor weights, Tensor ids, bool fp32_out=True) "
       "-> Tensor");
   m.def("moe_sort(Tensor ids, int num_experts) -> (Tensor, Tensor, Tensor)");
-  m.def("moe_combine(Tensor y, Tensor weights, Tensor ids, Tensor? rows, int num_experts) -> Tensor");
+  m.def("moe_combine(Tensor y, Tensor weights, Tensor ids, Tensor? rows, int num_experts, bool fp32_out=True) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dflash, CUDA, m) {
