@@ -220,8 +220,9 @@ def main() -> None:
     down = (torch.randn(E + args.shared, H, I, device="cuda") * I ** -0.5).to(dtype)
     rows = [measure(args.shape, int(n), dtype, gate_up, down, args.shared) for n in args.tokens.split(",")]
     copy = copy_gbps()
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
-          f"E {E} k {k}{' + a shared expert' if args.shared else ''} H {H} I {I} {args.dtype}, grouped from N k >= {ops.MOE_GROUPED_MIN_PICKS_PER_EXPERT} E")
+    shared = " + a shared expert" if args.shared else ""
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, E {E} k {k}{shared} H {H} I {I} "
+          f"{args.dtype}, grouped from N k >= {ops.MOE_GROUPED_MIN_PICKS_PER_EXPERT} E")
     print_table(rows, copy)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

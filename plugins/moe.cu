@@ -10,9 +10,10 @@
 // would have made them, which saves a kernel as long as the routing's own; in bf16 and fp16 it
 // runs the CUDA-core kernels of its own below.
 //
-// Projections. A CTA takes one chunk and a tile of output rows of that chunk's expert; its
-// warps (8 for gate_up, 4 for down) split the reduction (K) dimension, and each applies the
-// tile's weight rows to the chunk's slots with mma.sync: rows are M, slots N (8 per MMA), fp32
+// Projections. A CTA takes one chunk and a tile of output rows of that chunk's expert (from
+// 16-slot chunks four tiles in turn: row_tiles_per_cta); its warps (8 for gate_up, 4 for
+// down) split the reduction (K) dimension, and each applies the tile's weight rows to the
+// chunk's slots with mma.sync: rows are M, slots N (8 per MMA), fp32
 // accumulators, the weights read once per chunk (mma_tile.h: the fragment layout, and fp32's
 // three TF32 MMAs).
 //
@@ -316,7 +317,7 @@ __global__ void __launch_bounds__(kGateUpWarps * 32) moe_gate_up_kernel(MoeParam
     const int64_t token = col < count ? slot_at(p, l, first + col) / p.top_k : 0;
     b[n] = col < count ? static_cast<const uint4*>(p.x) + token * chunks : nullptr;
   }
-  if constexpr (NT == 1) {  // one tile a CTA (row_tiles_per_cta): without the loop, as fast as before it
+  if constexpr (NT == 1) {  // one tile a CTA (row_tiles_per_cta): the loop would slow these kernels
     gate_up_tile<T, NT>(p, l, chunk, 16 * blockIdx.x, b, part);
   } else {
     const int end = min(first_row_tile(l) + l.row_tiles, (p.inter + 15) / 16);
@@ -622,7 +623,7 @@ int64_t launch_chunks(const MoeParams& p) {
 
 // Row tiles per projection CTA: several once the chunks average 8 slots or more (a pass of many
 // tokens; a grid of many waves either way), where the slots' rows, read again for every tile,
-// would otherwise cost the L2 as much as the weights. One where the down kernel sums (its CTAs
+// would otherwise cost the L2 half as much as the weights. One where the down kernel sums (its CTAs
 // count per row tile) and for one token (its down CTAs prefetch one tile).
 int row_tiles_per_cta(const MoeParams& p) { return fused_combine(p) || tiles_per_chunk(p) == 1 ? 1 : 4; }
 

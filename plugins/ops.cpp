@@ -813,7 +813,9 @@ TORCH_LIBRARY(dflash, m) {
       "moe_experts(Tensor x, Tensor gate_up, Tensor down, Tensor weights, Tensor ids, bool fp32_out=True) "
       "-> Tensor");
   m.def("moe_sort(Tensor ids, int num_experts) -> (Tensor, Tensor, Tensor)");
-  m.def("moe_combine(Tensor y, Tensor weights, Tensor ids, Tensor? rows, int num_experts, bool fp32_out=True) -> Tensor");
+  m.def(
+      "moe_combine(Tensor y, Tensor weights, Tensor ids, Tensor? rows, int num_experts, bool fp32_out=True) "
+      "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dflash, CUDA, m) {
