@@ -264,6 +264,20 @@ __device__ __forceinline__ void store_sum(void* out, DType out_dtype, int64_t at
 // sums are those of a CTA of its own, so the choice does not change a bit.
 __device__ __forceinline__ int first_row_tile(const Layout& l) { return blockIdx.x * l.row_tiles; }
 
+// b[n] = row slot / per of rows (each `chunks` 16-byte chunks long) for the chunk's slot 8 n + g
+// of lane (g, t), null past its count: x's token rows (per = k) or act's slot rows (per = 1).
+template <int NT>
+__device__ __forceinline__ void slot_rows(const MoeParams& p, const Layout& l, const int4& chunk, const void* rows,
+                                          int64_t chunks, int per, const uint4* (&b)[NT]) {
+  const int g = threadIdx.x % 32 / 4;
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+    const int col = 8 * n + g;
+    const int64_t row = col < chunk.z ? slot_at(p, l, chunk.y + col) / per : 0;
+    b[n] = col < chunk.z ? static_cast<const uint4*>(rows) + row * chunks : nullptr;
+  }
+}
+
 // act[slot, r] for the 16 intermediate rows r from row0: gate rows r, up rows I + r.
 template <typename T, int NT>
 __device__ __forceinline__ void gate_up_tile(const MoeParams& p, const Layout& l, const int4& chunk, int row0,
@@ -308,15 +322,8 @@ __global__ void __launch_bounds__(kGateUpWarps * 32) moe_gate_up_kernel(MoeParam
   }
   int4 chunk;
   if (!read_chunk(p, l, chunk)) return;
-  const int first = chunk.y, count = chunk.z, g = threadIdx.x % 32 / 4;
-  const int64_t chunks = static_cast<int64_t>(p.hidden) * sizeof(T) / 16;
-  const uint4* b[NT];
-#pragma unroll
-  for (int n = 0; n < NT; ++n) {
-    const int col = 8 * n + g;
-    const int64_t token = col < count ? slot_at(p, l, first + col) / p.top_k : 0;
-    b[n] = col < count ? static_cast<const uint4*>(p.x) + token * chunks : nullptr;
-  }
+  const uint4* b[NT];  // the rows of x of the chunk's tokens
+  slot_rows(p, l, chunk, p.x, static_cast<int64_t>(p.hidden) * sizeof(T) / 16, p.top_k, b);
   if constexpr (NT == 1) {  // one tile a CTA (row_tiles_per_cta): the loop would slow these kernels
     gate_up_tile<T, NT>(p, l, chunk, 16 * blockIdx.x, b, part);
   } else {
@@ -376,15 +383,8 @@ __global__ void __launch_bounds__(kDownWarps * 32) moe_down_kernel(MoeParams p, 
   }
   pdl_wait();
   if (routed) {
-    const int first = chunk.y, count = chunk.z, g = threadIdx.x % 32 / 4;
-    const int64_t chunks = static_cast<int64_t>(p.inter) * sizeof(T) / 16;
-    const uint4* b[NT];
-#pragma unroll
-    for (int n = 0; n < NT; ++n) {
-      const int col = 8 * n + g;
-      const int64_t slot = col < count ? slot_at(p, l, first + col) : 0;
-      b[n] = col < count ? static_cast<const uint4*>(p.act) + slot * chunks : nullptr;
-    }
+    const uint4* b[NT];  // the act rows of the chunk's slots
+    slot_rows(p, l, chunk, p.act, static_cast<int64_t>(p.inter) * sizeof(T) / 16, 1, b);
     if constexpr (kSum || NT == 1) {
       down_tile<T, NT>(p, l, chunk, blockIdx.x * kDownTileRows, b, part);
     } else {
