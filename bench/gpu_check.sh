@@ -243,6 +243,9 @@ moe)
   DFLASH_TEST_DEVICE=cuda DFLASH_MOE_STATS=$OUT/moe_stats.txt step tests-moe 240 python3 -m pytest -q \
     -p no:cacheprovider tests/test_moe_ops.py
   step moe-bench 150 python3 bench/moe_kernels.py --out "$OUT/moe.json"
+  # the engine's call on Qwen3.5/3.6 MoE: the shared expert as one expert more (BENCHMARKS.md's table)
+  step moe-bench-shared 150 python3 bench/moe_kernels.py --shared --tokens 1,16,64,128,256,512,1024 \
+    --out "$OUT/moe_kernels_shared_h200.json"
   ;;
 moe-split)
   step plugins 300 python3 -c 'from dflash_trt import plugins; print(plugins.load())'
