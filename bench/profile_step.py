@@ -34,7 +34,7 @@ from dflash_trt.benchmark.bench import encode_prompts
 from dflash_trt.benchmark.datasets import load_prompts
 from dflash_trt.benchmark.random_weights import random_engine
 from dflash_trt.engine import cache_bytes
-from dflash_trt.graphs import DecodePasses
+from dflash_trt.graphs import DecodePasses, random_block
 from dflash_trt.models import qwen3_5
 from dflash_trt.models.moe import SparseMoeBlock
 from dflash_trt.sampling import SamplingParams
@@ -105,14 +105,6 @@ def fake_running(engine, n: int, context: int) -> list[Sequence]:
         seq.slot, seq.num_cached, seq.output_ids = i, context, [(1 + 7919 * i) % vocab]
         seqs.append(seq)
     return seqs
-
-
-def random_block(block: torch.Tensor, vocab: int, seed: int = 0) -> torch.Tensor:
-    """The draft block overwritten in place (the graphed verify reads the draft graph's
-    buffer) with random tokens: a random drafter on noise proposes repetitive blocks, whose
-    tokens would route to few experts; real blocks (text) do not."""
-    gen = torch.Generator(device=block.device).manual_seed(seed)
-    return block.copy_(torch.randint(0, vocab, block.shape, generator=gen, device=block.device, dtype=block.dtype))
 
 
 def time_ms(fn, reps=50) -> float:

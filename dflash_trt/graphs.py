@@ -282,9 +282,12 @@ class GraphedPasses(DecodePasses):
 
     def step_ms(self, widths: tuple[int, ...], reps: int = 10) -> dict[int, dict[int, float]]:
         """Per bucket and verify width: a DFlash step's pass time (draft + verify + commit) in
-        ms, from replays on padding rows (they write only the scratch slot)."""
+        ms, from replays on padding rows (they write only the scratch slot) whose blocks hold
+        random tokens: identical rows would route every token of a MoE verify to the same few
+        experts, and a wide verify would look as cheap as a narrow one."""
         self.capture_all(widths)
         times: dict[int, dict[int, float]] = {}
+        vocab = self.target.config.vocab_size
         for size in self.buckets:
             x = StepInputs(self._pad(torch.empty((3, size), dtype=torch.long, device=self.device), 0), size)
             times[size] = {}
@@ -292,7 +295,7 @@ class GraphedPasses(DecodePasses):
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
                 for _ in range(reps):
-                    self.verify(x, self.draft(x, width), width)
+                    self.verify(x, random_block(self.draft(x, width), vocab), width)
                     self.commit(x, width, [1] * size)
                 end.record()
                 end.synchronize()
@@ -389,6 +392,14 @@ class GraphedPasses(DecodePasses):
         with torch.cuda.graph(graph, pool=self._pool):
             outputs = fn(static_in)
         return graph, static_in, outputs
+
+
+def random_block(block: torch.Tensor, vocab: int, seed: int = 0) -> torch.Tensor:
+    """The draft block overwritten in place (the graphed verify reads the draft graph's
+    buffer) with random tokens: padding rows, or a random drafter on noise, propose
+    repetitive blocks whose tokens route to few experts; real blocks (text) do not."""
+    gen = torch.Generator(device=block.device).manual_seed(seed)
+    return block.copy_(torch.randint(0, vocab, block.shape, generator=gen, device=block.device, dtype=block.dtype))
 
 
 def graphs_supported(target, device: torch.device) -> bool:

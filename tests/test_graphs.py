@@ -104,6 +104,16 @@ def test_warm_up_captures_every_bucket_and_leaves_outputs_unchanged(loaded):
     assert [r.token_ids for r in cold.generate(prompts, sp, mode="dflash")] == before
 
 
+def test_verify_widths_are_timed_on_blocks_of_distinct_tokens(loaded):
+    # A MoE verify costs what its tokens' distinct experts cost: the identical blocks that
+    # padding rows draft would route every token to the same few, a wide verify timed as cheap.
+    engine = Engine(loaded.target, loaded.drafter, max_batch_size=3, max_seq_len=256, verify_width="adaptive")
+    engine.warm_up()
+    assert engine.width_policy is not None
+    block = engine.passes._graphs[("draft", 3, engine.block_size)][2]  # the buffer the timed verifies read
+    assert len({tuple(row) for row in block.tolist()}) == 3
+
+
 HYBRID = dict(target_type="qwen3_5", hidden_size=256, intermediate_size=512, num_layers=4, num_heads=4,
               num_kv_heads=2, head_dim=64, linear_heads=(2, 4), linear_head_dims=(32, 32), draft_layers=2,
               target_layer_ids=(1, 3), block_size=8, tokenizer_tokens=None, vocab_size=4096, rope_theta=1e7,
