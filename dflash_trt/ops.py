@@ -418,14 +418,29 @@ def moe_route_reference(logits: torch.Tensor, top_k: int, renormalize: bool,
 def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool,
               shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """moe_route_reference's routing; one kernel on CUDA (plugins/moe_route.cu) for up to 512
-    experts and k <= 16, whose sums may differ from torch's in the last fp32 place."""
+    experts and k <= 16, whose sums may differ from torch's in the last fp32 place. The logits
+    may be a strided view (router_logits' transpose)."""
     E = logits.shape[1] - shared
     assert logits.dim() == 2 and 0 < top_k <= E, f"logits must be [N, E >= k], got {tuple(logits.shape)}, k {top_k}"
-    if (logits.is_cuda and logits.is_contiguous() and E <= MOE_ROUTE_MAX_EXPERTS and top_k <= MOE_ROUTE_MAX_TOP_K
+    if (logits.is_cuda and min(logits.stride()) >= 1 and E <= MOE_ROUTE_MAX_EXPERTS and top_k <= MOE_ROUTE_MAX_TOP_K
             and logits.dtype in (torch.bfloat16, torch.float16, torch.float32) and _plugins_loaded()):
         return torch.ops.dflash.moe_route(logits, int(top_k), bool(renormalize), bool(shared))
     _log_fallback("moe_route", logits)
     return moe_route_reference(logits, top_k, renormalize, shared)
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A router's logits x @ weight^T -> [N, E] for x [N, H] (linear's numbers). A Qwen3.5 MoE
+    router has E = experts + 1 rows (the shared expert's gate): an output row that long is no
+    multiple of 16 bytes, and cuBLAS runs it on its unaligned kernels (in a 35B-A3B verify at
+    32, as long as the LM head's GEMM; BENCHMARKS.md, "Mixture of experts"). So on CUDA, past
+    the gemv kernel's rows and with N a multiple of 8, it computes weight @ x^T ([E, N], rows of
+    N tokens) and returns that transposed: a strided view, which moe_route reads in place."""
+    N = x.shape[0]
+    if (x.is_cuda and x.dim() == 2 and weight.shape[0] % 8 != 0 and N > GEMV_MAX_ROWS and N % 8 == 0
+            and x.dtype == weight.dtype):
+        return torch.mm(weight, x.t()).t()
+    return linear(x, weight)
 
 
 def moe_experts_reference(x, gate_up, down, weights, ids, out_dtype=torch.float32):

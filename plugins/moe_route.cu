@@ -50,14 +50,16 @@ __global__ void __launch_bounds__(kThreads) moe_route_kernel(MoeRouteParams p) {
   const int token = blockIdx.x * kWarps + threadIdx.x / 32;
   if (token >= p.tokens) return;  // whole warps: the shuffles see all 32 lanes
   const int columns = p.experts + (p.shared ? 1 : 0), picks = p.top_k + (p.shared ? 1 : 0);
-  const T* row = static_cast<const T*>(p.logits) + static_cast<int64_t>(token) * columns;
+  const bool packed = p.token_stride == 0 && p.expert_stride == 0;
+  const int64_t es = packed ? 1 : p.expert_stride;
+  const T* row = static_cast<const T*>(p.logits) + static_cast<int64_t>(token) * (packed ? columns : p.token_stride);
 
   float x[V];
   float hi = -FLT_MAX;
 #pragma unroll
   for (int i = 0; i < V; ++i) {
     const int e = lane + 32 * i;
-    x[i] = e < p.experts ? to_float(row[e]) : -FLT_MAX;
+    x[i] = e < p.experts ? to_float(row[e * es]) : -FLT_MAX;
     hi = fmaxf(hi, x[i]);
   }
 #pragma unroll
@@ -102,7 +104,7 @@ __global__ void __launch_bounds__(kThreads) moe_route_kernel(MoeRouteParams p) {
     w[lane] = round_to<T>(p.renormalize ? picked_w * (1.f / total) : picked_w);
     ids[lane] = picked_id;
   } else if (p.shared && lane == p.top_k) {  // the shared expert: sigmoid of its gate, rounded like the logits
-    w[lane] = round_to<T>(1.f / (1.f + expf(-to_float(row[p.experts]))));
+    w[lane] = round_to<T>(1.f / (1.f + expf(-to_float(row[p.experts * es]))));
     ids[lane] = p.experts;
   }
 }
@@ -126,6 +128,8 @@ const char* moe_route_check(const MoeRouteParams& p) {
   if (p.experts < 1 || p.experts > kMoeRouteMaxExperts) return "experts must be in [1, 512]";
   if (p.top_k < 1 || p.top_k > p.experts || p.top_k > kMoeRouteMaxTopK) return "top_k must be in [1, min(experts, 16)]";
   if (p.tokens > 0 && (p.logits == nullptr || p.weights == nullptr || p.ids == nullptr)) return "null pointer";
+  if (p.token_stride < 0 || p.expert_stride < 0 || (p.token_stride == 0) != (p.expert_stride == 0))
+    return "logits strides must both be positive, or both 0 (contiguous)";
   return nullptr;
 }
 

@@ -727,15 +727,16 @@ at::Tensor moe_combine_cuda(const at::Tensor& y, const at::Tensor& weights, cons
   return out;
 }
 
-// Routing (moe_route.h): logits [N, E] bf16, fp16 or fp32, contiguous -> (weights [N, k] fp32,
-// ids [N, k] int32).
+// Routing (moe_route.h): logits [N, E] bf16, fp16 or fp32, any strides (the router's
+// W x^T read as its transpose) -> (weights [N, k] fp32, ids [N, k] int32).
 std::tuple<at::Tensor, at::Tensor> moe_route_cuda(const at::Tensor& logits, int64_t top_k, bool renormalize,
                                                    bool shared) {
   TORCH_CHECK(logits.is_cuda(), "logits must be a CUDA tensor");
   const std::optional<dflash::DType> dtype = attention_dtype(logits.scalar_type());
   TORCH_CHECK(dtype.has_value(), "logits must be bf16, fp16 or fp32, got ", logits.scalar_type());
-  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous(), "logits must be a contiguous [N, E] tensor, got ",
-              logits.sizes());
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(0) >= 1 && logits.stride(1) >= 1,
+              "logits must be an [N, E] tensor with positive strides, got sizes ", logits.sizes(), " strides ",
+              logits.strides());
   TORCH_CHECK(logits.size(0) < (int64_t{1} << 31), "moe_route: too many tokens");
   const c10::cuda::CUDAGuard guard(logits.device());
   const int64_t picks = top_k + (shared ? 1 : 0);
@@ -749,6 +750,8 @@ std::tuple<at::Tensor, at::Tensor> moe_route_cuda(const at::Tensor& logits, int6
   p.renormalize = renormalize;
   p.shared = shared;
   p.logits = logits.data_ptr();
+  p.token_stride = logits.stride(0);
+  p.expert_stride = logits.stride(1);
   p.weights = weights.data_ptr<float>();
   p.ids = ids.data_ptr<int32_t>();
   if (const char* why = dflash::moe_route_check(p)) TORCH_CHECK(false, "moe_route: ", why);

@@ -392,6 +392,38 @@ def test_cuda_route_kernel_matches_the_reference(dtype, E, k, renormalize, share
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("shared", [False, True])
+def test_cuda_route_kernel_reads_strided_logits_as_their_contiguous_copy(dtype, shared):
+    torch.manual_seed(7)
+    logits = (torch.randn(48, 256 + shared, device="cuda") * 2).to(dtype)
+    strided = logits.t().contiguous().t()  # router_logits' layout: rows of tokens, read as columns
+    assert not strided.is_contiguous() and torch.equal(strided, logits)
+    for got, want in zip(ops.moe_route(strided, 8, True, shared), ops.moe_route(logits, 8, True, shared)):
+        assert torch.equal(got, want)
+
+
+def test_router_logits_on_the_cpu_are_linears():
+    x, w = torch.randn(32, 64), torch.randn(9, 64)
+    assert torch.equal(ops.router_logits(x, w), F.linear(x, w))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("N, transposed", [(16, False), (24, True), (512, True), (500, False)])
+@pytest.mark.parametrize("rows", [257, 256])
+def test_cuda_router_logits_of_a_wide_pass_come_from_weight_times_x_transposed(exact_cublas, N, transposed, rows):
+    """Past the gemv kernel's rows, a router whose row count is no multiple of 8 (a Qwen3.5 MoE
+    router: experts + the shared expert's gate) is computed as W x^T, and its transpose
+    returned: linear's numbers in fp32 up to the GEMM's summation order."""
+    torch.manual_seed(N)
+    x, w = torch.randn(N, 2048, device="cuda"), torch.randn(rows, 2048, device="cuda") * 2048 ** -0.5
+    out = ops.router_logits(x, w)
+    took = transposed and rows % 8 != 0
+    assert out.shape == (N, rows) and out.is_contiguous() != took
+    torch.testing.assert_close(out, F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.cuda
 def test_cuda_a_misaligned_input_takes_the_reference_instead_of_failing_in_the_kernel():
     """The kernels need x 16-byte aligned; a contiguous view that is not goes to the reference
     (a check failing inside the op would crash the process on some torch builds)."""

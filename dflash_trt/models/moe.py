@@ -57,7 +57,7 @@ class SparseMoeBlock(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """h [bs, T, H] (normed, model dtype) -> [bs, T, H] in the model dtype."""
         x = h.flatten(0, 1)
-        logits = self.router(x) if self.packed_shared else self.gate(x)
+        logits = ops.router_logits(x, (self.router if self.packed_shared else self.gate).weight)
         weights, ids = ops.moe_route(logits, self.moe.top_k, self.moe.norm_topk_prob, shared=self.packed_shared)
         # the sum in fp32, rounded once: by the kernel unless a separate shared expert adds to it
         separate_shared = self.moe.shared_expert_size and not self.packed_shared
