@@ -33,6 +33,7 @@
 
 #include "block_attention.h"
 
+#include "cp_async.h"
 #include "device.h"
 #include "lanes.h"
 #include "pdl.h"
@@ -74,23 +75,6 @@ __host__ __device__ constexpr int min_m_tiles_for(int d) { return d <= 128 ? 1 :
 
 // ---------------------------------------------------------------------------------------------
 // PTX wrappers
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// 16-byte global -> shared copy; src_bytes = 0 writes zeros (rows past the keys: their zero
-// K gives a finite score that the mask removes, their zero V keeps 0 * V finite).
-__device__ __forceinline__ void cp_async_16(void* dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
-}
-// 4-byte variant (.cg takes 16 bytes only), for q rows, which are only 4-byte aligned.
-__device__ __forceinline__ void cp_async_4(void* dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 // Four 8x8 b16 matrices; lane i gives the address of row i % 8 of matrix i / 8.
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
@@ -301,6 +285,8 @@ __global__ void __launch_bounds__(kThreads, 2)
       const int c = threadIdx.x + i * kThreads;  // consecutive threads: consecutive 16 B of a row
       const int r = c / kChunksPerRow, col = (c % kChunksPerRow) * 8;
       const int v = v0 + r;
+      // Rows past the keys copy zeros: their zero K gives a finite score that the mask removes,
+      // their zero V keeps 0 * V finite.
       const T* ksrc = k_cache;  // any valid address when nothing is read
       const T* vsrc = v_cache;
       int bytes = 0;

@@ -100,8 +100,9 @@ __device__ __forceinline__ void mma_chunk(float (&acc)[4], const uint4& lo, cons
 // a[2m + 1] row g + 8's) x (8 slots of n-tile n: b[n] is slot g's row, null past the chunk),
 // over the 64-byte k blocks part, part + W, ... of rows `chunks` 16-byte chunks long (W warps).
 // kStreamA: A is read once per pass (a dense weight), so its loads evict first and leave the
-// caches to B.
-template <typename T, int W, int MT, int NT, bool kStreamA = false>
+// caches to B. U: k blocks per iteration (fewer for wide tiles, whose loads take more
+// registers); a warp's blocks are summed in the same order whatever U is.
+template <typename T, int W, int MT, int NT, bool kStreamA = false, int U = kTileUnroll>
 __device__ __forceinline__ void warp_tile(const uint4* const (&a)[2 * MT], const uint4* const (&b)[NT],
                                           int64_t chunks, int part, float (&acc)[MT][NT][4]) {
   const int t = threadIdx.x % 4;
@@ -111,10 +112,10 @@ __device__ __forceinline__ void warp_tile(const uint4* const (&a)[2 * MT], const
   const uint4* bp[NT];
 #pragma unroll
   for (int n = 0; n < NT; ++n) bp[n] = b[n] != nullptr ? b[n] : a[0];
-  for (int64_t kb = part; 4 * kb < chunks; kb += W * kTileUnroll) {
-    uint4 av[kTileUnroll][2 * MT], bv[kTileUnroll][NT];
+  for (int64_t kb = part; 4 * kb < chunks; kb += W * U) {
+    uint4 av[U][2 * MT], bv[U][NT];
 #pragma unroll
-    for (int u = 0; u < kTileUnroll; ++u) {
+    for (int u = 0; u < U; ++u) {
       const int64_t c = 4 * (kb + u * W) + t, cc = c < chunks ? c : chunks - 1;
 #pragma unroll
       for (int r = 0; r < 2 * MT; ++r) av[u][r] = kStreamA ? __ldcs(a[r] + cc) : __ldg(a[r] + cc);
@@ -122,7 +123,7 @@ __device__ __forceinline__ void warp_tile(const uint4* const (&a)[2 * MT], const
       for (int n = 0; n < NT; ++n) bv[u][n] = __ldg(bp[n] + cc);
     }
 #pragma unroll
-    for (int u = 0; u < kTileUnroll; ++u) {
+    for (int u = 0; u < U; ++u) {
       if (4 * (kb + u * W) + t < chunks) continue;
 #pragma unroll
       for (int r = 0; r < 2 * MT; ++r) av[u][r] = zero;
@@ -133,10 +134,10 @@ __device__ __forceinline__ void warp_tile(const uint4* const (&a)[2 * MT], const
     for (int n = 0; n < NT; ++n) {
       if (b[n] != nullptr) continue;
 #pragma unroll
-      for (int u = 0; u < kTileUnroll; ++u) bv[u][n] = zero;
+      for (int u = 0; u < U; ++u) bv[u][n] = zero;
     }
 #pragma unroll
-    for (int u = 0; u < kTileUnroll; ++u) {
+    for (int u = 0; u < U; ++u) {
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
 #pragma unroll

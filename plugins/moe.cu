@@ -11,11 +11,11 @@
 // runs the CUDA-core kernels of its own below.
 //
 // Projections. A CTA takes one chunk and a tile of output rows of that chunk's expert (from
-// 16-slot chunks four tiles in turn: row_tiles_per_cta); its warps (8 for gate_up, 4 for
-// down) split the reduction (K) dimension, and each applies the tile's weight rows to the
-// chunk's slots with mma.sync: rows are M, slots N (8 per MMA), fp32
-// accumulators, the weights read once per chunk (mma_tile.h: the fragment layout, and fp32's
-// three TF32 MMAs).
+// 16-slot chunks four tiles in turn: row_tiles_per_cta, and in 16-bit weights through shared
+// memory: "Streamed tiles" below); its warps (8 for gate_up, 4 for down) split the reduction
+// (K) dimension, and each applies the tile's weight rows to the chunk's slots with mma.sync:
+// rows are M, slots N (8 per MMA), fp32 accumulators, the weights read once per chunk
+// (mma_tile.h: the fragment layout, and fp32's three TF32 MMAs).
 //
 // Weighted sum. A thread adds a few elements of a token's output over its picks, in pick
 // order (16 bytes of them in the kernel of its own, 4 in the down kernel's tail). Up to
@@ -35,6 +35,7 @@
 
 #include "moe.h"
 
+#include "cp_async.h"
 #include "float_convert.h"
 #include "lanes.h"
 #include "mma_tile.h"
@@ -94,11 +95,24 @@ bool fused_combine(const MoeParams& p) { return p.tokens <= kMoeFusedCombineToke
 
 int64_t down_tiles(const MoeParams& p) { return ceil_div(p.hidden, kDownTileRows); }
 
-// n-tiles per chunk: 2 (16 slots, half the weight reads of an expert with many) once the
-// slots average 8 per expert, else 1.
+// The most n-tiles a chunk of 16-bit weights takes (the streamed tiles' registers do not grow
+// with them; fp32's register tiles stop at 2), and from how many 16-bit chunks stream through
+// shared memory ("Streamed tiles").
+constexpr int kMaxTilesPerChunk = 4, kStreamMinTiles = 2;
+
+// n-tiles per chunk: as many as the slots average per expert in 8s, up to 1, 2 or 4 (16-bit
+// weights; fp32: up to 2): each expert's weights read about once, not once for every 8 of its
+// slots, and no more slots in a chunk than it usually has.
 int tiles_per_chunk(const MoeParams& p) {
-  return static_cast<int64_t>(p.tokens) * p.top_k >= static_cast<int64_t>(kTileTokens) * p.experts ? 2 : 1;
+  const int64_t slots = static_cast<int64_t>(p.tokens) * p.top_k, per8 = static_cast<int64_t>(kTileTokens) * p.experts;
+  const int most = p.dtype == DType::kFloat32 ? 2 : kMaxTilesPerChunk;
+  return most >= 4 && slots >= 2 * per8 ? 4 : slots >= per8 ? 2 : 1;
 }
+
+// k blocks per warp iteration of the register tiles: four n-tiles' loads take as many
+// registers as their weights'.
+template <int NT>
+__host__ __device__ constexpr int tile_unroll() { return NT >= 4 ? 2 : mma_tile::kTileUnroll; }
 
 // The most chunks any routing of S slots over E experts makes (chunks of c slots): every
 // chunk holds a slot, and each active expert leaves at most c - 1 empty places.
@@ -264,12 +278,12 @@ __device__ __forceinline__ void store_sum(void* out, DType out_dtype, int64_t at
 // sums are those of a CTA of its own, so the choice does not change a bit.
 __device__ __forceinline__ int first_row_tile(const Layout& l) { return blockIdx.x * l.row_tiles; }
 
-// b[n] = row slot / per of rows (each `chunks` 16-byte chunks long) for the chunk's slot 8 n + g
-// of lane (g, t), null past its count: x's token rows (per = k) or act's slot rows (per = 1).
+// b[n] = row slot / per of rows (each `chunks` 16-byte chunks long) for the chunk's slot 8 n + g,
+// null past its count: x's token rows (per = k) or act's slot rows (per = 1). g: the lane's
+// column of an n-tile (lane / 4), or a copying thread's.
 template <int NT>
 __device__ __forceinline__ void slot_rows(const MoeParams& p, const Layout& l, const int4& chunk, const void* rows,
-                                          int64_t chunks, int per, const uint4* (&b)[NT]) {
-  const int g = threadIdx.x % 32 / 4;
+                                          int64_t chunks, int per, int g, const uint4* (&b)[NT]) {
 #pragma unroll
   for (int n = 0; n < NT; ++n) {
     const int col = 8 * n + g;
@@ -278,26 +292,26 @@ __device__ __forceinline__ void slot_rows(const MoeParams& p, const Layout& l, c
   }
 }
 
-// act[slot, r] for the 16 intermediate rows r from row0: gate rows r, up rows I + r.
-template <typename T, int NT>
-__device__ __forceinline__ void gate_up_tile(const MoeParams& p, const Layout& l, const int4& chunk, int row0,
-                                             const uint4* const (&b)[NT], float (*part)[2][NT][4][32]) {
-  const int e = chunk.x, first = chunk.y, count = chunk.z;
-  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int I = p.inter;
-  const int64_t chunks = static_cast<int64_t>(p.hidden) * sizeof(T) / 16;
-  const uint4* w = static_cast<const uint4*>(p.gate_up) + static_cast<int64_t>(e) * 2 * I * chunks;
-  const uint4* a[4];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {  // rows past I read row I - 1 again and are never written
-    const int r = min(row0 + g + 8 * h, I - 1);
-    a[h] = w + static_cast<int64_t>(r) * chunks;
-    a[2 + h] = w + static_cast<int64_t>(I + r) * chunks;
+// Row r (0 .. 31) of a projection tile from row0, in its expert's matrix: gate_up's gate rows
+// row0 .. row0 + 15, then its up rows I + row0 ..; down's rows row0 .. row0 + 31. A row past
+// the matrix reads its last one again and is never stored. r = 8 j + g: the rows of m-tile
+// j / 2 (mma_tile.h's a[j]).
+template <bool kGateUp>
+__device__ __forceinline__ int64_t weight_row(const MoeParams& p, int row0, int r) {
+  if constexpr (kGateUp) {
+    const int row = min(row0 + r % 16, p.inter - 1);
+    return r < 16 ? row : p.inter + row;
+  } else {
+    return min(row0 + r, p.hidden - 1);
   }
-  float acc[2][NT][4] = {};
-  warp_tile<T, kGateUpWarps, 2, NT>(a, b, chunks, threadIdx.x / 32, acc);
-  if (!sum_warps<kGateUpWarps, 2, NT>(acc, part)) return;
+}
 
+// act[slot, r] from warp 0's sums of the 16 intermediate rows r from row0 (acc[0]: gate, acc[1]: up).
+template <typename T, int NT>
+__device__ __forceinline__ void store_act(const MoeParams& p, const Layout& l, const int4& chunk, int row0,
+                                          const float (&acc)[2][NT][4]) {
+  const int first = chunk.y, count = chunk.z, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int I = p.inter;
   T* act = static_cast<T*>(p.act);
 #pragma unroll
   for (int n = 0; n < NT; ++n) {
@@ -313,45 +327,12 @@ __device__ __forceinline__ void gate_up_tile(const MoeParams& p, const Layout& l
   }
 }
 
+// y[slot, h] from warp 0's sums of the 32 rows h from row0 (acc[m]: rows row0 + 16 m ..).
 template <typename T, int NT>
-__global__ void __launch_bounds__(kGateUpWarps * 32) moe_gate_up_kernel(MoeParams p, Layout l) {
-  __shared__ float part[kGateUpWarps - 1][2][NT][4][32];
-  pdl_allow_dependents();
-  if (blockIdx.x == 0 && blockIdx.y == 0) {  // the down kernel that follows counts from zero
-    for (int64_t i = l.tiles_done + threadIdx.x; i < l.total; i += blockDim.x) p.work[i] = 0;
-  }
-  int4 chunk;
-  if (!read_chunk(p, l, chunk)) return;
-  const uint4* b[NT];  // the rows of x of the chunk's tokens
-  slot_rows(p, l, chunk, p.x, static_cast<int64_t>(p.hidden) * sizeof(T) / 16, p.top_k, b);
-  if constexpr (NT == 1) {  // one tile a CTA (row_tiles_per_cta): the loop would slow these kernels
-    gate_up_tile<T, NT>(p, l, chunk, 16 * blockIdx.x, b, part);
-  } else {
-    const int end = min(first_row_tile(l) + l.row_tiles, (p.inter + 15) / 16);
-#pragma unroll 1
-    for (int tile = first_row_tile(l); tile < end; ++tile) {
-      gate_up_tile<T, NT>(p, l, chunk, 16 * tile, b, part);
-      __syncthreads();  // warp 0 has read `part` before the next tile's warps write it
-    }
-  }
-}
-
-// y[slot, h] for the 32 rows h from row0, of the chunk's slots (act rows b).
-template <typename T, int NT>
-__device__ __forceinline__ void down_tile(const MoeParams& p, const Layout& l, const int4& chunk, int row0,
-                                          const uint4* const (&b)[NT], float (*part)[2][NT][4][32]) {
-  const int e = chunk.x, first = chunk.y, count = chunk.z;
-  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+__device__ __forceinline__ void store_y(const MoeParams& p, const Layout& l, const int4& chunk, int row0,
+                                        const float (&acc)[2][NT][4]) {
+  const int first = chunk.y, count = chunk.z, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int H = p.hidden;
-  const int64_t chunks = static_cast<int64_t>(p.inter) * sizeof(T) / 16;
-  const uint4* w = static_cast<const uint4*>(p.down) + static_cast<int64_t>(e) * H * chunks;
-  const uint4* a[4];
-#pragma unroll
-  for (int r = 0; r < 4; ++r) a[r] = w + static_cast<int64_t>(min(row0 + g + 8 * r, H - 1)) * chunks;
-  float acc[2][NT][4] = {};
-  warp_tile<T, kDownWarps, 2, NT>(a, b, chunks, threadIdx.x / 32, acc);
-  if (!sum_warps<kDownWarps, 2, NT>(acc, part)) return;
-
   T* y = static_cast<T*>(p.y);
 #pragma unroll
   for (int m = 0; m < 2; ++m) {
@@ -363,6 +344,59 @@ __device__ __forceinline__ void down_tile(const MoeParams& p, const Layout& l, c
         if (row < H && col < count)
           y[static_cast<int64_t>(slot_at(p, l, first + col)) * H + row] = to_dtype<T>(acc[m][n][i]);
       }
+    }
+  }
+}
+
+// K of a projection in 16-byte chunks (gate_up: H, down: I), and its expert's matrix.
+template <typename T, bool kGateUp>
+__device__ __forceinline__ int64_t row_chunks(const MoeParams& p) {
+  return static_cast<int64_t>(kGateUp ? p.hidden : p.inter) * sizeof(T) / 16;
+}
+template <typename T, bool kGateUp>
+__device__ __forceinline__ const uint4* expert_matrix(const MoeParams& p, int e) {
+  return static_cast<const uint4*>(kGateUp ? p.gate_up : p.down) +
+         static_cast<int64_t>(e) * (kGateUp ? 2 * p.inter : p.hidden) * row_chunks<T, kGateUp>(p);
+}
+
+// act[slot, r] for the 16 intermediate rows r from row0 (gate rows r, up rows I + r), or
+// y[slot, h] for the 32 rows h from row0, of the chunk's slots (rows b), on the register tiles.
+template <typename T, int NT, bool kGateUp>
+__device__ __forceinline__ void project_tile(const MoeParams& p, const Layout& l, const int4& chunk, int row0,
+                                             const uint4* const (&b)[NT], float (*part)[2][NT][4][32]) {
+  constexpr int W = kGateUp ? kGateUpWarps : kDownWarps;
+  const int64_t chunks = row_chunks<T, kGateUp>(p);
+  const uint4* w = expert_matrix<T, kGateUp>(p, chunk.x);
+  const int g = threadIdx.x % 32 / 4;
+  const uint4* a[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) a[j] = w + weight_row<kGateUp>(p, row0, 8 * j + g) * chunks;
+  float acc[2][NT][4] = {};
+  warp_tile<T, W, 2, NT, false, tile_unroll<NT>()>(a, b, chunks, threadIdx.x / 32, acc);
+  if (!sum_warps<W, 2, NT>(acc, part)) return;
+  if constexpr (kGateUp) store_act<T, NT>(p, l, chunk, row0, acc);
+  else store_y<T, NT>(p, l, chunk, row0, acc);
+}
+
+template <typename T, int NT>
+__global__ void __launch_bounds__(kGateUpWarps * 32) moe_gate_up_kernel(MoeParams p, Layout l) {
+  __shared__ float part[kGateUpWarps - 1][2][NT][4][32];
+  pdl_allow_dependents();
+  if (blockIdx.x == 0 && blockIdx.y == 0) {  // the down kernel that follows counts from zero
+    for (int64_t i = l.tiles_done + threadIdx.x; i < l.total; i += blockDim.x) p.work[i] = 0;
+  }
+  int4 chunk;
+  if (!read_chunk(p, l, chunk)) return;
+  const uint4* b[NT];  // the rows of x of the chunk's tokens
+  slot_rows(p, l, chunk, p.x, row_chunks<T, true>(p), p.top_k, threadIdx.x % 32 / 4, b);
+  if constexpr (NT == 1) {  // one tile a CTA (row_tiles_per_cta): the loop would slow these kernels
+    project_tile<T, NT, true>(p, l, chunk, 16 * blockIdx.x, b, part);
+  } else {
+    const int end = min(first_row_tile(l) + l.row_tiles, (p.inter + 15) / 16);
+#pragma unroll 1
+    for (int tile = first_row_tile(l); tile < end; ++tile) {
+      project_tile<T, NT, true>(p, l, chunk, 16 * tile, b, part);
+      __syncthreads();  // warp 0 has read `part` before the next tile's warps write it
     }
   }
 }
@@ -384,14 +418,14 @@ __global__ void __launch_bounds__(kDownWarps * 32) moe_down_kernel(MoeParams p, 
   pdl_wait();
   if (routed) {
     const uint4* b[NT];  // the act rows of the chunk's slots
-    slot_rows(p, l, chunk, p.act, static_cast<int64_t>(p.inter) * sizeof(T) / 16, 1, b);
+    slot_rows(p, l, chunk, p.act, row_chunks<T, false>(p), 1, threadIdx.x % 32 / 4, b);
     if constexpr (kSum || NT == 1) {
-      down_tile<T, NT>(p, l, chunk, blockIdx.x * kDownTileRows, b, part);
+      project_tile<T, NT, false>(p, l, chunk, blockIdx.x * kDownTileRows, b, part);
     } else {
       const int end = min(first_row_tile(l) + l.row_tiles, (p.hidden + kDownTileRows - 1) / kDownTileRows);
 #pragma unroll 1
       for (int tile = first_row_tile(l); tile < end; ++tile) {
-        down_tile<T, NT>(p, l, chunk, tile * kDownTileRows, b, part);
+        project_tile<T, NT, false>(p, l, chunk, tile * kDownTileRows, b, part);
         __syncthreads();  // warp 0 has read `part` before the next tile's warps write it
       }
     }
@@ -419,6 +453,132 @@ __global__ void __launch_bounds__(kDownWarps * 32) moe_down_kernel(MoeParams p, 
       store_sum<T>(p.out, p.out_dtype, tok * p.hidden + c, acc);
     }
   }
+}
+
+// --------------------------------------------------------------------------------------------
+// Streamed tiles: 16-bit weights, chunks of two n-tiles (a pass of many tokens). The register
+// tiles above hold a warp's loads in its registers, one round of them at a time, and at two
+// n-tiles those registers leave two CTAs an SM: between a CTA's rounds, and while it sums its
+// warps and stores, its SM's DRAM stream has gaps. Here a CTA's weight rows and its slots' rows
+// go through a few stages of shared memory by cp.async, the copies of the next stages
+// in flight while the warps multiply this one, across the CTA's row tiles. Warp w multiplies
+// the 64-byte block w of each stage's rows: the blocks the register tile gives it (kb = w mod
+// W), in the same order, with the same MMAs, so every slot's sums are the register tiles' to
+// the bit (and a pass's results do not depend on which kernels ran it).
+
+// A stage holds 32 weight rows (two m-tiles), then the chunk's 8 NT slot rows, 64 W bytes of
+// each (a block a warp), each row followed by kStreamPad unused 16-byte chunks: rows g and
+// g + 1 then start 64 bytes apart in the banks, and a quarter warp's 16-byte reads (rows g and
+// g + 1, chunks t = 0..3) fall in 32 different banks.
+constexpr int kStreamPad = 4;
+
+// Stages a streamed kernel keeps: the most whose shared memory leaves gate_up two CTAs an SM
+// and down three (227 KB an SM, less 1 KB a CTA).
+__host__ __device__ constexpr int stream_stages(bool gate_up, int nt) {
+  const int stage_bytes = (32 + 8 * nt) * (4 * (gate_up ? kGateUpWarps : kDownWarps) + kStreamPad) * 16;
+  return (227 * 1024 / (gate_up ? 2 : 3) - 1024) / stage_bytes;
+}
+
+template <int W, int NT, int Stages>
+struct Staging {
+  static_assert(Stages >= 2, "a stage in use and one in flight");
+  static constexpr int kStages = Stages;
+  static constexpr int kRowChunks = 4 * W;  // 16-byte chunks of a row in a stage
+  static constexpr int kStride = kRowChunks + kStreamPad;
+  static constexpr int kRows = 32 + 8 * NT;
+  static constexpr int kStageChunks = kRows * kStride;
+  static constexpr size_t kBytes = size_t{kStages} * kStageChunks * 16;  // dynamic shared memory
+};
+
+template <typename T, int NT, bool kGateUp>
+__global__ void __launch_bounds__((kGateUp ? kGateUpWarps : kDownWarps) * 32) moe_stream_kernel(MoeParams p,
+                                                                                                 Layout l) {
+  constexpr int W = kGateUp ? kGateUpWarps : kDownWarps;
+  using S = Staging<W, NT, stream_stages(kGateUp, NT)>;
+  extern __shared__ uint4 stages[];
+  static_assert(sizeof(float) * (W - 1) * 2 * NT * 4 * 32 <= 16 * S::kStageChunks, "part[] fits a stage");
+  if (kGateUp && blockIdx.x == 0 && blockIdx.y == 0) {  // as the register kernel: a summing down kernel counts from 0
+    for (int64_t i = l.tiles_done + threadIdx.x; i < l.total; i += blockDim.x) p.work[i] = 0;
+  }
+  int4 chunk;
+  if (!read_chunk(p, l, chunk)) return;
+  const int64_t k_chunks = row_chunks<T, kGateUp>(p);  // K
+  const int tile_rows = kGateUp ? 16 : kDownTileRows;
+  const int all_tiles = kGateUp ? (p.inter + 15) / 16 : (p.hidden + kDownTileRows - 1) / kDownTileRows;
+  const int tile0 = first_row_tile(l), k_stages = static_cast<int>((k_chunks + S::kRowChunks - 1) / S::kRowChunks);
+  const int total = min(l.row_tiles, all_tiles - tile0) * k_stages;  // (tile, k stage) pairs, tile-major
+  const uint4* w = expert_matrix<T, kGateUp>(p, chunk.x);
+  // This thread copies chunk c of staged rows q + 8 j: weight rows (j < 4), then slot rows.
+  const int q = threadIdx.x / S::kRowChunks, c = threadIdx.x % S::kRowChunks;
+  const uint4* slots[NT];
+  slot_rows(p, l, chunk, kGateUp ? p.x : p.act, k_chunks, kGateUp ? p.top_k : 1, q, slots);
+  const auto issue = [&](int s) {
+    uint4* st = stages + (s % S::kStages) * S::kStageChunks + q * S::kStride + c;
+    const int row0 = (tile0 + s / k_stages) * tile_rows;
+    const int64_t k = static_cast<int64_t>(s % k_stages) * S::kRowChunks + c;
+    const int bytes = k < k_chunks ? 16 : 0;  // past K: zeros, as the register tile's
+    const int64_t kk = bytes ? k : 0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      cp_async_16(st + 8 * j * S::kStride, w + weight_row<kGateUp>(p, row0, q + 8 * j) * k_chunks + kk, bytes);
+#pragma unroll
+    for (int j = 0; j < NT; ++j)  // a slot past the chunk's count: zeros
+      cp_async_16_l1(st + (32 + 8 * j) * S::kStride, slots[j] ? slots[j] + kk : w, slots[j] ? bytes : 0);
+  };
+
+  const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+  float acc[2][NT][4] = {};
+#pragma unroll
+  for (int s = 0; s < S::kStages - 1; ++s) {
+    if (s < total) issue(s);
+    cp_async_commit();
+  }
+#pragma unroll 1
+  for (int s = 0; s < total; ++s) {
+    cp_async_wait<S::kStages - 2>();
+    __syncthreads();  // stage s is in for every thread, and stage s - 1 read by every warp
+    if (s + S::kStages - 1 < total) issue(s + S::kStages - 1);  // into stage s - 1's buffer
+    cp_async_commit();
+    const uint4* st = stages + (s % S::kStages) * S::kStageChunks + 4 * warp + t;
+    const uint4 a0 = st[g * S::kStride], a1 = st[(g + 8) * S::kStride];
+    const uint4 a2 = st[(g + 16) * S::kStride], a3 = st[(g + 24) * S::kStride];
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      const uint4 b = st[(32 + 8 * n + g) * S::kStride];
+      mma_tile::mma_chunk<T>(acc[0][n], a0, a1, b);
+      mma_tile::mma_chunk<T>(acc[1][n], a2, a3, b);
+    }
+    if (s % k_stages == k_stages - 1) {  // the tile's last stage: its sums, stored
+      // The warps' partial sums go through this stage's buffer, free once every warp has read
+      // it, until the copies the next iteration issues (after its barrier) fill it again.
+      __syncthreads();
+      const auto part = reinterpret_cast<float(*)[2][NT][4][32]>(stages + (s % S::kStages) * S::kStageChunks);
+      const int row0 = (tile0 + s / k_stages) * tile_rows;
+      if (sum_warps<W, 2, NT>(acc, part)) {
+        if constexpr (kGateUp) store_act<T, NT>(p, l, chunk, row0, acc);
+        else store_y<T, NT>(p, l, chunk, row0, acc);
+      }
+#pragma unroll
+      for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[0][n][i] = acc[1][n][i] = 0.f;
+    }
+  }
+  cp_async_wait<0>();  // no copy outlives the CTA's shared memory
+}
+
+// Over 48 KB of dynamic shared memory is opted into per device, so before every launch (a
+// cheap host call, legal during graph capture; as block_attention.cu's prepare()).
+template <typename T, int NT, bool kGateUp>
+cudaError_t launch_stream(const MoeParams& p, const Layout& l, dim3 grid, cudaStream_t stream) {
+  constexpr int W = kGateUp ? kGateUpWarps : kDownWarps;
+  constexpr size_t bytes = Staging<W, NT, stream_stages(kGateUp, NT)>::kBytes;
+  const auto kernel = moe_stream_kernel<T, NT, kGateUp>;
+  const cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+  if (err != cudaSuccess) return err;
+  kernel<<<grid, W * 32, bytes, stream>>>(p, l);
+  return cudaGetLastError();
 }
 
 // --------------------------------------------------------------------------------------------
@@ -596,6 +756,12 @@ cudaError_t project(const MoeParams& p, const Layout& l, int64_t chunks, cudaStr
   const dim3 gate_up_grid(static_cast<unsigned>(ceil_div(ceil_div(p.inter, 16), l.row_tiles)),
                           static_cast<unsigned>(chunks));
   const dim3 down_grid(static_cast<unsigned>(ceil_div(down_tiles(p), l.row_tiles)), static_cast<unsigned>(chunks));
+  if constexpr (NT >= kStreamMinTiles && !std::is_same_v<T, float>) {
+    if (!fused_combine(p)) {
+      const cudaError_t err = launch_stream<T, NT, true>(p, l, gate_up_grid, stream);
+      return err != cudaSuccess ? err : launch_stream<T, NT, false>(p, l, down_grid, stream);
+    }
+  }
   moe_gate_up_kernel<T, NT><<<gate_up_grid, kGateUpWarps * 32, 0, stream>>>(p, l);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
@@ -607,6 +773,9 @@ cudaError_t project(const MoeParams& p, const Layout& l, int64_t chunks, cudaStr
 
 template <typename T>
 cudaError_t project_typed(const MoeParams& p, const Layout& l, int64_t chunks, int tiles, cudaStream_t stream) {
+  if constexpr (!std::is_same_v<T, float>) {
+    if (tiles == 4) return project<T, 4>(p, l, chunks, stream);
+  }
   return tiles == 2 ? project<T, 2>(p, l, chunks, stream) : project<T, 1>(p, l, chunks, stream);
 }
 

@@ -14,7 +14,7 @@
 //
 // moe_launch runs up to four kernels: a sort of the slots by expert (one CTA; not for one
 // token, whose picks are its chunks), gate_up and down kernels that read each active expert's
-// weights once per chunk of up to 8 (or 16) of its slots and apply them with tensor-core MMAs,
+// weights once per chunk of up to 8, 16 or 32 of its slots and apply them with tensor-core MMAs,
 // and the fixed-order weighted sum (for up to kMoeFusedCombineTokens tokens, done by the down
 // kernel's last CTA of each row tile instead). One token in bf16 or fp16 runs two CUDA-core
 // kernels instead (gate_up with the activation, down with the weighted sum), in their own

@@ -301,7 +301,7 @@ def test_cuda_fused_token_output_does_not_depend_on_its_batch(dtype, N):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("N", [1, 16, 40])
+@pytest.mark.parametrize("N", [1, 16, 40, 300, 600])  # 300, 600: two, four n-tiles a chunk (streamed in 16-bit)
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_cuda_picks_outside_the_experts_add_nothing(exact_cublas, dtype, N):
     (x, gate_up, down, weights, ids), _, _ = run_case(dtype, "small", 64, 8, N)
