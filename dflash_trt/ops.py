@@ -578,7 +578,7 @@ def causal_conv_reference(x, weight, conv_cache, snapshots, slots, start, num_to
     """The kernel's semantics (layer_ops.h, CausalConvParams) through causal_conv1d,
     the path of every pass: the window from the cache (zeros for a new sequence), then the
     window after all T tokens (after each row's num_tokens, when given) into conv_cache, or
-    after each of the last NS into snapshots."""
+    after each of the last NS into snapshots (those after the pass's tokens only: at most T + 1)."""
     slots = slots.long()
     window = conv_cache[slots].masked_fill((start == 0)[:, None, None], 0)
     full_rows = num_tokens is None
@@ -589,7 +589,8 @@ def causal_conv_reference(x, weight, conv_cache, snapshots, slots, start, num_to
     if snapshots is None:
         conv_cache[slots] = windows[:, 0]
     else:
-        snapshots[slots] = windows
+        m = min(windows.shape[1], x.shape[1] + 1)
+        snapshots[slots, -m:] = windows[:, -m:]
     return out
 
 
@@ -597,7 +598,9 @@ def causal_conv(x, weight, conv_cache, snapshots, slots, start, num_tokens=None)
     """The causal conv + SiLU of a Gated DeltaNet pass -> out [bs, T, C] in x's dtype,
     continuing each row's window in conv_cache [num_slots, K-1, C] (zeros where start == 0);
     the window after the pass goes back to conv_cache (snapshots None), or the one after each
-    of the last NS <= T + 1 tokens to snapshots [num_slots, NS, K-1, C]. num_tokens [bs] int32
+    of the last NS tokens to snapshots [num_slots, NS, K-1, C] (NS > T + 1, a verify narrower
+    than the block: the first NS - T - 1, windows from before the pass, which a commit never
+    reads, are left as they are). num_tokens [bs] int32
     (with snapshots None only: a padded prefill) has row b's window taken after its first
     num_tokens[b] tokens instead of all T. x [bs, T, C] may be a view of a packed projection
     (channels contiguous); weight [C, K]; slots, start [bs] int32. plugins/layer_ops.cu on
@@ -610,8 +613,8 @@ def causal_conv(x, weight, conv_cache, snapshots, slots, start, num_tokens=None)
         f"conv_cache must be [num_slots, {W}, {C}] contiguous, got {tuple(conv_cache.shape)}"
     if snapshots is not None:
         assert snapshots.dim() == 4 and snapshots.shape[0] == conv_cache.shape[0] and snapshots.shape[2:] == (W, C) \
-            and snapshots.is_contiguous() and 1 <= snapshots.shape[1] <= T + 1, \
-            f"snapshots must be [num_slots, 1 <= NS <= {T + 1}, {W}, {C}] contiguous, got {tuple(snapshots.shape)}"
+            and snapshots.is_contiguous() and snapshots.shape[1] >= 1, \
+            f"snapshots must be [num_slots, NS >= 1, {W}, {C}] contiguous, got {tuple(snapshots.shape)}"
     for name, t in (("weight", weight), ("conv_cache", conv_cache), ("snapshots", snapshots)):
         assert t is None or (t.dtype == x.dtype and t.device == x.device), f"{name} must have x's dtype and device"
     assert num_tokens is None or snapshots is None, "num_tokens (ragged rows) only without snapshots"

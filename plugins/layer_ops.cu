@@ -341,7 +341,7 @@ __global__ void __launch_bounds__(kConvThreads) causal_conv_kernel(CausalConvPar
     win[j] = j < W && !fresh ? to_float(cache[static_cast<int64_t>(j) * C]) : 0.0f;
   }
   T* snapshots = p.num_snapshots > 0 ? static_cast<T*>(p.snapshots) + slot * p.num_snapshots * W * C + c : nullptr;
-  const int first = T_ - p.num_snapshots + 1;  // tokens seen by snapshot 0 (>= 0)
+  const int first = T_ - p.num_snapshots + 1;  // tokens seen by snapshot 0 (< 0: it stays)
   auto snapshot = [&](int n) {  // the window after n tokens, if a snapshot wants it
     const int j = n - first;
     if (snapshots == nullptr || j < 0) return;
@@ -491,7 +491,7 @@ cudaError_t silu_mul_launch(const SiluMulParams& p, cudaStream_t stream) {
 const char* causal_conv_check(const CausalConvParams& p) {
   if (p.batch < 0 || p.channels < 1 || p.width < 1) return "batch must not be negative, channels and width positive";
   if (p.kernel_size < 2 || p.kernel_size > kConvMaxTaps) return "kernel_size must be in [2, 8]";
-  if (p.num_snapshots < 0 || p.num_snapshots > p.width + 1) return "num_snapshots must be in [0, width + 1]";
+  if (p.num_snapshots < 0) return "num_snapshots must not be negative";
   if (p.x_stride < p.channels) return "x_stride must be at least channels";
   if (p.num_tokens && p.num_snapshots > 0) return "num_tokens (ragged rows) only with num_snapshots = 0";
   if (p.batch > 0 && (!p.x || !p.weight || !p.conv_cache || !p.slots || !p.start || !p.out ||

@@ -119,9 +119,10 @@ cudaError_t silu_mul_launch(const SiluMulParams& p, cudaStream_t stream);
 //   out[b, t] = round(acc_t / (1 + exp(-acc_t)))                         (torch's silu, fp32)
 // and then, with NS == 0, conv_cache[slots[b]] = full[n .. n + W - 1] for n = min(num_tokens[b],
 // T) (the window after the row's tokens, in place; n = T when num_tokens is null: every row
-// full, a padded prefill's rows each their own length); with NS > 0 (NS <= T + 1, every row
-// full), snapshots[slots[b], j] = full[n .. n + W - 1]
-// for n = T - NS + 1 + j (the window after each of the last NS tokens; conv_cache is read only).
+// full, a padded prefill's rows each their own length); with NS > 0 (every row full),
+// snapshots[slots[b], j] = full[n .. n + W - 1] for n = T - NS + 1 + j >= 0 (the window after
+// each of the last NS tokens; conv_cache is read only). NS > T + 1 (a verify narrower than the
+// snapshots): entries j < NS - T - 1 (n < 0, before the pass; no commit reads them) stay.
 // Every value is an input, copied: the writes are exact.
 struct CausalConvParams {
   DType dtype = DType::kBFloat16;  // of x, weight, conv_cache, snapshots and out

@@ -224,9 +224,9 @@ class GatedDeltaNet(nn.Module):
         layer, S = self.cache_layer, cache.num_snapshots
         weight = self.conv1d.weight[:, 0]
         snapshots = None if to_cache else cache.conv_snapshots[layer]
-        if to_cache or (batch.full_rows and batch.width <= S <= batch.width + 1):
+        if to_cache or (batch.full_rows and batch.width <= S):
             # one kernel on CUDA: any width to the cache (padded rows each keep the window after
-            # their own tokens), S snapshots of a verify
+            # their own tokens), the snapshots of a verify of any width
             slots, _, start, num_tokens, _ = lengths
             return ops.causal_conv(qkv, weight, cache.conv[layer], snapshots, slots, start,
                                    None if batch.full_rows else num_tokens)
