@@ -281,6 +281,8 @@ def main(argv=None) -> int:
                     help="hybrids: the widest prefill that runs the recurrent kernel (default: the model's)")
     ap.add_argument("--top-kernels", type=int, default=12, help="how many of each pass's costliest kernels to list")
     ap.add_argument("--profile-batch", type=int, default=1, help="the batch of the per-kernel profiles")
+    ap.add_argument("--verify-width", type=int, default=0,
+                    help="draft, verify and commit at this width (default: the block; the step walls verify the block)")
     ap.add_argument("--blas", choices=("cublas", "cublaslt"),
                     help="the BLAS library torch uses for the GEMMs (default: torch's choice)")
     args = ap.parse_args(argv)
@@ -310,15 +312,17 @@ def main(argv=None) -> int:
     result.update(copy_bandwidth_gb_s=bw / 1e9, target_weight_gb=wb / 1e9,
                   drafter_weight_gb=weight_bytes(engine.drafter) / 1e9)
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s; target weights {wb / 1e9:.2f} GB", file=sys.stderr)
+    width = args.verify_width or engine.block_size
+    result["verify_width"] = width
     with torch.inference_mode():
         for n in batches:
             x = passes.inputs(fake_running(engine, n, args.context))
             ar = time_ms(lambda: passes.ar(x))
-            dr = time_ms(lambda: passes.draft(x))
+            dr = time_ms(lambda: passes.draft(x, width))
             # a draft proposes for its step's verify width only (its LM head's rows)
             draft_by_width = {w: time_ms(lambda w=w: passes.draft(x, w)) for w in candidate_widths(engine.block_size)}
-            block = random_block(passes.draft(x), engine.target.config.vocab_size)
-            ve = time_ms(lambda: passes.verify(x, block))
+            block = random_block(passes.draft(x, width), engine.target.config.vocab_size)
+            ve = time_ms(lambda: passes.verify(x, block, width))
             ar_wall, ar_serial = (step_wall_ms(engine, fake_running(engine, n, args.context), "ar", overlap)
                                   for overlap in (True, False))
             row = {"ar_step_ms": ar, "draft_ms": dr, "verify_ms": ve, "ar_tok_s": n * 1e3 / ar,
@@ -328,16 +332,15 @@ def main(argv=None) -> int:
             # counted on eager passes of their own inputs (python hooks do not run in graph replays)
             xe = eager.inputs(fake_running(engine, n, args.context))
             ar_bytes, ar_experts = step_bytes(engine, lambda: eager.ar(xe), n)
-            eager_block = random_block(eager.draft(xe), engine.target.config.vocab_size)  # the graphs' is padded
-            verify_bytes, verify_experts = step_bytes(engine, lambda: eager.verify(xe, eager_block),
-                                                      n * engine.block_size)
+            eager_block = random_block(eager.draft(xe, width), engine.target.config.vocab_size)  # the graphs' is padded
+            verify_bytes, verify_experts = step_bytes(engine, lambda: eager.verify(xe, eager_block, width), n * width)
             row.update(ar_bytes_gb=ar_bytes / 1e9, ar_roofline_share=ar_bytes / bw / (ar / 1e3),
                        verify_bytes_gb=verify_bytes / 1e9, verify_roofline_share=verify_bytes / bw / (ve / 1e3))
             if engine.target.config.moe is not None:
                 row.update(ar_distinct_experts=ar_experts, verify_distinct_experts=verify_experts)
-            if engine.target.stateful:  # the rollback after a verify that kept half the block
-                half = [engine.block_size // 2] * n
-                row["commit_ms"] = time_ms(lambda: passes.commit(x, engine.block_size, half))
+            if engine.target.stateful:  # the rollback after a verify that kept half its tokens
+                half = [width // 2] * n
+                row["commit_ms"] = time_ms(lambda: passes.commit(x, width, half))
             # A whole DFlash step as the engine runs it (draft, verify, the readback, emitting,
             # commit), with the next draft launched before the readback and serially: what it
             # costs beyond its passes' GPU time is the host gap.
@@ -363,12 +366,12 @@ def main(argv=None) -> int:
         x = passes.inputs(fake_running(engine, args.profile_batch, args.context))
         result["profile_batch"] = args.profile_batch
         result["profile_ar_ms"] = profile(lambda: DecodePasses.ar(passes, x), top=args.top_kernels)
-        block = random_block(DecodePasses.draft(passes, x), engine.target.config.vocab_size)
-        result["profile_draft_ms"] = profile(lambda: DecodePasses.draft(passes, x), top=args.top_kernels)
-        result["profile_verify_ms"] = profile(lambda: DecodePasses.verify(passes, x, block), top=args.top_kernels)
-        if engine.target.stateful:  # the rollback keeping half the block, as commit_ms times it
-            half = [engine.block_size // 2] * args.profile_batch
-            result["profile_commit_ms"] = profile(lambda: DecodePasses.commit(passes, x, engine.block_size, half),
+        block = random_block(DecodePasses.draft(passes, x, width), engine.target.config.vocab_size)
+        result["profile_draft_ms"] = profile(lambda: DecodePasses.draft(passes, x, width), top=args.top_kernels)
+        result["profile_verify_ms"] = profile(lambda: DecodePasses.verify(passes, x, block, width), top=args.top_kernels)
+        if engine.target.stateful:  # the rollback keeping half the verified tokens, as commit_ms times it
+            half = [width // 2] * args.profile_batch
+            result["profile_commit_ms"] = profile(lambda: DecodePasses.commit(passes, x, width, half),
                                                   top=args.top_kernels)
         for n in prefills:
             result[f"prefill{n}"] = row = prefill_profile(engine, n)
