@@ -1,6 +1,7 @@
 """Adaptive verify width: the policy's choice, and losslessness at any width."""
 
 import itertools
+import logging
 import random
 
 import pytest
@@ -9,6 +10,7 @@ from test_hybrid_lossless import HYBRID
 from test_moe import QWEN3_5_MOE
 from test_sampling import P_MIN, _fields, chi_square_p, exact_next_token_marginals
 
+from dflash_trt import ops
 from dflash_trt.benchmark.bench import OracleNumCorrect
 from dflash_trt.config import resolve_config
 from dflash_trt.errors import ConfigError
@@ -94,6 +96,24 @@ def test_greedy_dflash_equals_ar_at_any_verify_width(make_pair, device, target, 
     assert all(2 <= w < 8 for w in widths), widths  # the stats count what was verified
     if oracle == "random-acceptance":  # the oracle's k is cut to the width: never more than width - 1
         assert max(a for d in dflash for a in d.stats.acceptance_lengths) <= 8
+
+
+@pytest.mark.cuda
+def test_a_narrow_hybrid_verify_runs_no_pytorch_reference_that_the_whole_block_does_not(make_pair, caplog):
+    # a reference on CUDA says so once and is slow: a causal conv below the block's width once
+    # ran as ~8 torch ops a layer (the tiny test shapes leave some kernels out at any width)
+    pair = make_pair(**TARGETS["qwen3.5"])
+    engine = load_pair(pair.target, pair.drafter, device="cuda", dtype=torch.bfloat16, max_seq_len=96)
+
+    def references(widths):
+        engine.width_policy = CycledWidths(widths)
+        ops._warn_once.cache_clear()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger=ops.log.name):
+            engine.generate(PROMPTS, SamplingParams(max_tokens=29, ignore_eos=True), mode="dflash")
+        return {r.getMessage().split(" on CUDA")[0] for r in caplog.records if "PyTorch reference" in r.getMessage()}
+
+    assert references([2, 5, 3]) <= references([8])
 
 
 def test_a_draft_for_a_narrow_verify_proposes_only_the_drafts_it_verifies(make_pair, device):
