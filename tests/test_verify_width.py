@@ -16,6 +16,7 @@ from dflash_trt.config import resolve_config
 from dflash_trt.errors import ConfigError
 from dflash_trt.graphs import DecodePasses
 from dflash_trt.loading import load_pair
+from dflash_trt.models import qwen3_5
 from dflash_trt.sampling import SamplingParams
 from dflash_trt.sequence import Sequence
 from dflash_trt.speculate import OracleDrafts
@@ -98,10 +99,23 @@ def test_greedy_dflash_equals_ar_at_any_verify_width(make_pair, device, target, 
         assert max(a for d in dflash for a in d.stats.acceptance_lengths) <= 8
 
 
+def test_a_narrow_hybrid_verify_runs_its_causal_conv_as_the_op_with_a_kernel(make_pair, device, monkeypatch):
+    # below the block's width the layer once ran its conv as torch ops of its own (~8 a layer,
+    # a tenth of a 35B-A3B verify at 32 x 8), past ops.causal_conv and its CUDA kernel
+    pair = make_pair(**TARGETS["qwen3.5"])
+    engine = load_pair(pair.target, pair.drafter, device=device, max_seq_len=96)
+    engine.width_policy = CycledWidths([2, 5, 3, 8])
+    layer_torch_convs = []
+    torch_conv = qwen3_5.causal_conv1d
+    monkeypatch.setattr(qwen3_5, "causal_conv1d", lambda *a, **kw: layer_torch_convs.append(1) or torch_conv(*a, **kw))
+    engine.generate(PROMPTS, SamplingParams(max_tokens=29, ignore_eos=True), mode="dflash")
+    assert layer_torch_convs == []
+
+
 @pytest.mark.cuda
 def test_a_narrow_hybrid_verify_runs_no_pytorch_reference_that_the_whole_block_does_not(make_pair, caplog):
-    # a reference on CUDA says so once and is slow: a causal conv below the block's width once
-    # ran as ~8 torch ops a layer (the tiny test shapes leave some kernels out at any width)
+    # a reference on CUDA says so once and is slow (the tiny test shapes leave some kernels
+    # out at any width)
     pair = make_pair(**TARGETS["qwen3.5"])
     engine = load_pair(pair.target, pair.drafter, device="cuda", dtype=torch.bfloat16, max_seq_len=96)
 
