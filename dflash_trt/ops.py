@@ -86,7 +86,7 @@ def _plugins_loaded() -> bool:
     return plugins.load() is not None
 
 
-def _log_fallback(op: str, t: torch.Tensor) -> None:
+def log_fallback(op: str, t: torch.Tensor) -> None:
     """A CUDA tensor about to take the PyTorch reference: say so (once per op and dtype), so a
     slow path is never silent. On the CPU the reference is the only path."""
     if t.is_cuda:
@@ -138,7 +138,7 @@ def paged_block_attention(q, k_cache, v_cache, slots, ctx_len, q_start, k_blk=No
     if _cuda_block_attention_supported(q) and q.numel() and k_cache.numel() and bs <= GRID_LIMIT:  # empty: no launch
         return torch.ops.dflash.block_attention(q, k_cache, v_cache, slots, ctx_len, q_start, k_blk, v_blk,
                                                 bool(causal), int(window), float(scale), int(max_keys or 0))
-    _log_fallback("block_attention", q)
+    log_fallback("block_attention", q)
     return paged_block_attention_reference(q, k_cache, v_cache, slots, ctx_len, q_start, k_blk, v_blk, causal,
                                            window, scale)
 
@@ -243,7 +243,7 @@ def rms_norm(x, weight, eps: float, zero_centered: bool = False):
     _check_rms_args(x, None, weight)
     if _layer_kernel_ready(weight):
         return torch.ops.dflash.rms_norm(x, weight, float(eps), zero_centered)
-    _log_fallback("rms_norm", weight)
+    log_fallback("rms_norm", weight)
     return rms_norm_reference(x, weight, eps, zero_centered)
 
 
@@ -253,7 +253,7 @@ def gated_rms_norm(x, gate, weight, eps: float):
     _check_rms_args(x, gate, weight, "gate")
     if _layer_kernel_ready(weight):
         return torch.ops.dflash.gated_rms_norm(x, gate, weight, float(eps))
-    _log_fallback("gated_rms_norm", weight)
+    log_fallback("gated_rms_norm", weight)
     return gated_rms_norm_reference(x, gate, weight, eps)
 
 
@@ -262,7 +262,7 @@ def add_rms_norm(x, delta, weight, eps: float, zero_centered: bool = False):
     _check_rms_args(x, delta, weight)
     if _layer_kernel_ready(weight):
         return torch.ops.dflash.add_rms_norm(x, delta, weight, float(eps), zero_centered)
-    _log_fallback("add_rms_norm", weight)
+    log_fallback("add_rms_norm", weight)
     return add_rms_norm_reference(x, delta, weight, eps, zero_centered)
 
 
@@ -317,7 +317,7 @@ def qk_norm_rope(qkv, num_q_heads: int, num_kv_heads: int, q_weight, k_weight, e
                                                 int(rotary_dim), bool(q_gate))
         q = q if num_q_heads else None
         return (q, None, None) if k_cache is not None else (q, k, v)
-    _log_fallback("qk_norm_rope", qkv)
+    log_fallback("qk_norm_rope", qkv)
     return qk_norm_rope_reference(qkv, num_q_heads, num_kv_heads, q_weight, k_weight, eps, cos, sin, k_cache,
                                   v_cache, slots, positions, zero_centered=zero_centered, rotary_dim=rotary_dim,
                                   q_gate=q_gate)
@@ -347,7 +347,7 @@ def gemv(x, weight, bias=None):
         f"weight and bias must be on x's {x.device}"
     if _gemv_kernel_fits(x, weight, bias):
         return torch.ops.dflash.gemv(x, weight, bias)
-    _log_fallback("gemv", x)
+    log_fallback("gemv", x)
     return gemv_reference(x, weight, bias)
 
 
@@ -380,7 +380,7 @@ def silu_mul(gate_up):
     assert gate_up.is_contiguous(), "gate_up must be contiguous"
     if _layer_kernel_ready(gate_up):
         return torch.ops.dflash.silu_mul(gate_up)
-    _log_fallback("silu_mul", gate_up)
+    log_fallback("silu_mul", gate_up)
     return silu_mul_reference(gate_up)
 
 
@@ -425,7 +425,7 @@ def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool,
     if (logits.is_cuda and min(logits.stride()) >= 1 and E <= MOE_ROUTE_MAX_EXPERTS and top_k <= MOE_ROUTE_MAX_TOP_K
             and logits.dtype in (torch.bfloat16, torch.float16, torch.float32) and _plugins_loaded()):
         return torch.ops.dflash.moe_route(logits, int(top_k), bool(renormalize), bool(shared))
-    _log_fallback("moe_route", logits)
+    log_fallback("moe_route", logits)
     return moe_route_reference(logits, top_k, renormalize, shared)
 
 
@@ -501,7 +501,7 @@ def moe_experts(x, gate_up, down, weights, ids, out_dtype=torch.float32):
         assert t.device == x.device, f"{name} is on {t.device}, x on {x.device}"
     assert out_dtype in (torch.float32, x.dtype), f"out_dtype must be fp32 or x's {x.dtype}, got {out_dtype}"
     if not _moe_kernel_fits(x, gate_up, down):
-        _log_fallback("moe_experts", x)
+        log_fallback("moe_experts", x)
         return moe_experts_reference(x, gate_up, down, weights, ids, out_dtype)
     step = MOE_MAX_SLOTS // max(ids.shape[1], 1)
     if N > step:
@@ -624,7 +624,7 @@ def causal_conv(x, weight, conv_cache, snapshots, slots, start, num_tokens=None)
     assert C > 0, "x must have channels"
     if _layer_kernel_ready(x) and 1 <= W <= 7 and x.stride(0) == x.stride(1) * T and x.stride(1) >= C:
         return torch.ops.dflash.causal_conv(x, weight, conv_cache, snapshots, slots, start, num_tokens)
-    _log_fallback("causal_conv", x)
+    log_fallback("causal_conv", x)
     return causal_conv_reference(x, weight, conv_cache, snapshots, slots, start, num_tokens)
 
 
@@ -687,7 +687,7 @@ def gated_delta_prepare(qkv, a, b, neg_a, dt_bias, num_k_heads: int, key_dim: in
         torch.ops.dflash.gated_delta_prepare_into(qkv, a, b, neg_a, dt_bias, *out, num_k_heads, key_dim, value_dim,
                                                   float(eps), float(q_scale))
         return tuple(out)
-    _log_fallback("gated_delta_prepare", qkv)
+    log_fallback("gated_delta_prepare", qkv)
     made = gated_delta_prepare_reference(qkv, a, b, neg_a, dt_bias, num_k_heads, key_dim, value_dim, eps, q_scale)
     if out is None:
         return made
@@ -798,7 +798,7 @@ def gated_delta_recurrent(q, k, v, g, beta, state_cache, snapshot_cache, slots, 
         out = torch.ops.dflash.gated_delta_recurrent(q, k, v, g, beta, state_cache, snapshot_cache, slots, start,
                                                      num_tokens, out_dtype, outputs)
         return out if outputs else None
-    _log_fallback("gated_delta_recurrent", q)
+    log_fallback("gated_delta_recurrent", q)
     out = gated_delta_recurrent_reference(q, k, v, g, beta, state_cache, snapshot_cache, slots, start, num_tokens,
                                           out_dtype)
     return out if outputs else None

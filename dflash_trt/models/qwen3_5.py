@@ -230,6 +230,8 @@ class GatedDeltaNet(nn.Module):
             slots, _, start, num_tokens, _ = lengths
             return ops.causal_conv(qkv, weight, cache.conv[layer], snapshots, slots, start,
                                    None if batch.full_rows else num_tokens)
+        # ragged rows kept for a commit (a packed prefill of short prompts): torch, said on CUDA
+        ops.log_fallback("causal_conv of ragged rows with snapshots", qkv)
         window = cache.conv[layer, batch.slots].masked_fill((batch.start == 0)[:, None, None], 0)
         qkv, snapshots[batch.slots] = causal_conv1d(qkv, window, weight, batch.num_tokens, S, batch.full_rows)
         return qkv
