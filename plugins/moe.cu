@@ -93,7 +93,14 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 bool fused_combine(const MoeParams& p) { return p.tokens <= kMoeFusedCombineTokens; }
 
-int64_t down_tiles(const MoeParams& p) { return ceil_div(p.hidden, kDownTileRows); }
+// A projection's row tiles: gate_up's of 16 intermediate rows (gate and up), down's of
+// kDownTileRows hidden rows.
+template <bool kGateUp>
+__host__ __device__ constexpr int tile_rows() { return kGateUp ? 16 : kDownTileRows; }
+template <bool kGateUp>
+__host__ __device__ int projection_tiles(const MoeParams& p) {
+  return ((kGateUp ? p.inter : p.hidden) + tile_rows<kGateUp>() - 1) / tile_rows<kGateUp>();
+}
 
 // The most n-tiles a chunk of 16-bit weights takes (the streamed tiles' registers do not grow
 // with them; fp32's register tiles stop at 2), and from how many 16-bit chunks stream through
@@ -348,6 +355,13 @@ __device__ __forceinline__ void store_y(const MoeParams& p, const Layout& l, con
   }
 }
 
+template <typename T, int NT, bool kGateUp>
+__device__ __forceinline__ void store_tile(const MoeParams& p, const Layout& l, const int4& chunk, int row0,
+                                           const float (&acc)[2][NT][4]) {
+  if constexpr (kGateUp) store_act<T, NT>(p, l, chunk, row0, acc);
+  else store_y<T, NT>(p, l, chunk, row0, acc);
+}
+
 // K of a projection in 16-byte chunks (gate_up: H, down: I), and its expert's matrix.
 template <typename T, bool kGateUp>
 __device__ __forceinline__ int64_t row_chunks(const MoeParams& p) {
@@ -373,9 +387,20 @@ __device__ __forceinline__ void project_tile(const MoeParams& p, const Layout& l
   for (int j = 0; j < 4; ++j) a[j] = w + weight_row<kGateUp>(p, row0, 8 * j + g) * chunks;
   float acc[2][NT][4] = {};
   warp_tile<T, W, 2, NT, false, tile_unroll<NT>()>(a, b, chunks, threadIdx.x / 32, acc);
-  if (!sum_warps<W, 2, NT>(acc, part)) return;
-  if constexpr (kGateUp) store_act<T, NT>(p, l, chunk, row0, acc);
-  else store_y<T, NT>(p, l, chunk, row0, acc);
+  if (sum_warps<W, 2, NT>(acc, part)) store_tile<T, NT, kGateUp>(p, l, chunk, row0, acc);
+}
+
+// The CTA's row tiles of its chunk in turn (l.row_tiles of them from first_row_tile), on the
+// register tiles.
+template <typename T, int NT, bool kGateUp>
+__device__ __forceinline__ void project_row_tiles(const MoeParams& p, const Layout& l, const int4& chunk,
+                                                  const uint4* const (&b)[NT], float (*part)[2][NT][4][32]) {
+  const int end = min(first_row_tile(l) + l.row_tiles, projection_tiles<kGateUp>(p));
+#pragma unroll 1
+  for (int tile = first_row_tile(l); tile < end; ++tile) {
+    project_tile<T, NT, kGateUp>(p, l, chunk, tile * tile_rows<kGateUp>(), b, part);
+    __syncthreads();  // warp 0 has read `part` before the next tile's warps write it
+  }
 }
 
 template <typename T, int NT>
@@ -392,12 +417,7 @@ __global__ void __launch_bounds__(kGateUpWarps * 32) moe_gate_up_kernel(MoeParam
   if constexpr (NT == 1) {  // one tile a CTA (row_tiles_per_cta): the loop would slow these kernels
     project_tile<T, NT, true>(p, l, chunk, 16 * blockIdx.x, b, part);
   } else {
-    const int end = min(first_row_tile(l) + l.row_tiles, (p.inter + 15) / 16);
-#pragma unroll 1
-    for (int tile = first_row_tile(l); tile < end; ++tile) {
-      project_tile<T, NT, true>(p, l, chunk, 16 * tile, b, part);
-      __syncthreads();  // warp 0 has read `part` before the next tile's warps write it
-    }
+    project_row_tiles<T, NT, true>(p, l, chunk, b, part);
   }
 }
 
@@ -422,12 +442,7 @@ __global__ void __launch_bounds__(kDownWarps * 32) moe_down_kernel(MoeParams p, 
     if constexpr (kSum || NT == 1) {
       project_tile<T, NT, false>(p, l, chunk, blockIdx.x * kDownTileRows, b, part);
     } else {
-      const int end = min(first_row_tile(l) + l.row_tiles, (p.hidden + kDownTileRows - 1) / kDownTileRows);
-#pragma unroll 1
-      for (int tile = first_row_tile(l); tile < end; ++tile) {
-        project_tile<T, NT, false>(p, l, chunk, tile * kDownTileRows, b, part);
-        __syncthreads();  // warp 0 has read `part` before the next tile's warps write it
-      }
+      project_row_tiles<T, NT, false>(p, l, chunk, b, part);
     }
   }
   if constexpr (kSum) {
@@ -503,10 +518,8 @@ __global__ void __launch_bounds__((kGateUp ? kGateUpWarps : kDownWarps) * 32) mo
   int4 chunk;
   if (!read_chunk(p, l, chunk)) return;
   const int64_t k_chunks = row_chunks<T, kGateUp>(p);  // K
-  const int tile_rows = kGateUp ? 16 : kDownTileRows;
-  const int all_tiles = kGateUp ? (p.inter + 15) / 16 : (p.hidden + kDownTileRows - 1) / kDownTileRows;
   const int tile0 = first_row_tile(l), k_stages = static_cast<int>((k_chunks + S::kRowChunks - 1) / S::kRowChunks);
-  const int total = min(l.row_tiles, all_tiles - tile0) * k_stages;  // (tile, k stage) pairs, tile-major
+  const int total = min(l.row_tiles, projection_tiles<kGateUp>(p) - tile0) * k_stages;  // (tile, k stage), tile-major
   const uint4* w = expert_matrix<T, kGateUp>(p, chunk.x);
   // This thread copies chunk c of staged rows q + 8 j: weight rows (j < 4), then slot rows.
   const int q = threadIdx.x / S::kRowChunks, c = threadIdx.x % S::kRowChunks;
@@ -514,7 +527,7 @@ __global__ void __launch_bounds__((kGateUp ? kGateUpWarps : kDownWarps) * 32) mo
   slot_rows(p, l, chunk, kGateUp ? p.x : p.act, k_chunks, kGateUp ? p.top_k : 1, q, slots);
   const auto issue = [&](int s) {
     uint4* st = stages + (s % S::kStages) * S::kStageChunks + q * S::kStride + c;
-    const int row0 = (tile0 + s / k_stages) * tile_rows;
+    const int row0 = (tile0 + s / k_stages) * tile_rows<kGateUp>();
     const int64_t k = static_cast<int64_t>(s % k_stages) * S::kRowChunks + c;
     const int bytes = k < k_chunks ? 16 : 0;  // past K: zeros, as the register tile's
     const int64_t kk = bytes ? k : 0;
@@ -553,11 +566,8 @@ __global__ void __launch_bounds__((kGateUp ? kGateUpWarps : kDownWarps) * 32) mo
       // it, until the copies the next iteration issues (after its barrier) fill it again.
       __syncthreads();
       const auto part = reinterpret_cast<float(*)[2][NT][4][32]>(stages + (s % S::kStages) * S::kStageChunks);
-      const int row0 = (tile0 + s / k_stages) * tile_rows;
-      if (sum_warps<W, 2, NT>(acc, part)) {
-        if constexpr (kGateUp) store_act<T, NT>(p, l, chunk, row0, acc);
-        else store_y<T, NT>(p, l, chunk, row0, acc);
-      }
+      const int row0 = (tile0 + s / k_stages) * tile_rows<kGateUp>();
+      if (sum_warps<W, 2, NT>(acc, part)) store_tile<T, NT, kGateUp>(p, l, chunk, row0, acc);
 #pragma unroll
       for (int n = 0; n < NT; ++n)
 #pragma unroll
@@ -753,9 +763,10 @@ SortArgs sort_args(int32_t* work, const Layout& l, int slots, int experts, const
 
 template <typename T, int NT>
 cudaError_t project(const MoeParams& p, const Layout& l, int64_t chunks, cudaStream_t stream) {
-  const dim3 gate_up_grid(static_cast<unsigned>(ceil_div(ceil_div(p.inter, 16), l.row_tiles)),
+  const dim3 gate_up_grid(static_cast<unsigned>(ceil_div(projection_tiles<true>(p), l.row_tiles)),
                           static_cast<unsigned>(chunks));
-  const dim3 down_grid(static_cast<unsigned>(ceil_div(down_tiles(p), l.row_tiles)), static_cast<unsigned>(chunks));
+  const dim3 down_grid(static_cast<unsigned>(ceil_div(projection_tiles<false>(p), l.row_tiles)),
+                       static_cast<unsigned>(chunks));
   if constexpr (NT >= kStreamMinTiles && !std::is_same_v<T, float>) {
     if (!fused_combine(p)) {
       const cudaError_t err = launch_stream<T, NT, true>(p, l, gate_up_grid, stream);
@@ -798,7 +809,7 @@ int row_tiles_per_cta(const MoeParams& p) { return fused_combine(p) || tiles_per
 
 Layout launch_layout(const MoeParams& p) {
   const int64_t slots = static_cast<int64_t>(p.tokens) * p.top_k;
-  Layout l = layout(slots, p.experts, launch_chunks(p), fused_combine(p) ? down_tiles(p) : 0);
+  Layout l = layout(slots, p.experts, launch_chunks(p), fused_combine(p) ? projection_tiles<false>(p) : 0);
   l.row_tiles = row_tiles_per_cta(p);
   return l;
 }

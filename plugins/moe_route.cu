@@ -49,10 +49,9 @@ __global__ void __launch_bounds__(kThreads) moe_route_kernel(MoeRouteParams p) {
   const int lane = threadIdx.x % 32;
   const int token = blockIdx.x * kWarps + threadIdx.x / 32;
   if (token >= p.tokens) return;  // whole warps: the shuffles see all 32 lanes
-  const int columns = p.experts + (p.shared ? 1 : 0), picks = p.top_k + (p.shared ? 1 : 0);
-  const bool packed = p.token_stride == 0 && p.expert_stride == 0;
-  const int64_t es = packed ? 1 : p.expert_stride;
-  const T* row = static_cast<const T*>(p.logits) + static_cast<int64_t>(token) * (packed ? columns : p.token_stride);
+  const int picks = p.top_k + (p.shared ? 1 : 0);
+  const int64_t es = p.expert_stride;
+  const T* row = static_cast<const T*>(p.logits) + token * p.token_stride;
 
   float x[V];
   float hi = -FLT_MAX;
@@ -128,8 +127,7 @@ const char* moe_route_check(const MoeRouteParams& p) {
   if (p.experts < 1 || p.experts > kMoeRouteMaxExperts) return "experts must be in [1, 512]";
   if (p.top_k < 1 || p.top_k > p.experts || p.top_k > kMoeRouteMaxTopK) return "top_k must be in [1, min(experts, 16)]";
   if (p.tokens > 0 && (p.logits == nullptr || p.weights == nullptr || p.ids == nullptr)) return "null pointer";
-  if (p.token_stride < 0 || p.expert_stride < 0 || (p.token_stride == 0) != (p.expert_stride == 0))
-    return "logits strides must both be positive, or both 0 (contiguous)";
+  if (p.token_stride < 1 || p.expert_stride < 1) return "logits strides must be positive";
   return nullptr;
 }
 

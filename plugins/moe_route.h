@@ -35,7 +35,7 @@ struct MoeRouteParams {
   bool renormalize = false;
   bool shared = false;             // a shared expert's gate in logits column E (see above)
   const void* logits = nullptr;    // [N, E (+ 1 with shared)]: element (t, e) at t token_stride + e expert_stride
-  int64_t token_stride = 0;        // elements; 0 with expert_stride 0: contiguous rows (E (+ 1), 1)
+  int64_t token_stride = 0;        // elements, >= 1 (contiguous rows: E (+ 1), 1)
   int64_t expert_stride = 0;
   float* weights = nullptr;        // [N, k (+ 1)] out
   int32_t* ids = nullptr;          // [N, k (+ 1)] out
