@@ -249,12 +249,35 @@ def rms_norm(x, weight, eps: float, zero_centered: bool = False):
 
 def gated_rms_norm(x, gate, weight, eps: float):
     """RMSNorm of x [..., H] (weight's dtype) times silu(gate) -> [..., H] in weight's dtype
-    (qwen3_5.GatedRMSNorm, the linear-attention output's norm); gate like x, contiguous."""
-    _check_rms_args(x, gate, weight, "gate")
+    (qwen3_5.GatedRMSNorm, the linear-attention output's norm). gate has x's shape, its rows
+    in groups one stride apart (_grouped_rows: contiguous, or a slice of a packed projection's
+    output, such as in_proj's z), read in place."""
+    _check_rms_args(x, None, weight)
+    assert gate.shape == x.shape and gate.dtype == weight.dtype and gate.device == x.device, \
+        f"gate must have x's shape {tuple(x.shape)}, weight's dtype and x's device"
+    assert _grouped_rows(gate) is not None, \
+        f"gate's rows must be contiguous, in groups one stride apart, got strides {gate.stride()}"
     if _layer_kernel_ready(weight):
         return torch.ops.dflash.gated_rms_norm(x, gate, weight, float(eps))
     log_fallback("gated_rms_norm", weight)
     return gated_rms_norm_reference(x, gate, weight, eps)
+
+
+def _grouped_rows(t: torch.Tensor) -> tuple[int, int] | None:
+    """(G, S) when t [..., H]'s rows come in groups of G back to back (its innermost dims
+    whose strides are those of contiguous rows), the groups S elements apart (its other
+    dims collapse into one stride), else None. plugins/ops.cpp's rms_norm_common reads a gate
+    the same way."""
+    H = t.shape[-1]
+    if t.dim() < 1 or t.stride(-1) != 1:
+        return None
+    dims = [(n, s) for n, s in zip(t.shape[:-1], t.stride()[:-1]) if n != 1]
+    g = 1
+    while dims and dims[-1][1] == g * H:
+        g *= dims.pop()[0]
+    if any(s != n_inner * s_inner for (_, s), (n_inner, s_inner) in zip(dims, dims[1:])):
+        return None
+    return g, (dims[-1][1] if dims else g * H)
 
 
 def add_rms_norm(x, delta, weight, eps: float, zero_centered: bool = False):

@@ -107,6 +107,12 @@ constexpr int kNormMaxThreads = 1024;
 constexpr int kNormMaxIters = 8;
 constexpr int kWarpRows = 8;
 
+// Where the gate's row `row` starts (RmsNormParams::gate_group).
+__device__ __forceinline__ int64_t gate_row(const RmsNormParams& p, int64_t row) {
+  if (p.gate_group == 0) return row * p.hidden;
+  return row / p.gate_group * p.gate_group_stride + row % p.gate_group * p.hidden;
+}
+
 template <typename T, typename X, bool kDelta, int V, int kIters, bool kRowPerWarp>
 __global__ void __launch_bounds__(kNormMaxThreads) rms_norm_kernel(RmsNormParams p) {
   pdl_wait();
@@ -120,7 +126,7 @@ __global__ void __launch_bounds__(kNormMaxThreads) rms_norm_kernel(RmsNormParams
   const int64_t base = row * H;
   const X* x = static_cast<const X*>(p.x) + base;
   const T* delta = kDelta ? static_cast<const T*>(p.delta) + base : nullptr;
-  const T* gate = p.gate ? static_cast<const T*>(p.gate) + base : nullptr;
+  const T* gate = p.gate ? static_cast<const T*>(p.gate) + gate_row(p, row) : nullptr;
   constexpr bool kGateAhead = kIters == 1;
   float s[kIters][V], z[V];  // z: the gate (kIters == 1: loaded with x)
   float sq = 0.0f;
@@ -185,7 +191,7 @@ __global__ void __launch_bounds__(kNormMaxThreads) rms_norm_kernel(RmsNormParams
 int norm_vec(const RmsNormParams& p) {
   const bool ok = p.hidden % 8 == 0 && aligned(p.x, 16) && aligned(p.weight, 16) && aligned(p.out, 16) &&
                   (p.delta == nullptr || (aligned(p.delta, 16) && aligned(p.sum, 16))) &&
-                  (p.gate == nullptr || aligned(p.gate, 16));
+                  (p.gate == nullptr || (aligned(p.gate, 16) && p.gate_group_stride % 8 == 0));
   return ok ? 8 : 1;
 }
 
@@ -395,6 +401,8 @@ const char* rms_norm_check(const RmsNormParams& p) {
   if (p.rows > 0 && (!p.x || !p.weight || !p.out)) return "null pointer";
   if (p.rows > 0 && p.delta && !p.sum) return "add_rms_norm needs the sum output";
   if (p.gate && p.zero_centered) return "a gated norm is not zero-centred";
+  if (p.gate_group < 0 || (p.gate_group > 0 && p.gate_group_stride < static_cast<int64_t>(p.gate_group) * p.hidden))
+    return "gate_group must not be negative, and its groups must not overlap";
   if (p.hidden > kNormMaxIters * kNormMaxThreads * norm_vec(p))
     return "hidden too large (at most 65536, or 8192 when rows are not 16-byte aligned)";
   return nullptr;

@@ -39,7 +39,11 @@ struct RmsNormParams {
   DType dtype = DType::kBFloat16;  // of weight, delta, gate and y
   bool x_fp32 = false;             // x is fp32 (the residual stream); else `dtype`
   bool zero_centered = false;      // scale by 1 + weight, as above; not with gate
-  const void* gate = nullptr;      // [rows, H] or null
+  const void* gate = nullptr;      // [rows, H] or null; see gate_group
+  // gate_group > 0: the gate's rows come in groups of gate_group contiguous rows, the groups
+  // gate_group_stride elements apart (a slice of a packed projection's output); 0: contiguous
+  int64_t gate_group = 0;
+  int64_t gate_group_stride = 0;
   int64_t rows = 0;
   int hidden = 0;                  // H, >= 1
   const void* x = nullptr;         // [rows, H]

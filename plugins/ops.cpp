@@ -158,7 +158,25 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_common(const at::Tensor& x, const at
   if (gate) {
     TORCH_CHECK(gate->is_cuda() && gate->device() == x.device(), "gate must be on x's CUDA device");
     TORCH_CHECK(gate->scalar_type() == weight.scalar_type(), "gate must have weight's dtype");
-    TORCH_CHECK(gate->sizes() == x.sizes() && gate->is_contiguous(), "gate must be contiguous with x's shape");
+    TORCH_CHECK(gate->sizes() == x.sizes(), "gate must have x's shape");
+  }
+  // A gate that is a slice of a packed projection's output is read in place: its rows come in
+  // groups of G back to back (its innermost dims with contiguous rows' strides), the groups
+  // gate_group_stride apart (its other dims collapse into one stride); ops._grouped_rows.
+  int64_t gate_group = 0, gate_group_stride = 0;
+  if (gate && !gate->is_contiguous()) {
+    const int64_t H = weight.size(0);
+    TORCH_CHECK(gate->stride(-1) == 1, "gate's rows must be contiguous, got strides ", gate->strides());
+    int64_t i = gate->dim() - 2, g = 1;
+    for (; i >= 0 && (gate->size(i) == 1 || gate->stride(i) == g * H); --i) g *= gate->size(i);
+    gate_group = g, gate_group_stride = g * H;
+    for (int64_t step = 0; i >= 0; --i) {
+      if (gate->size(i) == 1) continue;
+      TORCH_CHECK(step == 0 || gate->stride(i) == step, "gate's row groups must be one stride apart, got strides ",
+                  gate->strides());
+      if (step == 0) gate_group_stride = gate->stride(i);
+      step = gate->stride(i) * gate->size(i);
+    }
   }
 
   const c10::cuda::CUDAGuard guard(x.device());
@@ -172,6 +190,8 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_common(const at::Tensor& x, const at
   p.x_fp32 = x.scalar_type() == at::kFloat;
   p.zero_centered = zero_centered;
   p.gate = gate ? gate->data_ptr() : nullptr;
+  p.gate_group = gate_group;
+  p.gate_group_stride = gate_group_stride;
   p.hidden = static_cast<int>(weight.size(0));
   p.rows = x.numel() / p.hidden;
   p.x = x.data_ptr();

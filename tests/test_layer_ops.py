@@ -12,6 +12,7 @@ from dflash_trt.kv_cache import Batch, KVCache
 from dflash_trt.models.layers import MLP, AttentionProjections, RMSNorm, Rotary, apply_rope
 from dflash_trt.models.qwen3_5 import GatedAttention, GatedRMSNorm, ZeroCenteredRMSNorm, apply_partial_rope
 from dflash_trt.ops import (
+    _grouped_rows,
     add_rms_norm,
     add_rms_norm_reference,
     causal_conv,
@@ -138,6 +139,16 @@ def test_zero_centered_references_are_the_qwen3_5_norm_and_its_residual_add(dtyp
     assert torch.equal(s, x.float() + delta) and torch.equal(y, plain_zero_centered_rms_norm(s, norm.weight, EPS))
 
 
+def test_a_gate_s_rows_are_read_as_groups_one_stride_apart():
+    packed = torch.zeros(2, 3, 100)  # [bs, T, P]: a projection's output, z its columns 40..71
+    z = packed[..., 40:72].unflatten(-1, (4, 8))  # [bs, T, heads, 8]
+    assert _grouped_rows(z) == (4, 100)  # 4 heads back to back, tokens a row of P apart
+    assert _grouped_rows(torch.zeros(2, 3, 8)) == (6, 48)  # contiguous: one group
+    assert _grouped_rows(torch.zeros(4, 5, 6, 8)[:, :3]) == (18, 240)
+    assert _grouped_rows(torch.zeros(4, 5, 6, 8)[:, :2, :3]) is None  # groups of 3, but not one stride apart
+    assert _grouped_rows(torch.zeros(8, 3).t()) is None  # rows not contiguous
+
+
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @torch.no_grad()
 def test_gated_rms_norm_reference_is_the_qwen3_5_gated_norm(dtype):
@@ -146,7 +157,7 @@ def test_gated_rms_norm_reference_is_the_qwen3_5_gated_norm(dtype):
     y = gated_rms_norm(x, gate, norm.weight, EPS)
     assert y.dtype == dtype and torch.equal(y, plain_gated_rms_norm(x, gate, norm.weight, EPS))
     assert torch.equal(norm(x, gate), y) and torch.equal(gated_rms_norm_reference(x, gate, norm.weight, EPS), y)
-    # the model hands over strided views (heads of a packed projection): the module copies them
+    # the model hands over strided views (heads of a packed projection), read in place
     packed = rand(3, 4, 64, dtype=dtype, seed=2)
     assert torch.equal(norm(x, packed[..., 32:]), plain_gated_rms_norm(x, packed[..., 32:], norm.weight, EPS))
 
@@ -419,7 +430,7 @@ def bad_calls():
         "causal_conv ragged snapshots": (r"num_tokens \(ragged rows\) only", lambda: causal_conv(
             **conv_case(2, 3, 8, 4, 1), num_tokens=torch.ones(2, dtype=torch.int32))),
         "gated_rms_norm gate shape": ("gate must have x's shape", lambda: gated_rms_norm(x, x[:2], w, EPS)),
-        "gated_rms_norm strided gate": ("gate must be contiguous",
+        "gated_rms_norm strided gate": ("gate's rows must be contiguous",
                                         lambda: gated_rms_norm(x, torch.randn(16, 3).t(), w, EPS)),
         "qk qkv width": ("qkv must be", lambda: qk_norm_rope(qkv[:, 1:], 2, 1, w8, w8, EPS, cs, cs)),
         "qk cos dtype": ("cos", lambda: qk_norm_rope(qkv, 2, 1, w8, w8, EPS, cs.double(), cs.double())),
@@ -563,6 +574,17 @@ def test_cuda_gated_rms_norm_matches_the_reference(dtype, N, H):
     gate = rand(N, H, dtype=dtype, device="cuda", seed=N + 1, scale=4.0)
     y_ref = gated_rms_norm_reference(x, gate, w, EPS)
     check_close("gated_rms_norm", gated_rms_norm(x, gate, w, EPS), y_ref, 2 * ulp(y_ref, dtype))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("width", [1032, 1027], ids=["16-byte rows", "unaligned rows"])
+@pytest.mark.parametrize("dtype", CUDA_DTYPES.values(), ids=CUDA_DTYPES.keys())
+def test_cuda_gated_rms_norm_reads_a_gate_slice_in_place_as_its_contiguous_copy(dtype, width):
+    packed = rand(2, 3, width, dtype=dtype, device="cuda", seed=3, scale=4.0)  # [bs, T, P]: in_proj's output
+    gate = packed[..., 512:1024].unflatten(-1, (4, 128))  # z: 4 heads of 128
+    x = rand(2, 3, 4, 128, dtype=dtype, device="cuda", seed=4, scale=4.0)
+    w = cuda_norm_weight(128, dtype, seed=5)
+    assert torch.equal(gated_rms_norm(x, gate, w, EPS), gated_rms_norm(x, gate.contiguous(), w, EPS))
 
 
 @pytest.mark.cuda

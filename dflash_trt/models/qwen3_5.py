@@ -145,8 +145,9 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         # RMSNorm as Qwen3's (round, then scale in the model dtype), times silu(gate) in fp32;
-        # one fused kernel on CUDA (ops.gated_rms_norm), which wants its rows contiguous
-        return ops.gated_rms_norm(x.contiguous(), gate.contiguous(), self.weight, self.eps)
+        # one fused kernel on CUDA (ops.gated_rms_norm), which reads the gate (z, a slice of the
+        # in_proj output) in place
+        return ops.gated_rms_norm(x.contiguous(), gate, self.weight, self.eps)
 
 
 def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -186,7 +187,9 @@ class GatedAttention(nn.Module):
         out = paged_block_attention(q.unflatten(0, (bs, T)), cache.k[self.cache_layer], cache.v[self.cache_layer],
                                     slots, end, start, causal=True, scale=self.scale, max_keys=batch.max_end,
                                     fa3_ok=batch.full_rows)
-        return self.o_proj(out.flatten(2) * torch.sigmoid(gate.flatten(2)))
+        # sigmoid reads the gate where the projection left it (flattening the strided view first
+        # would copy it: a kernel more a layer)
+        return self.o_proj((out * torch.sigmoid(gate)).flatten(2))
 
 
 class GatedDeltaNet(nn.Module):
