@@ -579,12 +579,17 @@ def test_cuda_gated_rms_norm_matches_the_reference(dtype, N, H):
 @pytest.mark.cuda
 @pytest.mark.parametrize("width", [1032, 1027], ids=["16-byte rows", "unaligned rows"])
 @pytest.mark.parametrize("dtype", CUDA_DTYPES.values(), ids=CUDA_DTYPES.keys())
-def test_cuda_gated_rms_norm_reads_a_gate_slice_in_place_as_its_contiguous_copy(dtype, width):
+def test_cuda_gated_rms_norm_reads_a_gate_slice_in_place(dtype, width):
     packed = rand(2, 3, width, dtype=dtype, device="cuda", seed=3, scale=4.0)  # [bs, T, P]: in_proj's output
     gate = packed[..., 512:1024].unflatten(-1, (4, 128))  # z: 4 heads of 128
     x = rand(2, 3, 4, 128, dtype=dtype, device="cuda", seed=4, scale=4.0)
     w = cuda_norm_weight(128, dtype, seed=5)
-    assert torch.equal(gated_rms_norm(x, gate, w, EPS), gated_rms_norm(x, gate.contiguous(), w, EPS))
+    y = gated_rms_norm(x, gate, w, EPS)
+    if width % 8 == 0:  # the same 16-byte loads as the copy's, so the same sums
+        assert torch.equal(y, gated_rms_norm(x, gate.contiguous(), w, EPS))
+    else:  # element loads (the copy's rows are aligned): the sums in another order
+        y_ref = gated_rms_norm_reference(x, gate, w, EPS)
+        check_close("gated_rms_norm", y, y_ref, 2 * ulp(y_ref, dtype))
 
 
 @pytest.mark.cuda
