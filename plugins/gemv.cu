@@ -1,15 +1,15 @@
 // Skinny matmul for decode and verify (semantics in gemv.h).
 //
 // One row of x (an AR step at batch 1) runs on CUDA cores. A warp owns R consecutive output
-// features (rows of W): each lane reads 16-byte chunks c = lane, lane + 32, ... of the R weight
-// rows, U = 8 / R chunks per row per iteration, so every lane has eight independent 16-byte
-// loads in flight whatever R is (a decode step is bound by how many bytes are in flight per SM).
-// The weight is read once, streaming (__ldcs: it will not be reused); x is small and read by
-// every warp, through L1 (__ldg). fp32 partial sums per row, a warp sum at the end. R is 4 when
-// that still leaves four CTAs per SM, else 2, else 1: few output features (o_proj, down_proj)
-// need more CTAs to keep every SM's loads in flight. The launch may overlap the kernel before
-// it (pdl.h): the CTAs that start early pull their first weight lines into L2 while the input
-// is being computed.
+// features (rows of W) over a contiguous slice of K: each lane reads 16-byte chunks c = lane,
+// lane + 32, ... of its slice of the R weight rows, U = 8 / R chunks per row per iteration, so
+// every lane has eight independent 16-byte loads in flight whatever R is (a decode step is
+// bound by how many bytes are in flight per SM). The weight is read once, streaming (__ldcs:
+// it will not be reused); x is small and read by every warp, through L1 (__ldg), one x load
+// per R weight loads. fp32 partial sums per row, a warp sum, then the slices' sums added in
+// shared memory. launch_one_row picks R and the slices per feature count. The launch may
+// overlap the kernel before it (pdl.h): the CTAs that start early pull their first weight
+// lines into L2 while the input is being computed.
 //
 // Two to 16 rows (a verify or draft block at batch 1, a small batch) run on the tensor cores: a
 // CTA owns 16 MT output features and every row of x, its warps split K, and each warp applies
@@ -42,55 +42,65 @@ constexpr int kThreads = 256;  // 8 warps
 constexpr int kWarps = kThreads / 32;
 constexpr int kLoadsInFlight = 8;  // 16-byte weight loads per lane per iteration
 
-template <typename T, int R>
+// A CTA's 8 warps are 8 / S groups of S: a group owns R consecutive output features, its S
+// warps each a contiguous 1/S of K; the S sums meet in shared memory, added in slice order.
+template <typename T, int R, int S>
 __global__ void __launch_bounds__(kThreads) gemv_kernel(GemvParams p) {
-  constexpr int U = kLoadsInFlight / R;
-  const int lane = threadIdx.x % 32;
-  const int64_t n0 = (static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32) * R;
-  if (n0 >= p.out_features) return;  // whole warps: the shuffles below see all 32 lanes
-  const int64_t chunks = p.in_features / 8;
+  constexpr int U = kLoadsInFlight / R, kGroups = kWarps / S;
+  __shared__ float part[kGroups][S][R];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, group = warp / S, slice = warp % S;
+  const int64_t n0 = (static_cast<int64_t>(blockIdx.x) * kGroups + group) * R;
+  const int64_t chunks = p.in_features / 8, per = (chunks + S - 1) / S;
+  const int64_t begin = min(slice * per, chunks), count = min(per, chunks - begin);
   const uint4* w = static_cast<const uint4*>(p.weight);
-  const uint4* x = static_cast<const uint4*>(p.x);
+  const uint4* x = static_cast<const uint4*>(p.x) + begin;
   const uint4* rows[R];
 #pragma unroll
   for (int r = 0; r < R; ++r)  // past the last feature: read the last row again, never written
-    rows[r] = w + (n0 + r < p.out_features ? n0 + r : p.out_features - 1) * chunks;
+    rows[r] = w + (n0 + r < p.out_features ? n0 + r : p.out_features - 1) * chunks + begin;
 
 #pragma unroll
   for (int u = 0; u < U; ++u) {  // the first iteration's weight lines, while the input is computed
 #pragma unroll
     for (int r = 0; r < R; ++r)
-      if (lane + 32 * u < chunks) prefetch_l2(rows[r] + lane + 32 * u);
+      if (lane + 32 * u < count) prefetch_l2(rows[r] + lane + 32 * u);
   }
   pdl_wait();
   pdl_allow_dependents();
 
   float acc[R] = {};
-  lane_dots<T, R, U>(rows, x, chunks, lane, acc);
+  lane_dots<T, R, U>(rows, x, count, lane, acc);
 #pragma unroll
   for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]);
-  if (lane != 0) return;
-  T* y = static_cast<T*>(p.y);
-  const T* bias = static_cast<const T*>(p.bias);
+  if (lane == 0) {
 #pragma unroll
-  for (int r = 0; r < R; ++r) {
-    const int64_t n = n0 + r;
-    if (n >= p.out_features) break;
-    const float b = bias != nullptr ? to_float(bias[n]) : 0.0f;
-    y[n] = from_float<T>(acc[r] + b);
+    for (int r = 0; r < R; ++r) part[group][slice][r] = acc[r];
   }
+  __syncthreads();  // every warp gets here: none returns early
+  if (slice != 0 || lane >= R || n0 + lane >= p.out_features) return;
+  float sum = 0.0f;
+#pragma unroll
+  for (int i = 0; i < S; ++i) sum += part[group][i][lane];
+  const int64_t n = n0 + lane;
+  const T* bias = static_cast<const T*>(p.bias);
+  const float b = bias != nullptr ? to_float(bias[n]) : 0.0f;
+  static_cast<T*>(p.y)[n] = from_float<T>(sum + b);
 }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// Two features a group, K in two slices, unless that leaves fewer CTAs than SMs (a router's few
+// hundred features): then one feature a group and K in four slices. Against one warp a feature
+// and all of K, the x loads per weight load halve (R = 2) and each warp's loop is shorter, so
+// the weights stream nearer copy bandwidth (BENCHMARKS.md, "GEMV").
 template <typename T>
 cudaError_t launch_one_row(const GemvParams& p, int sms, cudaStream_t stream) {
   const int64_t N = p.out_features;
-  const auto ctas = [&](int r) { return ceil_div(N, static_cast<int64_t>(kWarps) * r); };
-  const auto grid = [&](int r) { return dim3(static_cast<unsigned>(ctas(r))); };
-  if (ctas(4) >= 4 * sms) return pdl_launch(gemv_kernel<T, 4>, grid(4), dim3(kThreads), 0, stream, true, p);
-  if (ctas(2) >= 2 * sms) return pdl_launch(gemv_kernel<T, 2>, grid(2), dim3(kThreads), 0, stream, true, p);
-  return pdl_launch(gemv_kernel<T, 1>, grid(1), dim3(kThreads), 0, stream, true, p);
+  const dim3 block(kThreads);
+  if (ceil_div(N, kWarps) >= sms)
+    return pdl_launch(gemv_kernel<T, 2, 2>, dim3(static_cast<unsigned>(ceil_div(N, kWarps))), block, 0, stream, true, p);
+  return pdl_launch(gemv_kernel<T, 1, 4>, dim3(static_cast<unsigned>(ceil_div(N, kWarps / 4))), block, 0, stream, true,
+                    p);
 }
 
 // y[m, n] for the 16 MT features n of tile blockIdx.x and every row m of x (NT tiles of 8); the

@@ -84,12 +84,13 @@ def tensor_core_slack(x, w):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("m", [1, 2, 3, 8, 9, 16])
 @pytest.mark.parametrize("n, k", [
-    (1, 8),  # one feature, one chunk
-    (37, 264),  # ragged: 37 features, 33 chunks (a partial iteration)
-    (4096, 4096),  # o_proj: one feature per warp (one row); one 16-feature tile per CTA (more)
-    (6151, 4096),  # past qkv_proj's 6144: two per warp, the last warp partly out of range
-    (24578, 4104),  # four per warp, two tiles per CTA, ragged in both
+    (1, 8),  # one feature, one chunk: one row, three of the four K slices empty
+    (37, 264),  # few features (one a warp, K in four slices of 9, 9, 9 and 6 chunks): ragged
+    (4096, 4096),  # o_proj: two features a warp, K in two slices; one 16-feature tile per CTA (more rows)
+    (6151, 4096),  # past qkv_proj's 6144: the last warp's second feature out of range
+    (24578, 4104),  # two K slices of 257 and 256 chunks; two tiles per CTA; ragged in both
     (4096, 12288),  # down_proj
+    (257, 2048),  # a Qwen3.5 MoE router: fewer CTAs of two features than SMs, so one feature a warp
 ])
 @pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
 def test_kernel_matches_the_reference(dtype, m, n, k, bias):
