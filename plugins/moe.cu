@@ -89,7 +89,7 @@ Layout layout(int64_t slots, int64_t experts, int64_t max_chunks, int64_t counte
   return l;
 }
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+__host__ __device__ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 bool fused_combine(const MoeParams& p) { return p.tokens <= kMoeFusedCombineTokens; }
 
@@ -603,7 +603,8 @@ cudaError_t launch_stream(const MoeParams& p, const Layout& l, dim3 grid, cudaSt
 constexpr int kTokenThreads = 256;
 constexpr int kTokenWarps = kTokenThreads / 32;
 constexpr int kTokenGateUpLoads = 2;  // per row (gate, up) and lane in flight: more CTAs resident beat more loads
-constexpr int kTokenDownPicks = 3, kTokenDownLoads = 2;  // picks at a time, loads per pick and lane
+constexpr int kTokenDownPicks = 3, kTokenDownSlices = 2;  // picks at a time; warps a row, each a slice of I
+constexpr int kTokenMaxPicks = 32;  // k of the one-token kernels (their shared memory); more take the tiles
 
 // act[j, r] for intermediate row r of pick j (warp w: j = w / I, r = w % I): gate row r and up
 // row I + r of expert ids[j], silu(gate) * up rounded as the tile kernel rounds it.
@@ -627,70 +628,73 @@ __global__ void __launch_bounds__(kTokenThreads) moe_token_gate_up_kernel(MoePar
   static_cast<T*>(p.act)[static_cast<int64_t>(j) * p.inter + r] = to_dtype<T>(__fmul_rn(silu, u));
 }
 
-// out[h] for output row h = the warp: each pick's down row h applied to its act row, rounded,
-// then weighted and summed in pick order (sum_picks' arithmetic). While gate_up runs, the CTA
-// pulls its rows of every pick into L2.
+// out[h] for output row h: each pick's down row h applied to its act row, rounded, then
+// weighted and summed in pick order (sum_picks' arithmetic). A row is two warps, each the dot
+// products over half of I (kTokenDownPicks picks at a time, a chunk a lane and pick), the
+// halves added in shared memory before the rounding: twice the warps of one a row, each with a
+// shorter loop, stream the rows nearer copy bandwidth (BENCHMARKS.md, "Mixture of experts").
+// While gate_up runs, each warp pulls its half rows of every pick into L2.
 template <typename T>
 __global__ void __launch_bounds__(kTokenThreads) moe_token_down_kernel(MoeParams p) {
-  constexpr int G = kTokenDownPicks, U = kTokenDownLoads;
-  const int lane = threadIdx.x % 32;
-  const int64_t h = static_cast<int64_t>(blockIdx.x) * kTokenWarps + threadIdx.x / 32;
-  const int64_t chunks = p.inter / 8, row_bytes = static_cast<int64_t>(p.inter) * sizeof(T);
-  if (h < p.hidden) {
+  constexpr int G = kTokenDownPicks, S = kTokenDownSlices, kRows = kTokenWarps / S;
+  __shared__ float part[kRows][S][kTokenMaxPicks];
+  const int lane = threadIdx.x % 32, row = threadIdx.x / 32 / S, slice = threadIdx.x / 32 % S;
+  const int64_t h = static_cast<int64_t>(blockIdx.x) * kRows + row;
+  const bool live = h < p.hidden;
+  const int64_t chunks = p.inter / 8, per = ceil_div(chunks, S), begin = min(slice * per, chunks);
+  const int64_t count = min(per, chunks - begin);
+  if (live) {
     for (int j = 0; j < p.top_k; ++j) {
       const int e = p.ids[j];
       if (e < 0 || e >= p.experts) continue;
-      const char* row = static_cast<const char*>(p.down) + (static_cast<int64_t>(e) * p.hidden + h) * row_bytes;
-      for (int64_t b = 128 * lane; b < row_bytes; b += 128 * 32) prefetch_l2(row + b);
+      const char* half = reinterpret_cast<const char*>(static_cast<const uint4*>(p.down) +
+                                                       (static_cast<int64_t>(e) * p.hidden + h) * chunks + begin);
+      for (int64_t b = 128 * lane; b < count * 16; b += 128 * 32) prefetch_l2(half + b);
     }
   }
   pdl_wait();
-  if (h >= p.hidden) return;
-  const uint4* down = static_cast<const uint4*>(p.down);
-  const uint4* act = static_cast<const uint4*>(p.act);
-  float out = 0.0f;
+  const uint4* down = static_cast<const uint4*>(p.down) + begin;
+  const uint4* act = static_cast<const uint4*>(p.act) + begin;
+  const int64_t hr = live ? h : p.hidden - 1;  // a row past H reads the last one, stores nothing
 #pragma unroll 1
   for (int j0 = 0; j0 < p.top_k; j0 += G) {
     const uint4* rows[G];
-    const uint4* acts[G];
     float dot[G] = {};
 #pragma unroll
     for (int g = 0; g < G; ++g) {  // past the picks or outside the experts: expert 0's row, not added
-      const int j = j0 + g < p.top_k ? j0 + g : 0, e = p.ids[j];
-      rows[g] = down + ((e >= 0 && e < p.experts ? e : 0) * static_cast<int64_t>(p.hidden) + h) * chunks;
-      acts[g] = act + j * chunks;
+      const int e = p.ids[j0 + g < p.top_k ? j0 + g : 0];
+      rows[g] = down + ((e >= 0 && e < p.experts ? e : 0) * static_cast<int64_t>(p.hidden) + hr) * chunks;
     }
-    for (int64_t c0 = lane; c0 < chunks; c0 += 32 * U) {
-      uint4 wv[G][U];
+    for (int64_t c = lane; c < count; c += 32) {
+      uint4 wv[G];
 #pragma unroll
-      for (int g = 0; g < G; ++g)
-#pragma unroll
-        for (int u = 0; u < U; ++u)
-          wv[g][u] = c0 + 32 * u < chunks ? __ldcs(rows[g] + c0 + 32 * u) : make_uint4(0, 0, 0, 0);
+      for (int g = 0; g < G; ++g) wv[g] = __ldcs(rows[g] + c);
 #pragma unroll
       for (int g = 0; g < G; ++g) {
+        float af[8], wf[8];
+        unpack8<T>(__ldg(act + (j0 + g < p.top_k ? j0 + g : 0) * chunks + c), af);
+        unpack8<T>(wv[g], wf);
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-          const int64_t c = c0 + 32 * u;
-          if (c >= chunks) break;
-          float af[8], wf[8];
-          unpack8<T>(__ldg(acts[g] + c), af);
-          unpack8<T>(wv[g][u], wf);
-#pragma unroll
-          for (int i = 0; i < 8; ++i) dot[g] = fmaf(af[i], wf[i], dot[g]);
-        }
+        for (int i = 0; i < 8; ++i) dot[g] = fmaf(af[i], wf[i], dot[g]);
       }
     }
 #pragma unroll
     for (int g = 0; g < G; ++g) {
-      const float y = rounded<T>(warp_sum(dot[g]));
-      const int j = j0 + g;
-      if (j >= p.top_k) break;
-      const int e = p.ids[j];
-      if (e >= 0 && e < p.experts) out = __fadd_rn(out, __fmul_rn(p.weights[j], y));
+      const float sum = warp_sum(dot[g]);
+      if (lane == 0 && j0 + g < p.top_k) part[row][slice][j0 + g] = sum;
     }
   }
-  if (lane != 0) return;
+  __syncthreads();  // every warp gets here: none returns early
+  if (!live || slice != 0 || lane != 0) return;
+  float out = 0.0f;
+  for (int j = 0; j < p.top_k; ++j) {
+    const int e = p.ids[j];
+    if (e < 0 || e >= p.experts) continue;
+    float y = 0.0f;
+#pragma unroll
+    for (int s = 0; s < S; ++s) y += part[row][s][j];
+    out = __fadd_rn(out, __fmul_rn(p.weights[j], rounded<T>(y)));
+  }
   if (p.out_dtype == DType::kFloat32) static_cast<float*>(p.out)[h] = out;
   else static_cast<T*>(p.out)[h] = to_dtype<T>(out);
 }
@@ -702,7 +706,7 @@ cudaError_t project_token(const MoeParams& p, cudaStream_t stream) {
   const cudaError_t err = pdl_launch(moe_token_gate_up_kernel<T>,
                                      dim3(static_cast<unsigned>(ceil_div(warps, kTokenWarps))), block, 0, stream, true, p);
   if (err != cudaSuccess) return err;
-  return pdl_launch(moe_token_down_kernel<T>, dim3(static_cast<unsigned>(ceil_div(p.hidden, kTokenWarps))), block, 0,
+  return pdl_launch(moe_token_down_kernel<T>, dim3(static_cast<unsigned>(ceil_div(p.hidden, kTokenWarps / kTokenDownSlices))), block, 0,
                     stream, true, p);
 }
 
@@ -844,8 +848,9 @@ cudaError_t moe_launch(const MoeParams& p, cudaStream_t stream) {
   const int slots = p.tokens * p.top_k;
   if (slots == 0)
     return cudaMemsetAsync(p.out, 0, static_cast<size_t>(p.tokens) * p.hidden * dtype_bytes(p.out_dtype), stream);
-  if (p.tokens == 1 && p.dtype == DType::kBFloat16) return project_token<__nv_bfloat16>(p, stream);
-  if (p.tokens == 1 && p.dtype == DType::kFloat16) return project_token<__half>(p, stream);
+  const bool one_token = p.tokens == 1 && p.top_k <= kTokenMaxPicks;
+  if (one_token && p.dtype == DType::kBFloat16) return project_token<__nv_bfloat16>(p, stream);
+  if (one_token && p.dtype == DType::kFloat16) return project_token<__half>(p, stream);
   const int tiles = tiles_per_chunk(p);
   const int64_t chunks = launch_chunks(p);
   const Layout l = launch_layout(p);

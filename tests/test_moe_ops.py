@@ -257,6 +257,21 @@ def test_cuda_skewed_routing_matches_the_reference(exact_cublas, dtype, N, skew)
 
 
 @pytest.mark.cuda
+# I / 8 odd: the one-token down kernel's two slices of I are 2 and 1 chunks (I 24), 1 and none
+# (I 8); k 40 is past its shared memory, so that token takes the tiles
+@pytest.mark.parametrize("E, k, H, I", [(16, 9, 64, 24), (16, 3, 32, 8), (64, 40, 64, 32)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_cuda_one_token_matches_the_reference_at_any_width_and_pick_count(exact_cublas, dtype, E, k, H, I):
+    assert plugins.load() is not None
+    gate_up, down = make_experts(E, H, I, dtype, device="cuda", seed=I)
+    weights, ids = make_routing(1, E, k, device="cuda", seed=k)
+    x = make_x(1, H, dtype, device="cuda", seed=k)
+    ref = moe_experts_reference(x, gate_up, down, weights, ids)
+    scale = (weights[..., None] * pick_outputs(x, gate_up, down, ids)).sum(1)
+    check_close("fused", torch.ops.dflash.moe_experts(x, gate_up, down, weights, ids), ref, scale, dtype)
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("N", [1, 16, 128, 2048])
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_cuda_wrapper_takes_the_path_its_threshold_names(dtype, N):
