@@ -10,7 +10,11 @@ Random weights of a real shape (dflash_trt.benchmark.random_weights), greedy, on
    them (Engine.step: inputs, replay, token readback, emitting), with step n+1 queued before
    step n is read (the default) and serially: beyond the step's GPU time, the host gap; for
    a Qwen3.5 hybrid, the rollback (commit) after a verify pass;
-3. a torch.profiler trace of a few AR and DFlash steps at batch 1, summed per kernel family.
+3. a torch.profiler trace of a few AR and DFlash steps at batch 1, summed per kernel family;
+4. with --ablate, the AR step at batch 1 again with each kind of layer part left out (the
+   routed experts, the MoE blocks, the dense MLPs, the attention or linear-attention mixers):
+   what each costs inside the step. The trace's per-kernel times do not add up to that: a
+   kernel launched to overlap the one before it (plugins/pdl.h) counts the wait as its own.
 
 The roofline counts the bytes a step really reads: every weight once, except the embedding
 table (one row per token) and, for a mixture of experts, the routed experts: only the
@@ -26,6 +30,7 @@ import json
 import sys
 import time
 from collections import defaultdict
+from contextlib import nullcontext
 
 import torch
 
@@ -34,7 +39,7 @@ from dflash_trt.benchmark.bench import encode_prompts
 from dflash_trt.benchmark.datasets import load_prompts
 from dflash_trt.benchmark.random_weights import random_engine
 from dflash_trt.engine import cache_bytes
-from dflash_trt.graphs import DecodePasses, random_block
+from dflash_trt.graphs import DecodePasses, GraphedPasses, random_block
 from dflash_trt.models import qwen3_5
 from dflash_trt.models.moe import SparseMoeBlock
 from dflash_trt.sampling import SamplingParams
@@ -162,6 +167,50 @@ def wall_ms(fn, reps=50) -> float:
     return (time.perf_counter() - start) * 1e3 / reps
 
 
+def _zeros_like_input(self, x, *args, **kwargs):
+    return torch.zeros_like(x)
+
+
+def _no_experts(x, gate_up, down, weights, ids, out_dtype=torch.float32):
+    return torch.zeros(x.shape, dtype=out_dtype, device=x.device)
+
+
+def ablations(target) -> dict[str, tuple[object, str, object]]:
+    """The parts of the target's layers an ablation can leave out: label -> (owner, attribute,
+    replacement). A left-out module returns zeros of its input's shape (one memset kernel)."""
+    from dflash_trt.models.layers import MLP
+    from dflash_trt.models.qwen3 import Qwen3Attention
+
+    kinds = {type(m) for m in target.modules()}
+    parts = {}
+    if SparseMoeBlock in kinds:
+        parts["routed experts"] = (ops, "moe_experts", _no_experts)
+    for label, cls in (("MoE blocks", SparseMoeBlock), ("dense MLPs", MLP), ("attention", Qwen3Attention),
+                       ("gated attention", qwen3_5.GatedAttention), ("linear attention", qwen3_5.GatedDeltaNet)):
+        if cls in kinds:
+            parts[label] = (cls, "forward", _zeros_like_input)
+    return parts
+
+
+def ablate_ar(engine, context: int, reps: int = 100) -> dict[str, float]:
+    """AR step ms at batch 1 (a graph replay) in full and with each part of ablations() left
+    out, each in a graph captured for it."""
+    from unittest import mock
+
+    def ar_ms() -> float:  # its graphs and their pool go when it returns
+        passes = GraphedPasses(engine.target, engine.drafter, engine.target_cache, engine.draft_cache, engine.taps,
+                               engine.block_size, max_batch_size=1)
+        x = passes.inputs(fake_running(engine, 1, context))
+        return time_ms(lambda: passes.ar(x), reps)
+
+    times = {}
+    for label, patch in [("full", None), *ablations(engine.target).items()]:
+        with mock.patch.object(*patch) if patch else nullcontext():
+            times[label] = ar_ms()
+        torch.cuda.empty_cache()
+    return times
+
+
 def profile(fn, steps=5, top=0) -> dict:
     """GPU ms per step by kernel family; with top > 0 also the `top` costliest kernels by
     name, with their calls per step (which GEMM shapes cost what)."""
@@ -283,6 +332,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profile-batch", type=int, default=1, help="the batch of the per-kernel profiles")
     ap.add_argument("--verify-width", type=int, default=0,
                     help="draft, verify and commit at this width (default: the block; the step walls verify the block)")
+    ap.add_argument("--ablate", action="store_true",
+                    help="also time the AR step at batch 1 with each kind of layer part left out")
     ap.add_argument("--blas", choices=("cublas", "cublaslt"),
                     help="the BLAS library torch uses for the GEMMs (default: torch's choice)")
     args = ap.parse_args(argv)
@@ -373,6 +424,11 @@ def main(argv=None) -> int:
             half = [width // 2] * args.profile_batch
             result["profile_commit_ms"] = profile(lambda: DecodePasses.commit(passes, x, width, half),
                                                   top=args.top_kernels)
+        if args.ablate:
+            result["ablate_ar_batch1_ms"] = times = ablate_ar(engine, args.context)
+            print("AR step at batch 1: " + ", ".join(
+                f"{label} {ms:.3f} ms" if label == "full" else f"without the {label} {ms:.3f} ms ({times['full'] - ms:.3f} less)"
+                for label, ms in times.items()), file=sys.stderr)
         for n in prefills:
             result[f"prefill{n}"] = row = prefill_profile(engine, n)
             print(f"prefill of {n} tokens: {row['wall_ms']:.2f} ms wall ({'graphed' if row['graphed'] else 'eager'}), "
