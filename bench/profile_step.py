@@ -12,7 +12,8 @@ Random weights of a real shape (dflash_trt.benchmark.random_weights), greedy, on
    a Qwen3.5 hybrid, the rollback (commit) after a verify pass;
 3. a torch.profiler trace of a few AR and DFlash steps at batch 1, summed per kernel family;
 4. with --ablate, the AR step at batch 1 again with each kind of layer part left out (the
-   routed experts, the MoE blocks, the dense MLPs, the attention or linear-attention mixers):
+   routed experts, the MoE blocks, the dense MLPs, the attention or linear-attention mixers,
+   the attention, delta-rule and conv kernels alone):
    what each costs inside the step. The trace's per-kernel times do not add up to that: a
    kernel launched to overlap the one before it (plugins/pdl.h) counts the wait as its own.
 
@@ -30,7 +31,7 @@ import json
 import sys
 import time
 from collections import defaultdict
-from contextlib import nullcontext
+from contextlib import ExitStack
 
 import torch
 
@@ -175,20 +176,40 @@ def _no_experts(x, gate_up, down, weights, ids, out_dtype=torch.float32):
     return torch.zeros(x.shape, dtype=out_dtype, device=x.device)
 
 
-def ablations(target) -> dict[str, tuple[object, str, object]]:
-    """The parts of the target's layers an ablation can leave out: label -> (owner, attribute,
-    replacement). A left-out module returns zeros of its input's shape (one memset kernel)."""
+def _no_attention(q, *args, **kwargs):
+    return torch.zeros_like(q)
+
+
+def _no_delta_rule(q, k, v, *args, out_dtype=torch.float32, **kwargs):
+    return torch.zeros(v.shape, dtype=out_dtype, device=v.device)
+
+
+def _no_conv(x, *args, **kwargs):
+    return x
+
+
+def ablations(target) -> dict[str, list[tuple[object, str, object]]]:
+    """The parts of the target's layers an ablation can leave out: label -> the (owner,
+    attribute, replacement) patches that leave it out. A left-out module or op returns zeros of
+    its output's shape (one memset kernel); a left-out conv returns its input."""
+    from dflash_trt.models import qwen3
     from dflash_trt.models.layers import MLP
-    from dflash_trt.models.qwen3 import Qwen3Attention
 
     kinds = {type(m) for m in target.modules()}
     parts = {}
     if SparseMoeBlock in kinds:
-        parts["routed experts"] = (ops, "moe_experts", _no_experts)
-    for label, cls in (("MoE blocks", SparseMoeBlock), ("dense MLPs", MLP), ("attention", Qwen3Attention),
-                       ("gated attention", qwen3_5.GatedAttention), ("linear attention", qwen3_5.GatedDeltaNet)):
+        parts["routed experts"] = [(ops, "moe_experts", _no_experts)]
+    for label, cls in (("MoE blocks", SparseMoeBlock), ("dense MLPs", MLP), ("attention layers", qwen3.Qwen3Attention),
+                       ("gated attention layers", qwen3_5.GatedAttention),
+                       ("linear attention layers", qwen3_5.GatedDeltaNet)):
         if cls in kinds:
-            parts[label] = (cls, "forward", _zeros_like_input)
+            parts[label] = [(cls, "forward", _zeros_like_input)]
+    if kinds & {qwen3.Qwen3Attention, qwen3_5.GatedAttention}:
+        parts["attention kernels"] = [(qwen3, "paged_block_attention", _no_attention),
+                                      (qwen3_5, "paged_block_attention", _no_attention)]
+    if qwen3_5.GatedDeltaNet in kinds:
+        parts["delta rule kernels"] = [(qwen3_5, "gated_delta_recurrent", _no_delta_rule)]
+        parts["causal convs"] = [(ops, "causal_conv", _no_conv)]
     return parts
 
 
@@ -203,9 +224,11 @@ def ablate_ar(engine, context: int, reps: int = 100) -> dict[str, float]:
         x = passes.inputs(fake_running(engine, 1, context))
         return time_ms(lambda: passes.ar(x), reps)
 
-    times = {}
-    for label, patch in [("full", None), *ablations(engine.target).items()]:
-        with mock.patch.object(*patch) if patch else nullcontext():
+    times = {"full": ar_ms()}
+    for label, patches in ablations(engine.target).items():
+        with ExitStack() as stack:
+            for patch in patches:
+                stack.enter_context(mock.patch.object(*patch))
             times[label] = ar_ms()
         torch.cuda.empty_cache()
     return times
