@@ -450,7 +450,8 @@ def main(argv=None) -> int:
         if args.ablate:
             result["ablate_ar_batch1_ms"] = times = ablate_ar(engine, args.context)
             print("AR step at batch 1: " + ", ".join(
-                f"{label} {ms:.3f} ms" if label == "full" else f"without the {label} {ms:.3f} ms ({times['full'] - ms:.3f} less)"
+                f"{label} {ms:.3f} ms" if label == "full"
+                else f"without the {label} {ms:.3f} ms ({times['full'] - ms:.3f} less)"
                 for label, ms in times.items()), file=sys.stderr)
         for n in prefills:
             result[f"prefill{n}"] = row = prefill_profile(engine, n)

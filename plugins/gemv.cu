@@ -97,10 +97,9 @@ template <typename T>
 cudaError_t launch_one_row(const GemvParams& p, int sms, cudaStream_t stream) {
   const int64_t N = p.out_features;
   const dim3 block(kThreads);
-  if (ceil_div(N, kWarps) >= sms)
-    return pdl_launch(gemv_kernel<T, 2, 2>, dim3(static_cast<unsigned>(ceil_div(N, kWarps))), block, 0, stream, true, p);
-  return pdl_launch(gemv_kernel<T, 1, 4>, dim3(static_cast<unsigned>(ceil_div(N, kWarps / 4))), block, 0, stream, true,
-                    p);
+  const auto grid = [&](int features_per_cta) { return dim3(static_cast<unsigned>(ceil_div(N, features_per_cta))); };
+  if (ceil_div(N, kWarps) >= sms) return pdl_launch(gemv_kernel<T, 2, 2>, grid(kWarps), block, 0, stream, true, p);
+  return pdl_launch(gemv_kernel<T, 1, 4>, grid(kWarps / 4), block, 0, stream, true, p);
 }
 
 // y[m, n] for the 16 MT features n of tile blockIdx.x and every row m of x (NT tiles of 8); the
