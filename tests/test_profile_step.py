@@ -1,0 +1,59 @@
+"""bench/profile_step.py --ablate: each ablation really leaves its part out of the AR step. A
+patch of a name the models no longer look up would leave the step unchanged and report a cost
+of zero for that part; here every ablation must change a tiny model's AR output (CPU, fp32)."""
+
+import importlib.util
+from contextlib import ExitStack
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+
+from dflash_trt.benchmark import random_weights as rw
+from dflash_trt.graphs import DecodePasses
+
+spec = importlib.util.spec_from_file_location("profile_step", Path(__file__).parents[1] / "bench" / "profile_step.py")
+profile_step = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(profile_step)
+
+TINY = {
+    "moe hybrid": (rw._qwen3_5_moe((1, 2), hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
+                                   linear_heads=(2, 4), num_experts=8, experts_per_tok=2, moe_intermediate_size=32,
+                                   shared_expert_size=32),
+                   {"routed experts", "MoE blocks", "gated attention layers", "linear attention layers",
+                    "attention kernels", "delta rule kernels", "causal convs"}),
+    "qwen3": (rw.TinyPairSpec(hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
+                              head_dim=16, target_layer_ids=(1, 2)),
+              {"dense MLPs", "attention layers", "attention kernels"}),
+}
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_every_ablation_changes_the_ar_step(monkeypatch, name):
+    spec, parts = TINY[name]
+    monkeypatch.setitem(rw.PRESETS, "tiny", spec)
+    engine = rw.random_engine("tiny", device="cpu", dtype=torch.float32, max_batch_size=1, max_seq_len=128).engine
+    passes = DecodePasses(engine.target, engine.drafter, engine.target_cache, engine.draft_cache, engine.taps,
+                          engine.block_size)
+    x = passes.inputs(profile_step.fake_running(engine, 1, 16))
+    # an AR step writes the caches in place (a hybrid's state and conv window move on): each
+    # step below starts from the same caches
+    cache = engine.target_cache
+    saved = {k: v.clone() for k, v in vars(cache).items() if isinstance(v, torch.Tensor)}
+
+    def ar_step() -> torch.Tensor:
+        for k, v in saved.items():
+            getattr(cache, k).copy_(v)
+        return passes.ar(x)[0].clone()
+
+    full = ar_step()
+    assert torch.equal(ar_step(), full)  # the restore is whole
+    ablations = profile_step.ablations(engine.target)
+    assert set(ablations) == parts
+    for label, patches in ablations.items():
+        with ExitStack() as stack:
+            for patch in patches:
+                stack.enter_context(mock.patch.object(*patch))
+            assert not torch.equal(ar_step(), full), label
+        assert torch.equal(ar_step(), full), f"{label}: the patch outlived its ablation"
