@@ -595,10 +595,10 @@ cudaError_t launch_stream(const MoeParams& p, const Layout& l, dim3 grid, cudaSt
 // One token in 16-bit weights (an AR step at batch 1), on CUDA cores: the picks' weight rows
 // stream like a dense matrix through the one-row matmul's pattern (gemv.cu), a warp (gate_up)
 // or two (down) per output and small CTAs, so that many are resident and every SM has loads in
-// flight to the end of the kernel. The tensor-core tiles above spend a CTA on 16 rows of one pick and ran these two
-// projections slower (BENCHMARKS.md, "Mixture of experts"). The sums run in another order than
-// the tiles': a token alone is not bit-identical to the same token in a larger pass (fp32
-// keeps the tiles, and that identity).
+// flight to the end of the kernel. The tensor-core tiles above spend a CTA on 16 rows of one
+// pick and ran these two projections slower (BENCHMARKS.md, "Mixture of experts"). The sums
+// run in another order than the tiles': a token alone is not bit-identical to the same token
+// in a larger pass (fp32 keeps the tiles, and that identity).
 
 constexpr int kTokenThreads = 256;
 constexpr int kTokenWarps = kTokenThreads / 32;
