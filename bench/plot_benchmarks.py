@@ -16,6 +16,9 @@ Writes to --out:
                               share of the copy bandwidth it reads at
   models.png                  AR and DFlash tok/s per model at each concurrency the bench files
                               share, with DFlash's speedup over AR
+  ar_step_parts.png           where an AR step at batch 1 goes: what each kind of layer part costs
+                              in the step (profile_step.py --ablate: ABLATION_JSONS), against the
+                              whole step and the step's bytes at copy bandwidth
 
 A developer tool: it needs matplotlib, which the package does not depend on.
 """
@@ -33,6 +36,7 @@ from matplotlib.figure import Figure
 BENCH_JSON, ATTENTION_JSON = "bench8b.json", "attention.json"
 SPEEDUP_PNG, ATTENTION_PNG = "speedup_vs_concurrency.png", "attention_vs_context.png"
 MODEL_JSONS, MODELS_PNG = ("bench8b.json", "bench9b.json", "moe35b_bench.json"), "models.png"
+ABLATION_JSONS, ABLATION_PNG = ("moe35b_ablate_kernels.json", "qwen3_8b_ablate_h200.json"), "ar_step_parts.png"
 QUERY_WIDTHS = (1, 8, 16)  # the block lengths (T) drawn in the attention plot
 
 
@@ -193,6 +197,31 @@ def plot_models(results: Path, out: Path) -> None:
     fig.savefig(out, dpi=120)
 
 
+def plot_ablation(results: Path, out: Path) -> None:
+    """One panel per ABLATION_JSONS file present with an ablation (profile_step.py --ablate):
+    each part's cost (the full step less the step without it), the full step and the roofline
+    (the step's bytes at the measured copy bandwidth) as lines."""
+    runs = [json.loads((results / n).read_text()) for n in ABLATION_JSONS if (results / n).is_file()]
+    runs = [d for d in runs if d.get("ablate_ar_batch1_ms")]
+    if not runs:
+        raise ValueError("no profile with an ablation")
+    fig = Figure(figsize=(6.5 * len(runs), 4.2), layout="constrained")
+    for ax, d in zip(fig.subplots(1, len(runs), squeeze=False)[0], runs):
+        times = d["ablate_ar_batch1_ms"]
+        parts = [(label, times["full"] - ms) for label, ms in times.items() if label != "full"]
+        ax.barh([label for label, _ in parts], [cost for _, cost in parts], color="C0")
+        roofline = d["batch1"]["ar_bytes_gb"] / d["copy_bandwidth_gb_s"] * 1e3
+        ax.axvline(times["full"], color="C3", label=f"whole step {times['full']:.2f} ms")
+        ax.axvline(roofline, color="C2", linestyle="--", label=f"its bytes at copy bandwidth {roofline:.2f} ms")
+        ax.invert_yaxis()
+        ax.set_xlabel("ms of the AR step at batch 1 (the step less the step without the part)")
+        ax.set_title(title_of(d["preset"], d["gpu"].removeprefix("NVIDIA ")))
+        ax.grid(True, axis="x", alpha=0.3)
+        ax.legend(fontsize=8, loc="lower right")
+    fig.suptitle("Where an AR step goes (profile_step.py --ablate; parts overlap: MoE blocks hold the experts)")
+    fig.savefig(out, dpi=120)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--results", type=Path, default=Path("benchmarks"),
@@ -206,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = args.out or args.results
     jobs = ((BENCH_JSON, SPEEDUP_PNG, lambda d, o: plot_speedup(d, o, args.gpu)),
             (ATTENTION_JSON, ATTENTION_PNG, lambda d, o: plot_attention(d, o, args.attention_mode)))
-    jobs += ((MODEL_JSONS[0], MODELS_PNG, lambda d, o: plot_models(args.results, o)),)
+    jobs += ((MODEL_JSONS[0], MODELS_PNG, lambda d, o: plot_models(args.results, o)),
+             (ABLATION_JSONS[0], ABLATION_PNG, lambda d, o: plot_ablation(args.results, o)))
     written, failed = 0, False
     for name, png, plot in jobs:
         src = args.results / name
