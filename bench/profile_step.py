@@ -184,6 +184,10 @@ def _no_delta_rule(q, k, v, *args, out_dtype=torch.float32, **kwargs):
     return torch.zeros(v.shape, dtype=out_dtype, device=v.device)
 
 
+def _no_delta_step(qkv, a, b, z, *args, **kwargs):
+    return torch.zeros_like(z)
+
+
 def _no_conv(x, *args, **kwargs):
     return x
 
@@ -208,7 +212,9 @@ def ablations(target) -> dict[str, list[tuple[object, str, object]]]:
         parts["attention kernels"] = [(qwen3, "paged_block_attention", _no_attention),
                                       (qwen3_5, "paged_block_attention", _no_attention)]
     if qwen3_5.GatedDeltaNet in kinds:
-        parts["delta rule kernels"] = [(qwen3_5, "gated_delta_recurrent", _no_delta_rule)]
+        # an AR step's delta rule runs in ops.gated_delta_step with its inputs and gated norm
+        parts["delta rule kernels"] = [(qwen3_5, "gated_delta_recurrent", _no_delta_rule),
+                                       (ops, "gated_delta_step", _no_delta_step)]
         parts["causal convs"] = [(ops, "causal_conv", _no_conv)]
     return parts
 

@@ -774,6 +774,48 @@ def gated_delta_recurrent_reference(q, k, v, g, beta, state_cache, snapshot_cach
     return out.to(out_dtype)
 
 
+GATED_DELTA_STEP_DIM = 128  # plugins/gated_delta.h kGatedDeltaStepDim: the fused step's dk = dv
+
+
+def gated_delta_step(qkv, a, b, z, neg_a, dt_bias, norm_weight, norm_eps: float, l2_eps: float, q_scale: float,
+                     state_cache, slots, start, num_tokens, num_k_heads: int):
+    """One in-place decode step of a Gated DeltaNet layer (one token a row: an AR step) from
+    its conv output to its gated norm -> y [bs, 1, Hv, dv] in qkv's dtype:
+    gated_rms_norm(gated_delta_recurrent(*gated_delta_prepare(qkv, a, b, ...), state_cache,
+    state_cache.unsqueeze(1), ...), z, norm_weight), the state stepped in place.
+
+    qkv [bs, 1, 2 Hk dk + Hv dv] contiguous; a, b [bs, 1, Hv] and z [bs, 1, Hv, dv] (views of
+    the packed projection); state_cache [num_slots, Hv, dk, dv] fp32; slots, start, num_tokens
+    [bs] int32 (num_tokens 0: a padding row, its state kept, its y zeros). On CUDA in 16-bit
+    with dk = dv = 128 one kernel (plugins/gated_delta.cu) with those three ops' arithmetic,
+    the same bits; else the three ops.
+    """
+    bs, T = qkv.shape[:2]
+    Hv, dv = z.shape[-2:]
+    dk = (qkv.shape[-1] - Hv * dv) // (2 * num_k_heads)
+    assert T == 1 and z.shape == (bs, 1, Hv, dv) and a.shape == b.shape == (bs, 1, Hv), \
+        f"one token a row: qkv [bs, 1, C], a and b [bs, 1, {Hv}], z [bs, 1, {Hv}, {dv}], got " \
+        f"{tuple(qkv.shape)}, {tuple(a.shape)}, {tuple(b.shape)}, {tuple(z.shape)}"
+    if _gated_delta_step_fits(qkv, a, b, z, norm_weight, state_cache, dk, dv):
+        y = torch.ops.dflash.gated_delta_step(qkv[:, 0], a[:, 0], b[:, 0], z[:, 0], neg_a, dt_bias, norm_weight,
+                                              float(norm_eps), float(l2_eps), float(q_scale), state_cache, slots,
+                                              start, num_tokens, int(num_k_heads))
+        return y.unsqueeze(1)
+    inputs = gated_delta_prepare(qkv, a, b, neg_a, dt_bias, num_k_heads, dk, dv, l2_eps, q_scale)
+    out = gated_delta_recurrent(*inputs, state_cache, state_cache.unsqueeze(1), slots, start, num_tokens, qkv.dtype)
+    return gated_rms_norm(out, z, norm_weight, norm_eps)
+
+
+def _gated_delta_step_fits(qkv, a, b, z, norm_weight, state_cache, dk: int, dv: int) -> bool:
+    D = GATED_DELTA_STEP_DIM
+    return (qkv.is_cuda and qkv.dtype in (torch.bfloat16, torch.float16) and dk == dv == D
+            and qkv.is_contiguous() and a.stride() == b.stride() and a.stride(-1) == 1
+            and z.stride(-1) == 1 and z.stride(-2) == D and z.stride(0) % 8 == 0 and z.data_ptr() % 16 == 0
+            and norm_weight.dtype == qkv.dtype and norm_weight.is_contiguous() and norm_weight.data_ptr() % 16 == 0
+            and state_cache.data_ptr() % 16 == 0 and max(qkv.shape[0], z.shape[2]) <= GRID_LIMIT
+            and _plugins_loaded())
+
+
 def gated_delta_recurrent(q, k, v, g, beta, state_cache, snapshot_cache, slots, start, num_tokens,
                           out_dtype=torch.float32, outputs: bool = True):
     """One decode/verify pass of the gated delta rule, on the cache in place -> out [bs, T, Hv, dv]

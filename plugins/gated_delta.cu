@@ -80,6 +80,61 @@ __device__ __forceinline__ void store_out4(const GatedDeltaParams& p, int64_t at
   }
 }
 
+// One token of the recurrence on a lane's slice of S (rows r + 8 m for m < rows, 4 columns):
+// the lane's partial sums over its rows of S^T k, S^T q (4 columns each) and k . q, summed
+// over the 8 row lanes (lane bits 2..4; the xor butterfly leaves the same bits in all of them,
+// so every row lane applies the same delta), then delta, the outputs out4 and the update.
+// k and q: the token's k and q from element r, a row lane's first row, on (stride 8 a row).
+template <int kRows, bool kOutputs>
+__device__ __forceinline__ void step_token(float4 (&S)[kRows], int rows, const float* k, const float* q, float4 v,
+                                           float a, float beta, float (&out4)[4]) {
+  float sk[4] = {}, sq[4] = {}, kq = 0.0f;
+#pragma unroll
+  for (int m = 0; m < kRows; ++m) {
+    if (m < rows) {
+      const float km = k[kRowLanes * m];
+      sk[0] = fmaf(S[m].x, km, sk[0]);
+      sk[1] = fmaf(S[m].y, km, sk[1]);
+      sk[2] = fmaf(S[m].z, km, sk[2]);
+      sk[3] = fmaf(S[m].w, km, sk[3]);
+      if (kOutputs) {
+        const float qm = q[kRowLanes * m];
+        sq[0] = fmaf(S[m].x, qm, sq[0]);
+        sq[1] = fmaf(S[m].y, qm, sq[1]);
+        sq[2] = fmaf(S[m].z, qm, sq[2]);
+        sq[3] = fmaf(S[m].w, qm, sq[3]);
+        kq = fmaf(km, qm, kq);
+      }
+    }
+  }
+#pragma unroll
+  for (int o = kColLanes; o < 32; o *= 2) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      sk[e] += __shfl_xor_sync(0xffffffffu, sk[e], o);
+      if (kOutputs) sq[e] += __shfl_xor_sync(0xffffffffu, sq[e], o);
+    }
+    if (kOutputs) kq += __shfl_xor_sync(0xffffffffu, kq, o);
+  }
+  const float vs[4] = {v.x, v.y, v.z, v.w};
+  float delta[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    delta[e] = beta * (vs[e] - a * sk[e]);
+    out4[e] = fmaf(a, sq[e], delta[e] * kq);
+  }
+#pragma unroll
+  for (int m = 0; m < kRows; ++m) {
+    if (m < rows) {
+      const float km = k[kRowLanes * m];
+      S[m].x = fmaf(km, delta[0], a * S[m].x);
+      S[m].y = fmaf(km, delta[1], a * S[m].y);
+      S[m].z = fmaf(km, delta[2], a * S[m].z);
+      S[m].w = fmaf(km, delta[3], a * S[m].w);
+    }
+  }
+}
+
 // kRows: rows of S per lane, a power of two with dk <= 8 kRows; lanes hold rows r + 8 m for
 // m < dk / 8 (the same bound for every lane, so the guards never split a warp).
 // kOutputs false (out null): a commit's replay wants only the state, so q, k . q, S^T q and the
@@ -148,56 +203,9 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kOutputs || kRows > 16 ? 0 : 5
     __syncthreads();
 
     for (int tt = 0; tt < len; ++tt) {
-      // The lane's partial sums over its rows of S^T k, S^T q (4 columns each) and k . q.
-      float sk[4] = {}, sq[4] = {}, kq = 0.0f;
-#pragma unroll
-      for (int m = 0; m < kRows; ++m) {
-        if (m < rows) {
-          const float km = k_s[tt][r + kRowLanes * m];
-          sk[0] = fmaf(S[m].x, km, sk[0]);
-          sk[1] = fmaf(S[m].y, km, sk[1]);
-          sk[2] = fmaf(S[m].z, km, sk[2]);
-          sk[3] = fmaf(S[m].w, km, sk[3]);
-          if (kOutputs) {
-            const float qm = q_s[tt][r + kRowLanes * m];
-            sq[0] = fmaf(S[m].x, qm, sq[0]);
-            sq[1] = fmaf(S[m].y, qm, sq[1]);
-            sq[2] = fmaf(S[m].z, qm, sq[2]);
-            sq[3] = fmaf(S[m].w, qm, sq[3]);
-            kq = fmaf(km, qm, kq);
-          }
-        }
-      }
-      // Sum over the 8 row lanes (lane bits 2..4); the xor butterfly leaves the same bits in
-      // all of them, so every row lane applies the same delta.
-#pragma unroll
-      for (int o = kColLanes; o < 32; o *= 2) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          sk[e] += __shfl_xor_sync(0xffffffffu, sk[e], o);
-          if (kOutputs) sq[e] += __shfl_xor_sync(0xffffffffu, sq[e], o);
-        }
-        if (kOutputs) kq += __shfl_xor_sync(0xffffffffu, kq, o);
-      }
-      const float a = decay_s[tt], beta = beta_s[tt];
-      const float4 v = load4(&v_s[tt][wcol]);
-      const float vs[4] = {v.x, v.y, v.z, v.w};
-      float delta[4], out4[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        delta[e] = beta * (vs[e] - a * sk[e]);
-        out4[e] = fmaf(a, sq[e], delta[e] * kq);
-      }
-#pragma unroll
-      for (int m = 0; m < kRows; ++m) {
-        if (m < rows) {
-          const float km = k_s[tt][r + kRowLanes * m];
-          S[m].x = fmaf(km, delta[0], a * S[m].x);
-          S[m].y = fmaf(km, delta[1], a * S[m].y);
-          S[m].z = fmaf(km, delta[2], a * S[m].z);
-          S[m].w = fmaf(km, delta[3], a * S[m].w);
-        }
-      }
+      float out4[4];
+      step_token<kRows, kOutputs>(S, rows, k_s[tt] + r, q_s[tt] + r, load4(&v_s[tt][wcol]), decay_s[tt], beta_s[tt],
+                                  out4);
 
       const int64_t token = token0 + t0 + tt;
       if (kOutputs && r == 0) store_out4(p, (token * Hv + h) * dv + col, out4[0], out4[1], out4[2], out4[3]);
@@ -634,6 +642,136 @@ __global__ void __launch_bounds__(kPrepareThreads) gated_delta_prepare_kernel(Ga
   }
 }
 
+// -- step: one in-place decode token from the conv output to the gated norm (gated_delta.h),
+// a CTA per (row, value head): 8 warps of 16 value columns, the whole head, so that the norm
+// over its 128 outputs needs no other CTA. Each phase repeats the arithmetic of the kernel it
+// replaces: prepare's L2 norms and gates (one warp a q or k head), the token loop's step of
+// gated_delta_kernel (the same lanes, sums and butterfly), then rms_norm_kernel's row-per-warp
+// gated norm (one warp, 16-byte vectors). Three launches and their fp32 round trips become one,
+// and the state is read before the wait: no kernel of the pass before this one writes it (each
+// waits for its predecessor before it lets its own successor start, so all but the conv have
+// finished when this kernel starts).
+
+constexpr int kStepWarps = kGatedDeltaStepDim / kWarpCols;  // 8
+
+template <typename T>
+__device__ __forceinline__ float step_rounded(float x) { return to_float(from_float<T>(x)); }
+
+// 8 consecutive elements (16 bytes) -> fp32, and back rounded to T
+template <typename T>
+__device__ __forceinline__ void load8(const T* src, float (&dst)[8]) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(src);
+  const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) dst[i] = to_float(e[i]);
+}
+template <typename T>
+__device__ __forceinline__ void store8(T* dst, const float (&src)[8]) {
+  uint4 raw;
+  T* e = reinterpret_cast<T*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) e[i] = from_float<T>(src[i]);
+  *reinterpret_cast<uint4*>(dst) = raw;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kStepWarps * 32) gated_delta_step_kernel(GatedDeltaStepParams p) {
+  constexpr int D = kGatedDeltaStepDim, kRows = D / kRowLanes;
+  __shared__ __align__(16) float q_s[D];
+  __shared__ __align__(16) float k_s[D];
+  __shared__ __align__(16) float v_s[D];
+  __shared__ __align__(16) float o_s[D];
+  __shared__ float decay_s, beta_s;
+  const int Hk = p.num_k_heads, Hv = p.num_v_heads;
+  const int b = blockIdx.y, h = blockIdx.x, kh = h / (Hv / Hk);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int r = lane / kColLanes, c = lane % kColLanes;
+  const int col = warp * kWarpCols + c * 4;
+
+  const int64_t slot = p.slots[b];
+  const bool fresh = p.start[b] == 0, live = p.num_tokens[b] > 0;
+  float* state = p.state_cache + (slot * Hv + h) * D * D + col;
+  float4 S[kRows];
+#pragma unroll
+  for (int m = 0; m < kRows; ++m)
+    S[m] = fresh ? make_float4(0.0f, 0.0f, 0.0f, 0.0f)
+                 : __ldcs(reinterpret_cast<const float4*>(state + static_cast<int64_t>(r + kRowLanes * m) * D));
+  pdl_wait();  // the conv's output
+  pdl_allow_dependents();
+
+  // prepare (gated_delta_prepare_kernel's arithmetic): warp 0 the q head, warp 1 the k head,
+  // warps 2-5 v, one thread the gates
+  const T* x = static_cast<const T*>(p.qkv) + b * p.qkv_stride;
+  if (warp < 2) {
+    float xv[8];  // a lane holds elements lane + 32 i, as prepare's (its 8 slots: dk <= 256)
+    float sq = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int e = lane + 32 * i;
+      xv[i] = e < D ? to_float(x[static_cast<int64_t>(warp * Hk + kh) * D + e]) : 0.0f;
+      sq = __fadd_rn(sq, __fmul_rn(xv[i], xv[i]));
+    }
+    const float rr = rsqrtf(__fadd_rn(warp_sum(sq), p.l2_eps));
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int e = lane + 32 * i;
+      if (e < D) {
+        if (warp == 0) q_s[e] = __fmul_rn(__fmul_rn(xv[i], rr), p.q_scale);
+        else k_s[e] = __fmul_rn(xv[i], rr);
+      }
+    }
+  } else if (warp < 6) {
+    const int e = (warp - 2) * 32 + lane;
+    v_s[e] = to_float(x[2 * static_cast<int64_t>(Hk) * D + static_cast<int64_t>(h) * D + e]);
+  } else if (warp == 6 && lane == 0) {
+    const float xa = __fadd_rn(to_float(static_cast<const T*>(p.a)[b * p.ab_stride + h]), p.dt_bias[h]);
+    const float softplus = xa > 20.0f ? xa : log1pf(expf(xa));  // torch's threshold
+    decay_s = expf(__fmul_rn(p.neg_a[h], softplus));            // the token loop's exp(g)
+    beta_s = 1.0f / (1.0f + expf(-to_float(static_cast<const T*>(p.b)[b * p.ab_stride + h])));
+  }
+  __syncthreads();
+
+  // the step (gated_delta_kernel's token loop at one token, outputs on, the state in place)
+  float out4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  if (live) {
+    step_token<kRows, true>(S, kRows, k_s + r, q_s + r, load4(&v_s[col]), decay_s, beta_s, out4);
+#pragma unroll
+    for (int m = 0; m < kRows; ++m)
+      __stcs(reinterpret_cast<float4*>(state + static_cast<int64_t>(r + kRowLanes * m) * D), S[m]);
+  }
+  if (r == 0) {  // the output as the token loop stores it: rounded to the dtype
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o_s[col + e] = step_rounded<T>(out4[e]);
+  }
+  __syncthreads();
+
+  // the gated norm (rms_norm_kernel, a row per warp, 16-byte vectors: lane l elements 8 l ..)
+  if (warp != 0) return;
+  const int i = lane * 8;
+  const T* z = static_cast<const T*>(p.z) + b * p.z_stride + static_cast<int64_t>(h) * D;
+  float sv[8], zv[8];
+  float sq = 0.0f;
+  if (i < D) {
+#pragma unroll
+    for (int k = 0; k < 8; ++k) sv[k] = o_s[i + k];
+    load8<T>(z + i, zv);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) sq = __fadd_rn(sq, __fmul_rn(sv[k], sv[k]));
+  }
+  sq = warp_sum(sq);
+  const float inv = rsqrtf(__fadd_rn(__fmul_rn(sq, 1.0f / D), p.norm_eps));
+  if (i < D) {
+    float w[8], y[8];
+    load8<T>(static_cast<const T*>(p.norm_weight) + i, w);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      y[k] = __fmul_rn(w[k], step_rounded<T>(__fmul_rn(sv[k], inv)));
+      y[k] = __fmul_rn(step_rounded<T>(y[k]), zv[k] / (1.0f + expf(-zv[k])));
+    }
+    store8<T>(static_cast<T*>(p.y) + (static_cast<int64_t>(b) * Hv + h) * D + i, y);
+  }
+}
+
 }  // namespace
 
 const char* gated_delta_prepare_check(const GatedDeltaPrepareParams& p) {
@@ -698,6 +836,34 @@ cudaError_t gated_delta_recurrent_launch(const GatedDeltaParams& p, cudaStream_t
                         : gated_delta_kernel<32, kOut>;
   };
   const auto kernel = p.out != nullptr ? pick(std::true_type{}) : pick(std::false_type{});
+  return pdl_launch(kernel, grid, block, 0, stream, true, p);
+}
+
+const char* gated_delta_step_check(const GatedDeltaStepParams& p) {
+  if (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16) return "dtype must be bf16 or fp16";
+  if (p.batch < 0 || p.batch > 65535) return "batch must be in [0, 65535]";
+  if (p.num_k_heads < 1 || p.num_v_heads < 1 || p.num_v_heads % p.num_k_heads != 0 || p.num_v_heads > 65535)
+    return "num_v_heads must be a positive multiple of num_k_heads, at most 65535";
+  const int64_t width = 2 * static_cast<int64_t>(p.num_k_heads) * kGatedDeltaStepDim +
+                        static_cast<int64_t>(p.num_v_heads) * kGatedDeltaStepDim;
+  if (p.qkv_stride < width || p.ab_stride < p.num_v_heads ||
+      p.z_stride < static_cast<int64_t>(p.num_v_heads) * kGatedDeltaStepDim)
+    return "a row stride is shorter than its row";
+  if (p.batch == 0) return nullptr;
+  if (!p.qkv || !p.a || !p.b || !p.z || !p.neg_a || !p.dt_bias || !p.norm_weight || !p.state_cache || !p.slots ||
+      !p.start || !p.num_tokens || !p.y)
+    return "null pointer";
+  if (!aligned16(p.z) || p.z_stride % 8 != 0 || !aligned16(p.norm_weight) || !aligned16(p.y) ||
+      !aligned16(p.state_cache))
+    return "z (and its row stride), norm_weight, y and state_cache must be 16-byte aligned";
+  return nullptr;
+}
+
+cudaError_t gated_delta_step_launch(const GatedDeltaStepParams& p, cudaStream_t stream) {
+  if (gated_delta_step_check(p) != nullptr) return cudaErrorInvalidValue;
+  if (p.batch == 0) return cudaSuccess;
+  const dim3 grid(p.num_v_heads, p.batch), block(kStepWarps * 32);
+  const auto kernel = p.dtype == DType::kBFloat16 ? gated_delta_step_kernel<__nv_bfloat16> : gated_delta_step_kernel<__half>;
   return pdl_launch(kernel, grid, block, 0, stream, true, p);
 }
 

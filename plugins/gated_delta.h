@@ -112,4 +112,43 @@ struct GatedDeltaPrepareParams {
 const char* gated_delta_prepare_check(const GatedDeltaPrepareParams& p);
 cudaError_t gated_delta_prepare_launch(const GatedDeltaPrepareParams& p, cudaStream_t stream);
 
+// One in-place decode step (one token a row) of a Gated DeltaNet layer, from its conv output to
+// its gated norm: gated_delta_prepare, gated_delta_recurrent with NS = 1 on state_cache itself,
+// and the gated RMSNorm of the outputs (layer_ops.h: rms_norm with a gate, not zero-centred)
+// in one launch, with their arithmetic (the same bits). Row b, value head h (key head kh):
+//   q, k, v, g, beta of qkv[b], a[b], b[b] as gated_delta_prepare makes them;
+//   state_cache[slots[b], h] stepped once as gated_delta_recurrent steps it, its output
+//   rounded to the dtype (a padding row, num_tokens[b] == 0, keeps its state, outputs zeros);
+//   y[b, h] = rms_norm(that output, norm_weight, norm_eps) times silu(z[b, h]), rounded.
+// dk = dv = 128 (every Qwen3.5/3.6 release), bf16 or fp16.
+constexpr int kGatedDeltaStepDim = 128;
+
+struct GatedDeltaStepParams {
+  DType dtype = DType::kBFloat16;  // of qkv, a, b, z, norm_weight and y: bf16 or fp16
+  int batch = 0;                   // bs, <= 65535
+  int num_k_heads = 0;             // Hk
+  int num_v_heads = 0;             // Hv, a multiple of Hk, <= 65535
+  const void* qkv = nullptr;       // [bs, 2 Hk dk + Hv dv], rows qkv_stride elements apart
+  int64_t qkv_stride = 0;
+  const void* a = nullptr;         // [bs, Hv], rows ab_stride apart (views of the projection)
+  const void* b = nullptr;
+  int64_t ab_stride = 0;
+  const void* z = nullptr;         // [bs, Hv, dv], rows z_stride apart, each row's heads contiguous
+  int64_t z_stride = 0;
+  const float* neg_a = nullptr;    // [Hv]: -exp(A_log)
+  const float* dt_bias = nullptr;  // [Hv]
+  float l2_eps = 0.0f;             // of q and k's L2 norms
+  float q_scale = 1.0f;
+  const void* norm_weight = nullptr;  // [dv]
+  float norm_eps = 0.0f;
+  float* state_cache = nullptr;    // [num_slots, Hv, dk, dv] fp32, stepped in place
+  const int32_t* slots = nullptr;  // [bs] device
+  const int32_t* start = nullptr;  // [bs] device: 0 starts from zeros
+  const int32_t* num_tokens = nullptr;  // [bs] device: 1, or 0 for a padding row
+  void* y = nullptr;               // [bs, Hv, dv] contiguous
+};
+
+const char* gated_delta_step_check(const GatedDeltaStepParams& p);
+cudaError_t gated_delta_step_launch(const GatedDeltaStepParams& p, cudaStream_t stream);
+
 }  // namespace dflash

@@ -622,6 +622,74 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_del
   return gated_delta_prepare_outputs(qkv, neg_a.numel(), num_k_heads, key_dim, value_dim);
 }
 
+// One in-place decode step (gated_delta.h, gated_delta_step): qkv [bs, 2 Hk dk + Hv dv] (the conv
+// output), a and b [bs, Hv] and z [bs, Hv, dv] (views of the projection: last dims contiguous) and
+// norm_weight [dv] in one 16-bit dtype; neg_a, dt_bias [Hv] fp32; state_cache [num_slots, Hv, dk,
+// dv] fp32, stepped in place; slots, start, num_tokens [bs] int32. Returns y [bs, Hv, dv].
+at::Tensor gated_delta_step_cuda(const at::Tensor& qkv, const at::Tensor& a, const at::Tensor& b, const at::Tensor& z,
+                                 const at::Tensor& neg_a, const at::Tensor& dt_bias, const at::Tensor& norm_weight,
+                                 double norm_eps, double l2_eps, double q_scale, const at::Tensor& state_cache,
+                                 const at::Tensor& slots, const at::Tensor& start, const at::Tensor& num_tokens,
+                                 int64_t num_k_heads) {
+  TORCH_CHECK(qkv.is_cuda() && qkv.dim() == 2 && qkv.stride(1) == 1, "qkv must be a CUDA [bs, C] tensor with "
+              "contiguous rows, got ", qkv.sizes());
+  const std::optional<dflash::DType> dtype = attention_dtype(qkv.scalar_type());
+  TORCH_CHECK(dtype.has_value() && *dtype != dflash::DType::kFloat32, "qkv must be bf16 or fp16");
+  const int64_t bs = qkv.size(0), Hv = neg_a.numel(), D = dflash::kGatedDeltaStepDim;
+  for (const auto& [t, name] : {std::pair{&a, "a"}, std::pair{&b, "b"}}) {
+    TORCH_CHECK(t->device() == qkv.device() && t->scalar_type() == qkv.scalar_type() && t->dim() == 2 &&
+                    t->size(0) == bs && t->size(1) == Hv && t->stride(1) == 1 && t->stride(0) == a.stride(0),
+                name, " must be [bs, Hv] in qkv's dtype with a's strides and a contiguous last dim, got ", t->sizes());
+  }
+  TORCH_CHECK(z.device() == qkv.device() && z.scalar_type() == qkv.scalar_type() && z.dim() == 3 && z.size(0) == bs &&
+                  z.size(1) == Hv && z.size(2) == D && z.stride(2) == 1 && z.stride(1) == D,
+              "z must be [bs, Hv, ", D, "] in qkv's dtype, each row's heads contiguous, got ", z.sizes());
+  TORCH_CHECK(norm_weight.device() == qkv.device() && norm_weight.scalar_type() == qkv.scalar_type() &&
+                  norm_weight.numel() == D && norm_weight.is_contiguous(),
+              "norm_weight must be a contiguous [", D, "] in qkv's dtype");
+  check_fp32(neg_a, "neg_a", qkv, {Hv});
+  check_fp32(dt_bias, "dt_bias", qkv, {Hv});
+  check_fp32(state_cache, "state_cache", qkv, {state_cache.size(0), Hv, D, D});
+  check_index(slots, "slots", qkv);
+  check_index(start, "start", qkv);
+  check_index(num_tokens, "num_tokens", qkv);
+
+  const c10::cuda::CUDAGuard guard(qkv.device());
+  auto y = at::empty({bs, Hv, D}, qkv.options());
+  dflash::GatedDeltaStepParams p;
+  p.dtype = *dtype;
+  p.batch = static_cast<int>(bs);
+  p.num_k_heads = static_cast<int>(num_k_heads);
+  p.num_v_heads = static_cast<int>(Hv);
+  p.qkv = qkv.data_ptr();
+  p.qkv_stride = qkv.stride(0);
+  p.a = a.data_ptr();
+  p.b = b.data_ptr();
+  p.ab_stride = a.stride(0);
+  p.z = z.data_ptr();
+  p.z_stride = z.stride(0);
+  p.neg_a = neg_a.data_ptr<float>();
+  p.dt_bias = dt_bias.data_ptr<float>();
+  p.l2_eps = static_cast<float>(l2_eps);
+  p.q_scale = static_cast<float>(q_scale);
+  p.norm_weight = norm_weight.data_ptr();
+  p.norm_eps = static_cast<float>(norm_eps);
+  p.state_cache = state_cache.data_ptr<float>();
+  p.slots = slots.data_ptr<int32_t>();
+  p.start = start.data_ptr<int32_t>();
+  p.num_tokens = num_tokens.data_ptr<int32_t>();
+  p.y = y.data_ptr();
+  if (const char* why = dflash::gated_delta_step_check(p)) TORCH_CHECK(false, "gated_delta_step: ", why);
+  check_launch(dflash::gated_delta_step_launch(p, c10::cuda::getCurrentCUDAStream().stream()), "gated_delta_step");
+  return y;
+}
+
+at::Tensor gated_delta_step_meta(const at::Tensor& qkv, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                 const at::Tensor& neg_a, const at::Tensor&, const at::Tensor&, double, double, double,
+                                 const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t) {
+  return at::empty({qkv.size(0), neg_a.numel(), dflash::kGatedDeltaStepDim}, qkv.options());
+}
+
 at::Tensor gated_delta_recurrent_meta(const at::Tensor& q, const at::Tensor&, const at::Tensor& v, const at::Tensor&,
                                       const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                       const at::Tensor&, const at::Tensor&, std::optional<at::ScalarType> out_dtype,
@@ -825,6 +893,10 @@ TORCH_LIBRARY(dflash, m) {
       "Tensor(a!) snapshot_cache, Tensor slots, Tensor start, Tensor num_tokens, ScalarType? out_dtype=None, "
       "bool outputs=True) -> Tensor");
   m.def(
+      "gated_delta_step(Tensor qkv, Tensor a, Tensor b, Tensor z, Tensor neg_a, Tensor dt_bias, Tensor norm_weight, "
+      "float norm_eps, float l2_eps, float q_scale, Tensor(a!) state_cache, Tensor slots, Tensor start, "
+      "Tensor num_tokens, int num_k_heads) -> Tensor");
+  m.def(
       "gated_delta_prepare(Tensor qkv, Tensor a, Tensor b, Tensor neg_a, Tensor dt_bias, int num_k_heads, "
       "int key_dim, int value_dim, float eps, float q_scale) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
@@ -852,6 +924,7 @@ TORCH_LIBRARY_IMPL(dflash, CUDA, m) {
   m.impl("causal_conv", &causal_conv_cuda);
   m.impl("gated_delta_recurrent", &gated_delta_recurrent_cuda);
   m.impl("gated_delta_prepare", &gated_delta_prepare_cuda);
+  m.impl("gated_delta_step", &gated_delta_step_cuda);
   m.impl("gated_delta_prepare_into", &gated_delta_prepare_into);
   m.impl("moe_route", &moe_route_cuda);
   m.impl("moe_experts", &moe_experts_cuda);
@@ -870,6 +943,7 @@ TORCH_LIBRARY_IMPL(dflash, Meta, m) {
   m.impl("causal_conv", &causal_conv_meta);
   m.impl("gated_delta_recurrent", &gated_delta_recurrent_meta);
   m.impl("gated_delta_prepare", &gated_delta_prepare_meta);
+  m.impl("gated_delta_step", &gated_delta_step_meta);
   m.impl("moe_route", &moe_route_meta);
   m.impl("moe_experts", &moe_experts_meta);
   m.impl("moe_sort", &moe_sort_meta);

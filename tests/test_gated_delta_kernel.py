@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from host_program import run_host_program
 
-from dflash_trt import plugins
+from dflash_trt import ops, plugins
 from dflash_trt.models.gated_delta import L2_EPS, gated_delta_rule, l2_normalize
 from dflash_trt.ops import (
     gated_delta_kernel_supports,
@@ -482,3 +482,53 @@ def test_cuda_misaligned_inputs_take_the_reference_instead_of_failing_in_the_ker
     q.copy_(case["q"])
     assert q.data_ptr() % 16 != 0
     assert torch.equal(gated_delta_recurrent(**{**case, "q": q}), gated_delta_recurrent_reference(**case))
+
+
+# -- the fused decode step (ops.gated_delta_step) ---------------------------------------------
+
+
+def step_case(bs, Hk, Hv, dtype, seed=0):
+    """An AR step's inputs as a Gated DeltaNet layer hands them over: the conv output qkv
+    (contiguous), a, b and z views of the packed projection; row 0 a new sequence, the last row
+    of several padding (no token)."""
+    D = 128
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    rand = lambda *shape, scale=1.0: (torch.randn(*shape, generator=g, device="cuda") * scale)  # noqa: E731
+    C = 2 * Hk * D + Hv * D
+    qkv = rand(bs, 1, C).to(dtype)
+    proj = rand(bs, 1, C + Hv * D + 2 * Hv + 8).to(dtype)  # in_proj's row: qkv | z | b | a (and a little more)
+    z = proj[..., C:C + Hv * D].unflatten(-1, (Hv, D))
+    b, a = proj[..., C + Hv * D:C + Hv * D + Hv], proj[..., C + Hv * D + Hv:C + Hv * D + 2 * Hv]
+    neg_a, dt_bias = -rand(Hv).exp(), rand(Hv)
+    norm_weight = (1 + rand(D, scale=0.1)).to(dtype)
+    state = rand(bs + 2, Hv, D, D, scale=0.1)
+    slots = torch.randperm(bs + 2, generator=g, device="cuda")[:bs].int()
+    start = torch.full((bs,), 7, dtype=torch.int32, device="cuda")
+    start[0] = 0
+    num_tokens = torch.ones(bs, dtype=torch.int32, device="cuda")
+    if bs > 1:
+        num_tokens[-1] = 0
+    return dict(qkv=qkv, a=a, b=b, z=z, neg_a=neg_a, dt_bias=dt_bias, norm_weight=norm_weight, state=state,
+                slots=slots, start=start, num_tokens=num_tokens, Hk=Hk)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("bs, Hk, Hv", [(1, 16, 32), (3, 16, 32), (2, 16, 16), (2, 16, 64)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_cuda_fused_decode_step_is_the_three_ops_to_the_bit(dtype, bs, Hk, Hv):
+    assert plugins.load() is not None
+    c = step_case(bs, Hk, Hv, dtype, seed=bs + Hv)
+    eps, q_scale = 1e-6, 128 ** -0.5
+    assert ops._gated_delta_step_fits(c["qkv"], c["a"], c["b"], c["z"], c["norm_weight"], c["state"], 128, 128)
+    fused_state, ops_state = c["state"].clone(), c["state"].clone()
+    y = ops.gated_delta_step(c["qkv"], c["a"], c["b"], c["z"], c["neg_a"], c["dt_bias"], c["norm_weight"], eps,
+                             L2_EPS, q_scale, fused_state, c["slots"], c["start"], c["num_tokens"], Hk)
+    inputs = ops.gated_delta_prepare(c["qkv"], c["a"], c["b"], c["neg_a"], c["dt_bias"], Hk, 128, 128, L2_EPS, q_scale)
+    out = ops.gated_delta_recurrent(*inputs, ops_state, ops_state.unsqueeze(1), c["slots"], c["start"],
+                                    c["num_tokens"], dtype)
+    expected = ops.gated_rms_norm(out, c["z"], c["norm_weight"], eps)
+    assert y.shape == expected.shape == (bs, 1, Hv, 128) and y.dtype == dtype
+    assert torch.equal(y, expected)
+    assert torch.equal(fused_state, ops_state)
+    if bs > 1:  # the padding row: zeros, its state kept
+        assert not y[-1].any() and torch.equal(fused_state[c["slots"][-1]], c["state"][c["slots"][-1]])

@@ -252,6 +252,12 @@ class GatedDeltaNet(nn.Module):
         in_place = batch.width == 1 or (prefill and batch.width <= RECURRENT_PREFILL_TOKENS)
         qkv = self._conv(qkv, batch, cache, lengths, in_place or prefill)
         neg_a, dt_bias = self._decay_constants()
+        if batch.width == 1:  # an AR step: the recurrence's inputs, its step and the gated norm in one op
+            slots, _, start, num_tokens, _ = lengths
+            out = ops.gated_delta_step(qkv, a, b, z.unflatten(-1, (lin.num_value_heads, lin.value_head_dim)), neg_a,
+                                       dt_bias, self.norm.weight, self.norm.eps, L2_EPS, lin.key_head_dim**-0.5,
+                                       cache.state[layer], slots, start, num_tokens, lin.num_key_heads)
+            return self.out_proj(out.flatten(2))
         if not prefill or in_place:
             # The recurrence's inputs in one kernel on CUDA (normalised q/k, v, gates, all fp32);
             # the state is read from the cache in place, never gathered. An AR step or a short
