@@ -7,7 +7,9 @@
 // bound by how many bytes are in flight per SM). The weight is read once, streaming (__ldcs:
 // it will not be reused); x is small and read by every warp, through L1 (__ldg), one x load
 // per R weight loads. fp32 partial sums per row, a warp sum, then the slices' sums added in
-// shared memory. launch_one_row picks R and the slices per feature count. The launch may
+// shared memory. Where there are many waves of CTAs (an LM head, a dense MLP's gate_up), a warp
+// issues its next loads before its math (lanes.h, lane_dots_pipelined). launch_one_row picks R,
+// the slices and the pipelining per feature count. The launch may
 // overlap the kernel before it (pdl.h): the CTAs that start early pull their first weight
 // lines into L2 while the input is being computed.
 //
@@ -44,7 +46,8 @@ constexpr int kLoadsInFlight = 8;  // 16-byte weight loads per lane per iteratio
 
 // A CTA's 8 warps are 8 / S groups of S: a group owns R consecutive output features, its S
 // warps each a contiguous 1/S of K; the S sums meet in shared memory, added in slice order.
-template <typename T, int R, int S>
+// kPipelined: each warp's loop is lane_dots_pipelined.
+template <typename T, int R, int S, bool kPipelined>
 __global__ void __launch_bounds__(kThreads) gemv_kernel(GemvParams p) {
   constexpr int U = kLoadsInFlight / R, kGroups = kWarps / S;
   __shared__ float part[kGroups][S][R];
@@ -69,7 +72,11 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(GemvParams p) {
   pdl_allow_dependents();
 
   float acc[R] = {};
-  lane_dots<T, R, U>(rows, x, count, lane, acc);
+  if constexpr (kPipelined) {
+    lane_dots_pipelined<T, R, U>(rows, x, count, lane, acc);
+  } else {
+    lane_dots<T, R, U>(rows, x, count, lane, acc);
+  }
 #pragma unroll
   for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]);
   if (lane == 0) {
@@ -92,14 +99,20 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // Two features a group, K in two slices, unless that leaves fewer CTAs than SMs (a router's few
 // hundred features): then one feature a group and K in four slices. Against one warp a feature
 // and all of K, the x loads per weight load halve (R = 2) and each warp's loop is shorter, so
-// the weights stream nearer copy bandwidth (BENCHMARKS.md, "GEMV").
+// the weights stream nearer copy bandwidth. With four features a warp still at least four CTAs an
+// SM, the reads are long enough for the pipelined loop's extra bytes in flight to pay (four
+// features, all of K): it wins on the LM heads and gate_up, loses on the smaller projections
+// (BENCHMARKS.md, "GEMV").
 template <typename T>
 cudaError_t launch_one_row(const GemvParams& p, int sms, cudaStream_t stream) {
   const int64_t N = p.out_features;
   const dim3 block(kThreads);
   const auto grid = [&](int features_per_cta) { return dim3(static_cast<unsigned>(ceil_div(N, features_per_cta))); };
-  if (ceil_div(N, kWarps) >= sms) return pdl_launch(gemv_kernel<T, 2, 2>, grid(kWarps), block, 0, stream, true, p);
-  return pdl_launch(gemv_kernel<T, 1, 4>, grid(kWarps / 4), block, 0, stream, true, p);
+  if (ceil_div(N, 4 * kWarps) >= 4 * sms)
+    return pdl_launch(gemv_kernel<T, 4, 1, true>, grid(4 * kWarps), block, 0, stream, true, p);
+  if (ceil_div(N, kWarps) >= sms)
+    return pdl_launch(gemv_kernel<T, 2, 2, false>, grid(kWarps), block, 0, stream, true, p);
+  return pdl_launch(gemv_kernel<T, 1, 4, false>, grid(kWarps / 4), block, 0, stream, true, p);
 }
 
 // y[m, n] for the 16 MT features n of tile blockIdx.x and every row m of x (NT tiles of 8); the

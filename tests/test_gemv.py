@@ -88,7 +88,8 @@ def tensor_core_slack(x, w):
     (37, 264),  # few features (one a warp, K in four slices of 9, 9, 9 and 6 chunks): ragged
     (4096, 4096),  # o_proj: two features a warp, K in two slices; one 16-feature tile per CTA (more rows)
     (6151, 4096),  # past qkv_proj's 6144: the last warp's second feature out of range
-    (24578, 4104),  # two K slices of 257 and 256 chunks; two tiles per CTA; ragged in both
+    (12291, 4104),  # one row: two K slices of 257 and 256 chunks, the last feature alone in its warp
+    (24578, 4104),  # many CTAs: four features a warp, pipelined loads, ragged K; two tiles per CTA
     (4096, 12288),  # down_proj
     (257, 2048),  # a Qwen3.5 MoE router: fewer CTAs of two features than SMs, so one feature a warp
 ])
