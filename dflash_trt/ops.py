@@ -223,6 +223,11 @@ def silu_mul_reference(gate_up):
     return F.silu(gate) * up
 
 
+def sigmoid_gate_reference(x, gate):
+    """Gated attention's output gate: x [..., H, D] times sigmoid(gate), gate x's shape."""
+    return x * torch.sigmoid(gate)
+
+
 def _check_rms_args(x, delta, weight, delta_name="delta"):
     assert weight.dim() == 1 and weight.shape[0] > 0 and weight.is_contiguous(), \
         f"weight must be a contiguous [H > 0] tensor, got {weight.shape}"
@@ -405,6 +410,21 @@ def silu_mul(gate_up):
         return torch.ops.dflash.silu_mul(gate_up)
     log_fallback("silu_mul", gate_up)
     return silu_mul_reference(gate_up)
+
+
+def sigmoid_gate(x, gate):
+    """x [..., H, D] contiguous times sigmoid(gate) (sigmoid_gate_reference): gate has x's shape
+    and dtype and a contiguous last dim, e.g. the gate rows of the q projection's output read in
+    place. On CUDA one kernel (plugins/layer_ops.cu) with torch's roundings, the same bits."""
+    assert x.dim() >= 2 and gate.shape == x.shape and gate.dtype == x.dtype, \
+        f"x must be [..., H, D] and gate its shape and dtype, got {tuple(x.shape)} {x.dtype} and " \
+        f"{tuple(gate.shape)} {gate.dtype}"
+    assert x.is_contiguous() and gate.stride(-1) == 1, "x must be contiguous and gate's last dim contiguous"
+    if _layer_kernel_ready(x):
+        rows = (-1, *x.shape[-2:])  # a view of gate too where its leading dims collapse (the q projection's do)
+        return torch.ops.dflash.sigmoid_gate(x.reshape(rows), gate.reshape(rows)).view(x.shape)
+    log_fallback("sigmoid_gate", x)
+    return sigmoid_gate_reference(x, gate)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -316,6 +316,33 @@ __global__ void __launch_bounds__(kSiluThreads) silu_mul_kernel(SiluMulParams p)
 }
 
 // ---------------------------------------------------------------------------------------------
+// sigmoid_gate: a grid-stride loop over vectors of V outputs (as silu_mul), the gate gathered
+// through its strides. A programmatic dependent of the attention before it, and o_proj after it
+// may fetch its first weight lines meanwhile: two PyTorch kernels (sigmoid, multiply) did this
+// without either.
+
+template <typename T, int V>
+__global__ void __launch_bounds__(kSiluThreads) sigmoid_gate_kernel(SigmoidGateParams p) {
+  pdl_wait();
+  pdl_allow_dependents();  // as rms_norm_kernel
+  const int64_t per_head = p.head_dim / V, per_row = p.heads * per_head;
+  const int64_t total = p.rows * per_row;
+  const T* x = static_cast<const T*>(p.x);
+  const T* gate = static_cast<const T*>(p.gate);
+  T* out = static_cast<T*>(p.out);
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / per_row, h = i % per_row / per_head, j = i % per_head * V;
+    float a[V], g[V], y[V];
+    load<V>(x + i * V, a);
+    load<V>(gate + r * p.gate_row_stride + h * p.gate_head_stride + j, g);
+#pragma unroll
+    for (int k = 0; k < V; ++k) y[k] = __fmul_rn(a[k], rounded<T>(1.0f / (1.0f + expf(-g[k]))));
+    store<V>(out + i * V, y);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // causal_conv: a thread per (row, channel) keeps the channel's last W inputs in registers and
 // walks the row's T tokens; neighbouring threads take neighbouring channels (coalesced). The
 // Qwen3.5/3.6 kernel size (4) is a template argument, so that the window's indices are known
@@ -493,6 +520,26 @@ cudaError_t silu_mul_launch(const SiluMulParams& p, cudaStream_t stream) {
     using T = typename decltype(t)::type;
     return pdl_launch(vec8 ? silu_mul_kernel<T, 8> : silu_mul_kernel<T, 1>, dim3(blocks), dim3(kSiluThreads), 0, stream,
                       true, p);
+  });
+}
+
+const char* sigmoid_gate_check(const SigmoidGateParams& p) {
+  if (p.rows < 0 || p.heads < 0 || p.head_dim < 0) return "negative rows, heads or head_dim";
+  if ((p.rows > 0 && p.heads > 0 && p.head_dim > 0) && (!p.x || !p.gate || !p.out)) return "null pointer";
+  return nullptr;
+}
+
+cudaError_t sigmoid_gate_launch(const SigmoidGateParams& p, cudaStream_t stream) {
+  if (sigmoid_gate_check(p) != nullptr) return cudaErrorInvalidValue;
+  if (p.rows == 0 || p.heads == 0 || p.head_dim == 0) return cudaSuccess;
+  const bool vec8 = p.head_dim % 8 == 0 && p.gate_row_stride % 8 == 0 && p.gate_head_stride % 8 == 0 &&
+                    aligned(p.x, 16) && aligned(p.gate, 16) && aligned(p.out, 16);
+  const int64_t vectors = p.rows * p.heads * (vec8 ? p.head_dim / 8 : p.head_dim);
+  const int blocks = static_cast<int>(std::min<int64_t>((vectors + kSiluThreads - 1) / kSiluThreads, kSiluMaxBlocks));
+  return by_dtype(p.dtype, [&](auto t) {
+    using T = typename decltype(t)::type;
+    return pdl_launch(vec8 ? sigmoid_gate_kernel<T, 8> : sigmoid_gate_kernel<T, 1>, dim3(blocks),
+                      dim3(kSiluThreads), 0, stream, true, p);
   });
 }
 

@@ -7,6 +7,8 @@
 //                            optionally the K/V cache write, in one launch (also Qwen3.5/3.6's
 //                            gated attention: zero-centred norms, RoPE on part of each head)
 //   silu_mul                 silu(gate) * up of the packed gate_up output
+//   sigmoid_gate             attention output times sigmoid of its gate (Qwen3.5/3.6's gated
+//                            attention), the gate read in place in the q projection's output
 //   causal_conv              the Gated DeltaNet conv + SiLU of a decode pass, with its window
 //
 // Every op rounds exactly where the PyTorch model code does (bf16/fp16 elementwise ops
@@ -14,7 +16,7 @@
 // of an RMSNorm's fp32 sum of squares, which rarely (about 1e-5 of bf16 outputs, 1e-4 of
 // fp16) moves a normalised value by one unit in its last place.
 // The Python references with exactly these semantics are dflash_trt.ops.rms_norm_reference,
-// add_rms_norm_reference, qk_norm_rope_reference and silu_mul_reference.
+// add_rms_norm_reference, qk_norm_rope_reference, silu_mul_reference and sigmoid_gate_reference.
 
 #pragma once
 
@@ -115,6 +117,23 @@ struct SiluMulParams {
 
 const char* silu_mul_check(const SiluMulParams& p);
 cudaError_t silu_mul_launch(const SiluMulParams& p, cudaStream_t stream);
+
+// out[r, h, j] = round(float(x[r, h, j]) * round(sigmoid(g))) with g = gate[r, h, j],
+// sigmoid(g) = 1 / (1 + exp(-g)) in fp32 (torch's formula).
+struct SigmoidGateParams {
+  DType dtype = DType::kBFloat16;
+  int64_t rows = 0;
+  int64_t heads = 0;
+  int64_t head_dim = 0;
+  const void* x = nullptr;         // [rows, heads, head_dim] contiguous
+  const void* gate = nullptr;      // [rows, heads, head_dim], elements gate_row_stride / gate_head_stride / 1 apart
+  int64_t gate_row_stride = 0;
+  int64_t gate_head_stride = 0;
+  void* out = nullptr;             // [rows, heads, head_dim] contiguous
+};
+
+const char* sigmoid_gate_check(const SigmoidGateParams& p);
+cudaError_t sigmoid_gate_launch(const SigmoidGateParams& p, cudaStream_t stream);
 
 // The depthwise causal conv + SiLU of a Gated DeltaNet decode pass (Qwen3.5/3.6), every row
 // T tokens, continuing each row's window in the cache. Row b, channel c, K = W + 1 taps:

@@ -335,6 +335,33 @@ at::Tensor silu_mul_cuda(const at::Tensor& gate_up) {
   return out;
 }
 
+// x [R, H, D] contiguous, gate [R, H, D] in x's dtype with a contiguous last dim (a view of the
+// q projection's output) -> x * sigmoid(gate) [R, H, D].
+at::Tensor sigmoid_gate_cuda(const at::Tensor& x, const at::Tensor& gate) {
+  TORCH_CHECK(x.is_cuda() && gate.device() == x.device(), "x and gate must be on one GPU");
+  const dflash::DType dtype = model_dtype(x, "x");
+  TORCH_CHECK(x.dim() == 3 && x.is_contiguous(), "x must be a contiguous [R, H, D] tensor, got ", x.sizes());
+  TORCH_CHECK(gate.scalar_type() == x.scalar_type() && gate.sizes() == x.sizes() && gate.stride(2) == 1,
+              "gate must be x's shape ", x.sizes(), " and dtype with a contiguous last dim, got ", gate.sizes(),
+              " strides ", gate.strides());
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto out = at::empty(x.sizes(), x.options());
+  if (out.numel() == 0) return out;
+  dflash::SigmoidGateParams p;
+  p.dtype = dtype;
+  p.rows = x.size(0);
+  p.heads = x.size(1);
+  p.head_dim = x.size(2);
+  p.x = x.data_ptr();
+  p.gate = gate.data_ptr();
+  p.gate_row_stride = gate.stride(0);
+  p.gate_head_stride = gate.stride(1);
+  p.out = out.data_ptr();
+  if (const char* why = dflash::sigmoid_gate_check(p)) TORCH_CHECK(false, "sigmoid_gate: ", why);
+  check_launch(dflash::sigmoid_gate_launch(p, c10::cuda::getCurrentCUDAStream().stream()), "sigmoid_gate");
+  return out;
+}
+
 // x [M, K] (M <= 16), weight [N, K], bias [N] or None, all one dtype, contiguous -> [M, N].
 at::Tensor gemv_cuda(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.is_cuda() && weight.is_cuda() && weight.device() == x.device(), "x and weight must be on one GPU");
@@ -449,6 +476,8 @@ at::Tensor causal_conv_meta(const at::Tensor& x, const at::Tensor&, const at::Te
 at::Tensor gemv_meta(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>&) {
   return at::empty({x.size(0), weight.size(0)}, x.options());
 }
+
+at::Tensor sigmoid_gate_meta(const at::Tensor& x, const at::Tensor&) { return at::empty(x.sizes(), x.options()); }
 
 at::Tensor silu_mul_meta(const at::Tensor& gate_up) {
   auto sizes = gate_up.sizes().vec();
@@ -884,6 +913,7 @@ TORCH_LIBRARY(dflash, m) {
       "Tensor? positions=None, bool zero_centered=False, int rotary_dim=0, bool q_gate=False) "
       "-> (Tensor, Tensor, Tensor)");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("sigmoid_gate(Tensor x, Tensor gate) -> Tensor");
   m.def("gemv(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
   m.def(
       "causal_conv(Tensor x, Tensor weight, Tensor(a!) conv_cache, Tensor(b!)? snapshots, Tensor slots, "
@@ -920,6 +950,7 @@ TORCH_LIBRARY_IMPL(dflash, CUDA, m) {
   m.impl("gated_rms_norm", &gated_rms_norm_cuda);
   m.impl("qk_norm_rope", &qk_norm_rope_cuda);
   m.impl("silu_mul", &silu_mul_cuda);
+  m.impl("sigmoid_gate", &sigmoid_gate_cuda);
   m.impl("gemv", &gemv_cuda);
   m.impl("causal_conv", &causal_conv_cuda);
   m.impl("gated_delta_recurrent", &gated_delta_recurrent_cuda);
@@ -939,6 +970,7 @@ TORCH_LIBRARY_IMPL(dflash, Meta, m) {
   m.impl("gated_rms_norm", &gated_rms_norm_meta);
   m.impl("qk_norm_rope", &qk_norm_rope_meta);
   m.impl("silu_mul", &silu_mul_meta);
+  m.impl("sigmoid_gate", &sigmoid_gate_meta);
   m.impl("gemv", &gemv_meta);
   m.impl("causal_conv", &causal_conv_meta);
   m.impl("gated_delta_recurrent", &gated_delta_recurrent_meta);

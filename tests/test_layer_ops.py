@@ -25,6 +25,8 @@ from dflash_trt.ops import (
     qk_norm_rope_reference,
     rms_norm,
     rms_norm_reference,
+    sigmoid_gate,
+    sigmoid_gate_reference,
     silu_mul,
     silu_mul_reference,
 )
@@ -455,6 +457,13 @@ def bad_calls():
                                   lambda: rms_norm(torch.randn(2, 0), torch.randn(0), EPS)),
         "silu_mul odd width": ("gate_up must be", lambda: silu_mul(torch.randn(3, 7))),
         "silu_mul strided": ("gate_up must be contiguous", lambda: silu_mul(torch.randn(8, 3).t())),
+        "sigmoid_gate shapes": ("gate its shape", lambda: sigmoid_gate(torch.randn(2, 4, 8), torch.randn(2, 4, 16))),
+        "sigmoid_gate gate dtype": ("gate its shape and dtype", lambda: sigmoid_gate(torch.randn(2, 4, 8),
+                                                                                   torch.randn(2, 4, 8).half())),
+        "sigmoid_gate strided x": ("x must be contiguous", lambda: sigmoid_gate(torch.randn(4, 2, 8).transpose(0, 1),
+                                                                             torch.randn(2, 4, 8))),
+        "sigmoid_gate strided gate": ("gate's last dim contiguous",
+                                      lambda: sigmoid_gate(torch.randn(2, 4, 8), torch.randn(2, 8, 4).transpose(1, 2))),
     }
 
 
@@ -749,6 +758,21 @@ def test_cuda_silu_mul_matches_the_reference(dtype, N, inter):
     check_close("silu_mul", silu_mul(gate_up), ref, ulp(ref, dtype))
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("heads, head_dim, extra", [(16, 256, 2304), (32, 128, 0), (4, 100, 8), (2, 64, 3)])
+@pytest.mark.parametrize("N", ROWS)
+@pytest.mark.parametrize("dtype", CUDA_DTYPES.values(), ids=CUDA_DTYPES.keys())
+def test_cuda_sigmoid_gate_matches_the_reference(dtype, N, heads, head_dim, extra):
+    # the gate as a view of a q projection's output (query rows, then gate rows, per head, then
+    # `extra` k/v columns); head_dim 100 or a row stride not a multiple of 8: the scalar path
+    assert plugins.load() is not None
+    qkv = rand(N, heads * 2 * head_dim + extra, dtype=dtype, device="cuda", seed=N, scale=4.0)
+    gate = qkv[:, :heads * 2 * head_dim].unflatten(-1, (heads, 2 * head_dim))[..., head_dim:]
+    x = rand(N, heads, head_dim, dtype=dtype, device="cuda", seed=N + 1, scale=2.0)
+    ref = sigmoid_gate_reference(x, gate)
+    check_close("sigmoid_gate", sigmoid_gate(x, gate), ref, ulp(ref, dtype))
+
+
 # ----------------------------------------------------------------------------------------------
 # CUDA graphs: capture once, change the inputs in place, replay.
 
@@ -817,6 +841,16 @@ def test_cuda_qk_norm_rope_replays_in_a_cuda_graph_with_new_slots_and_positions(
              zero_centered=variant.get("zero_centered", False), q_gate=variant.get("q_gate", False))
     k_cache[index] = k_ref[index]  # the rest must be untouched (zero)
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+@pytest.mark.cuda
+def test_cuda_sigmoid_gate_replays_in_a_cuda_graph():
+    qkv = rand(16, 16 * 512 + 2304, dtype=torch.bfloat16, device="cuda")
+    gate = qkv[:, :16 * 512].unflatten(-1, (16, 512))[..., 256:]
+    x = rand(16, 16, 256, dtype=torch.bfloat16, device="cuda", seed=1)
+    out = replay_after(lambda: sigmoid_gate(x, gate), lambda: refill(qkv, x, seed=31))
+    ref = sigmoid_gate_reference(x, gate)
+    check_close("sigmoid_gate", out, ref, ulp(ref, torch.bfloat16))
 
 
 @pytest.mark.cuda

@@ -187,9 +187,8 @@ class GatedAttention(nn.Module):
         out = paged_block_attention(q.unflatten(0, (bs, T)), cache.k[self.cache_layer], cache.v[self.cache_layer],
                                     slots, end, start, causal=True, scale=self.scale, max_keys=batch.max_end,
                                     fa3_ok=batch.full_rows)
-        # sigmoid reads the gate where the projection left it (flattening the strided view first
-        # would copy it: a kernel more a layer)
-        return self.o_proj((out * torch.sigmoid(gate)).flatten(2))
+        # one kernel on CUDA reads the gate where the projection left it (ops.sigmoid_gate)
+        return self.o_proj(ops.sigmoid_gate(out, gate).flatten(2))
 
 
 class GatedDeltaNet(nn.Module):
