@@ -13,7 +13,7 @@ Random weights of a real shape (dflash_trt.benchmark.random_weights), greedy, on
 3. a torch.profiler trace of a few AR and DFlash steps at batch 1, summed per kernel family;
 4. with --ablate, the AR step at batch 1 again with each kind of layer part left out (the
    routed experts, the MoE blocks, the dense MLPs, the attention or linear-attention mixers,
-   the attention, delta-rule and conv kernels alone):
+   the attention, delta-rule and conv kernels alone, the residual norms):
    what each costs inside the step. The trace's per-kernel times do not add up to that: a
    kernel launched to overlap the one before it (plugins/pdl.h) counts the wait as its own.
 
@@ -192,15 +192,25 @@ def _no_conv(x, *args, **kwargs):
     return x
 
 
+def _no_add_norm(x, delta, *args, **kwargs):
+    return x, delta  # the stream as it was, the delta as the normed input: no kernel
+
+
+def _no_norm(x, weight, *args, **kwargs):
+    return x.to(weight.dtype)  # the first layer's fp32 input: one cast kernel
+
+
 def ablations(target) -> dict[str, list[tuple[object, str, object]]]:
     """The parts of the target's layers an ablation can leave out: label -> the (owner,
     attribute, replacement) patches that leave it out. A left-out module or op returns zeros of
-    its output's shape (one memset kernel); a left-out conv returns its input."""
+    its output's shape (one memset kernel); a left-out conv returns its input, a left-out
+    residual norm its delta (and the stream unchanged)."""
     from dflash_trt.models import qwen3
     from dflash_trt.models.layers import MLP
 
     kinds = {type(m) for m in target.modules()}
-    parts = {}
+    # every layer's two residual norms (their adds) and the final one; not q/k or gated norms
+    parts = {"residual norms": [(ops, "add_rms_norm", _no_add_norm), (ops, "rms_norm", _no_norm)]}
     if SparseMoeBlock in kinds:
         parts["routed experts"] = [(ops, "moe_experts", _no_experts)]
     for label, cls in (("MoE blocks", SparseMoeBlock), ("dense MLPs", MLP), ("attention layers", qwen3.Qwen3Attention),

@@ -22,10 +22,10 @@ TINY = {
                                    linear_heads=(2, 4), num_experts=8, experts_per_tok=2, moe_intermediate_size=32,
                                    shared_expert_size=32),
                    {"routed experts", "MoE blocks", "gated attention layers", "linear attention layers",
-                    "attention kernels", "delta rule kernels", "causal convs"}),
+                    "attention kernels", "delta rule kernels", "causal convs", "residual norms"}),
     "qwen3": (rw.TinyPairSpec(hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
                               head_dim=16, target_layer_ids=(1, 2)),
-              {"dense MLPs", "attention layers", "attention kernels"}),
+              {"dense MLPs", "attention layers", "attention kernels", "residual norms"}),
 }
 
 
