@@ -415,7 +415,8 @@ def silu_mul(gate_up):
 def sigmoid_gate(x, gate):
     """x [..., H, D] contiguous times sigmoid(gate) (sigmoid_gate_reference): gate has x's shape
     and dtype and a contiguous last dim, e.g. the gate rows of the q projection's output read in
-    place. On CUDA one kernel (plugins/layer_ops.cu) with torch's roundings, the same bits."""
+    place. On CUDA one kernel (plugins/layer_ops.cu) rounding where torch does; its GPU tests hold it
+    within one unit in the last place of the reference."""
     assert x.dim() >= 2 and gate.shape == x.shape and gate.dtype == x.dtype, \
         f"x must be [..., H, D] and gate its shape and dtype, got {tuple(x.shape)} {x.dtype} and " \
         f"{tuple(gate.shape)} {gate.dtype}"

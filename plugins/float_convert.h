@@ -18,5 +18,12 @@ template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 template <>
 __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <>
+__device__ __forceinline__ float from_float<float>(float x) { return x; }
+
+// x rounded to T (nearest even, as torch's .to(dtype)) and back: the value a torch op
+// producing a T tensor hands to the next op (T = float: x itself).
+template <typename T>
+__device__ __forceinline__ float rounded(float x) { return to_float(from_float<T>(x)); }
 
 }  // namespace dflash

@@ -654,17 +654,7 @@ __global__ void __launch_bounds__(kPrepareThreads) gated_delta_prepare_kernel(Ga
 
 constexpr int kStepWarps = kGatedDeltaStepDim / kWarpCols;  // 8
 
-template <typename T>
-__device__ __forceinline__ float step_rounded(float x) { return to_float(from_float<T>(x)); }
-
-// 8 consecutive elements (16 bytes) -> fp32, and back rounded to T
-template <typename T>
-__device__ __forceinline__ void load8(const T* src, float (&dst)[8]) {
-  const uint4 raw = *reinterpret_cast<const uint4*>(src);
-  const T* e = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) dst[i] = to_float(e[i]);
-}
+// 8 fp32 values rounded to T into 16 bytes at dst (the loads: lanes.h unpack8)
 template <typename T>
 __device__ __forceinline__ void store8(T* dst, const float (&src)[8]) {
   uint4 raw;
@@ -741,7 +731,7 @@ __global__ void __launch_bounds__(kStepWarps * 32) gated_delta_step_kernel(Gated
   }
   if (r == 0) {  // the output as the token loop stores it: rounded to the dtype
 #pragma unroll
-    for (int e = 0; e < 4; ++e) o_s[col + e] = step_rounded<T>(out4[e]);
+    for (int e = 0; e < 4; ++e) o_s[col + e] = rounded<T>(out4[e]);
   }
   __syncthreads();
 
@@ -754,7 +744,8 @@ __global__ void __launch_bounds__(kStepWarps * 32) gated_delta_step_kernel(Gated
   if (i < D) {
 #pragma unroll
     for (int k = 0; k < 8; ++k) sv[k] = o_s[i + k];
-    load8<T>(z + i, zv);
+    const uint4 zr = *reinterpret_cast<const uint4*>(z + i);
+    unpack8<T>(zr, zv);
 #pragma unroll
     for (int k = 0; k < 8; ++k) sq = __fadd_rn(sq, __fmul_rn(sv[k], sv[k]));
   }
@@ -762,11 +753,12 @@ __global__ void __launch_bounds__(kStepWarps * 32) gated_delta_step_kernel(Gated
   const float inv = rsqrtf(__fadd_rn(__fmul_rn(sq, 1.0f / D), p.norm_eps));
   if (i < D) {
     float w[8], y[8];
-    load8<T>(static_cast<const T*>(p.norm_weight) + i, w);
+    const uint4 wr = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.norm_weight) + i);
+    unpack8<T>(wr, w);
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
-      y[k] = __fmul_rn(w[k], step_rounded<T>(__fmul_rn(sv[k], inv)));
-      y[k] = __fmul_rn(step_rounded<T>(y[k]), zv[k] / (1.0f + expf(-zv[k])));
+      y[k] = __fmul_rn(w[k], rounded<T>(__fmul_rn(sv[k], inv)));
+      y[k] = __fmul_rn(rounded<T>(y[k]), zv[k] / (1.0f + expf(-zv[k])));
     }
     store8<T>(static_cast<T*>(p.y) + (static_cast<int64_t>(b) * Hv + h) * D + i, y);
   }

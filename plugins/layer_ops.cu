@@ -29,11 +29,6 @@
 namespace dflash {
 namespace {
 
-// x rounded to T (nearest even, as torch's .to(dtype)) and back: the value a torch op
-// producing a T tensor hands to the next op.
-template <typename T>
-__device__ __forceinline__ float rounded(float x) { return to_float(from_float<T>(x)); }
-
 // N consecutive elements at src (N * sizeof(T) a multiple of 16: 16-byte loads; N == 1: one
 // plain load) -> fp32.
 template <int N, typename T>

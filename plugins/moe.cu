@@ -202,9 +202,6 @@ __device__ __forceinline__ T to_dtype(float x) {
   else return from_float<T>(x);
 }
 
-template <typename T>
-__device__ __forceinline__ float rounded(float x) { return to_float(to_dtype<T>(x)); }
-
 // The chunk of this CTA (blockIdx.y): one token's pick blockIdx.y, or the sort's chunk; false
 // past the routed work.
 __device__ __forceinline__ bool read_chunk(const MoeParams& p, const Layout& l, int4& chunk) {
