@@ -125,8 +125,8 @@ def measure(shape: str, n: int, dtype: torch.dtype, gate_up, down, shared: bool 
            "distinct_experts": distinct,
            "bytes": nbytes, "op_path": "grouped" if grouped else "fused"}
     candidates = {
-        "op": lambda: ops.moe_experts(*args),
-        "fused": lambda: torch.ops.dflash.moe_experts(*args),
+        "op": lambda: ops.moe_experts(*args, shared_last=shared),
+        "fused": lambda: torch.ops.dflash.moe_experts(*args, True, shared),
         "cublas": cublas_loop(*args),
     }
     if dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability() >= (9, 0):

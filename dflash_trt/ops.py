@@ -513,9 +513,12 @@ MOE_MAX_SLOTS = 1 << 19  # N k of one launch (its grid); larger passes go in tok
 MOE_MAX_EXPERTS = 2048  # plugins/moe.h kMoeMaxExperts
 
 
-def moe_experts(x, gate_up, down, weights, ids, out_dtype=torch.float32):
+def moe_experts(x, gate_up, down, weights, ids, out_dtype=torch.float32, shared_last: bool = False):
     """The routed experts of a pass (semantics of moe_experts_reference) -> [N, H] in
     out_dtype: fp32, or x's dtype (the sum rounded once, as .to() would, without a kernel more).
+    shared_last: every token's last pick is expert E - 1 (a shared expert packed last, as
+    moe_route(shared=True) picks it), a hint that lets one token's kernel fetch that expert's
+    weights before the routing is done; the result is the same either way.
 
     On CUDA once the plugins are built (bf16, fp16 or fp32; H and I multiples of 8): the fused
     kernels of plugins/moe.cu, which read each picked expert's weights once per 8 or 16 of its
@@ -549,12 +552,12 @@ def moe_experts(x, gate_up, down, weights, ids, out_dtype=torch.float32):
         return moe_experts_reference(x, gate_up, down, weights, ids, out_dtype)
     step = MOE_MAX_SLOTS // max(ids.shape[1], 1)
     if N > step:
-        return torch.cat([moe_experts(x[i:i + step], gate_up, down, weights[i:i + step], ids[i:i + step], out_dtype)
-                          for i in range(0, N, step)])
+        return torch.cat([moe_experts(x[i:i + step], gate_up, down, weights[i:i + step], ids[i:i + step], out_dtype,
+                                      shared_last) for i in range(0, N, step)])
     x, weights, ids = x.contiguous(), weights.contiguous(), ids.contiguous()
     if _moe_grouped_fits(x, ids.numel(), E):
         return _moe_experts_grouped(x, gate_up, down, weights, ids, out_dtype)
-    return torch.ops.dflash.moe_experts(x, gate_up, down, weights, ids, out_dtype == torch.float32)
+    return torch.ops.dflash.moe_experts(x, gate_up, down, weights, ids, out_dtype == torch.float32, shared_last)
 
 
 def _moe_kernel_fits(x, gate_up, down) -> bool:

@@ -607,14 +607,24 @@ constexpr int kTokenMaxPicks = 32;  // k of the one-token kernels (their shared 
 // row I + r of expert ids[j], silu(gate) * up rounded as the tile kernel rounds it.
 template <typename T>
 __global__ void __launch_bounds__(kTokenThreads) moe_token_gate_up_kernel(MoeParams p) {
-  pdl_wait();  // the ids come from the kernel before
-  pdl_allow_dependents();
   const int lane = threadIdx.x % 32;
   const int64_t w = static_cast<int64_t>(blockIdx.x) * kTokenWarps + threadIdx.x / 32;
-  if (w >= static_cast<int64_t>(p.top_k) * p.inter) return;
+  const int64_t chunks = p.hidden / 8;
+  const bool live = w < static_cast<int64_t>(p.top_k) * p.inter;
+  if (live && p.shared_last && w / p.inter == p.top_k - 1) {  // known before the routing: its rows into L2
+    const int64_t row = static_cast<int64_t>(p.experts - 1) * 2 * p.inter + w % p.inter;
+    const char* gate = reinterpret_cast<const char*>(static_cast<const uint4*>(p.gate_up) + row * chunks);
+    const char* up = gate + static_cast<int64_t>(p.inter) * chunks * 16;
+    for (int64_t b = 128 * lane; b < chunks * 16; b += 128 * 32) {
+      prefetch_l2(gate + b);
+      prefetch_l2(up + b);
+    }
+  }
+  pdl_wait();  // the ids come from the kernel before
+  pdl_allow_dependents();
+  if (!live) return;
   const int j = static_cast<int>(w / p.inter), r = static_cast<int>(w % p.inter), e = p.ids[j];
   if (e < 0 || e >= p.experts) return;  // adds nothing: the down kernel skips the pick
-  const int64_t chunks = p.hidden / 8;
   const uint4* gate = static_cast<const uint4*>(p.gate_up) + (static_cast<int64_t>(e) * 2 * p.inter + r) * chunks;
   const uint4* const rows[2] = {gate, gate + static_cast<int64_t>(p.inter) * chunks};  // gate row r, up row I + r
   float acc[2] = {};

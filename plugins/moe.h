@@ -58,6 +58,10 @@ struct MoeParams {
   void* y = nullptr;               // [N k, H] scratch in the dtype
   DType out_dtype = DType::kFloat32;  // fp32 or the dtype
   void* out = nullptr;             // [N, H]
+  // true: every token's last pick is expert E - 1 (a shared expert packed as the last one), so
+  // the one-token gate_up pulls its rows into L2 before the ids are ready. A hint: the ids
+  // decide what is computed.
+  bool shared_last = false;
 };
 
 // Scratch ints of a launch (the sort's outputs and the chunk list).

@@ -733,8 +733,9 @@ at::Tensor gated_delta_recurrent_meta(const at::Tensor& q, const at::Tensor&, co
 
 // x [N, H] bf16, fp16 or fp32; gate_up [E, 2I, H], down [E, H, I] in x's dtype; weights [N, k]
 // fp32; ids [N, k] int32; all contiguous. Returns [N, H] in fp32, or in x's dtype with fp32_out false.
+// shared_last: a hint (moe.h) that every token's last pick is expert E - 1.
 at::Tensor moe_experts_cuda(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down,
-                            const at::Tensor& weights, const at::Tensor& ids, bool fp32_out) {
+                            const at::Tensor& weights, const at::Tensor& ids, bool fp32_out, bool shared_last) {
   TORCH_CHECK(x.is_cuda(), "x must be a CUDA tensor");
   const std::optional<dflash::DType> dtype = attention_dtype(x.scalar_type());
   TORCH_CHECK(dtype.has_value(), "x must be bf16, fp16 or fp32, got ", x.scalar_type());
@@ -779,6 +780,7 @@ at::Tensor moe_experts_cuda(const at::Tensor& x, const at::Tensor& gate_up, cons
   p.act = act.data_ptr();
   p.y = y.data_ptr();
   p.out = out.data_ptr();
+  p.shared_last = shared_last;
   if (const char* why = dflash::moe_check(p)) TORCH_CHECK(false, "moe_experts: ", why);
   check_launch(dflash::moe_launch(p, c10::cuda::getCurrentCUDAStream().stream()), "moe_experts");
   return out;
@@ -883,7 +885,7 @@ std::tuple<at::Tensor, at::Tensor> moe_route_meta(const at::Tensor& logits, int6
 }
 
 at::Tensor moe_experts_meta(const at::Tensor& x, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                            const at::Tensor&, bool fp32_out) {
+                            const at::Tensor&, bool fp32_out, bool) {
   return at::empty(x.sizes(), fp32_out ? x.options().dtype(at::kFloat) : x.options());
 }
 
@@ -935,8 +937,8 @@ TORCH_LIBRARY(dflash, m) {
       "float eps, float q_scale) -> ()");
   m.def("moe_route(Tensor logits, int top_k, bool renormalize, bool shared) -> (Tensor, Tensor)");
   m.def(
-      "moe_experts(Tensor x, Tensor gate_up, Tensor down, Tensor weights, Tensor ids, bool fp32_out=True) "
-      "-> Tensor");
+      "moe_experts(Tensor x, Tensor gate_up, Tensor down, Tensor weights, Tensor ids, bool fp32_out=True, "
+      "bool shared_last=False) -> Tensor");
   m.def("moe_sort(Tensor ids, int num_experts) -> (Tensor, Tensor, Tensor)");
   m.def(
       "moe_combine(Tensor y, Tensor weights, Tensor ids, Tensor? rows, int num_experts, bool fp32_out=True) "

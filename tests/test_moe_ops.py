@@ -272,6 +272,26 @@ def test_cuda_one_token_matches_the_reference_at_any_width_and_pick_count(exact_
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("last", ["shared", "routed"])
+@pytest.mark.parametrize("N", [1, 16, 2048])
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_cuda_shared_last_hint_changes_no_result(dtype, N, last):
+    # the hint only moves a fetch ahead; where the last pick is not expert E - 1 (routed), the
+    # ids still decide what is computed
+    args, _, _ = run_case(dtype, "35b-a3b", 256, 8, N)
+    x, gate_up, down, weights, ids = args
+    if last == "shared":
+        ids = torch.cat([ids[:, :-1], torch.full_like(ids[:, :1], gate_up.shape[0] - 1)], dim=1)
+    plain = moe_experts(x, gate_up, down, weights, ids)
+    assert torch.equal(moe_experts(x, gate_up, down, weights, ids, shared_last=True), plain)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = moe_experts(x, gate_up, down, weights, ids, shared_last=True)
+    graph.replay()
+    assert torch.equal(captured, plain)
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("N", [1, 16, 128, 2048])
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_cuda_wrapper_takes_the_path_its_threshold_names(dtype, N):

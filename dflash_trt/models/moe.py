@@ -62,7 +62,7 @@ class SparseMoeBlock(nn.Module):
         # the sum in fp32, rounded once: by the kernel unless a separate shared expert adds to it
         separate_shared = self.moe.shared_expert_size and not self.packed_shared
         out = ops.moe_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids,
-                              torch.float32 if separate_shared else h.dtype)
+                              torch.float32 if separate_shared else h.dtype, shared_last=self.packed_shared)
         if separate_shared:
             out = out + torch.sigmoid(self.shared_expert_gate(x)).float() * self.shared_expert(x).float()
         return out.to(h.dtype).unflatten(0, h.shape[:2])
