@@ -3,7 +3,9 @@
 // live in dflash_trt/ops.py (see README.md here).
 
 #include <optional>
+#include <string>
 #include <tuple>
+#include <type_traits>
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAStream.h>
@@ -19,20 +21,50 @@
 
 namespace {
 
+// The checks' messages, made from strings here: on the GPU machine (torch 2.11+cu130) a failed
+// TORCH_CHECK whose message streamed a number or a size list into c10::str crashed the process
+// (a segfault) instead of raising, while string-only messages raised; so numbers are formatted
+// by std::to_string, never by an ostream (tests/test_op_errors.py).
+std::string message_part(const char* s) { return s; }
+std::string message_part(const std::string& s) { return s; }
+std::string message_part(at::ScalarType t) { return c10::toString(t); }
+std::string message_part(at::IntArrayRef v) {
+  std::string out = "[";
+  for (size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + std::to_string(v[i]);
+  return out + "]";
+}
+template <typename I, typename = std::enable_if_t<std::is_integral_v<I>>>
+std::string message_part(I v) {
+  return std::to_string(v);
+}
+
+template <typename... Parts>
+std::string message(const Parts&... parts) {
+  std::string out;
+  ((out += message_part(parts)), ...);
+  return out;
+}
+
+// TORCH_CHECK with the message made by message(): raises c10::Error (a RuntimeError in Python).
+#define DFLASH_CHECK(cond, ...)                            \
+  do {                                                     \
+    if (!(cond)) TORCH_CHECK(false, message(__VA_ARGS__)); \
+  } while (0)
+
 void fill_strides3(int64_t (&dst)[3], const at::Tensor& t) {
   for (int i = 0; i < 3; ++i) dst[i] = t.stride(i);
 }
 
 void check_kv(const at::Tensor& t, const char* name, const at::Tensor& q) {
-  TORCH_CHECK(t.is_cuda() && t.device() == q.device(), name, " must be on q's CUDA device");
-  TORCH_CHECK(t.scalar_type() == q.scalar_type(), name, " must have q's dtype");
-  TORCH_CHECK(t.dim() == 4 && t.stride(3) == 1, name, " must be 4-D with a contiguous last dim");
+  DFLASH_CHECK(t.is_cuda() && t.device() == q.device(), name, " must be on q's CUDA device");
+  DFLASH_CHECK(t.scalar_type() == q.scalar_type(), name, " must have q's dtype");
+  DFLASH_CHECK(t.dim() == 4 && t.stride(3) == 1, name, " must be 4-D with a contiguous last dim");
 }
 
 void check_index(const at::Tensor& t, const char* name, const at::Tensor& q) {
-  TORCH_CHECK(t.is_cuda() && t.device() == q.device(), name, " must be on q's CUDA device");
-  TORCH_CHECK(t.scalar_type() == at::kInt, name, " must be int32");
-  TORCH_CHECK(t.dim() == 1 && t.size(0) == q.size(0) && t.is_contiguous(), name, " must be a contiguous [bs] tensor");
+  DFLASH_CHECK(t.is_cuda() && t.device() == q.device(), name, " must be on q's CUDA device");
+  DFLASH_CHECK(t.scalar_type() == at::kInt, name, " must be int32");
+  DFLASH_CHECK(t.dim() == 1 && t.size(0) == q.size(0) && t.is_contiguous(), name, " must be a contiguous [bs] tensor");
 }
 
 // The dtypes block_attention takes; dflash::block_attention_supports (block_attention.h) says
@@ -53,25 +85,25 @@ at::Tensor block_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache, 
                                 const at::Tensor& slots, const at::Tensor& ctx_len, const at::Tensor& q_start,
                                 const std::optional<at::Tensor>& k_blk, const std::optional<at::Tensor>& v_blk,
                                 bool causal, int64_t window, double scale, int64_t max_keys, int64_t num_splits) {
-  TORCH_CHECK(q.is_cuda(), "q must be a CUDA tensor");
+  DFLASH_CHECK(q.is_cuda(), "q must be a CUDA tensor");
   const std::optional<dflash::DType> dtype = attention_dtype(q.scalar_type());
-  TORCH_CHECK(dtype.has_value(), "q must be bf16, fp16 or fp32, got ", q.scalar_type());
-  TORCH_CHECK(q.dim() == 4 && q.stride(3) == 1, "q must be [bs, T, Hq, d] with a contiguous last dim");
+  DFLASH_CHECK(dtype.has_value(), "q must be bf16, fp16 or fp32, got ", q.scalar_type());
+  DFLASH_CHECK(q.dim() == 4 && q.stride(3) == 1, "q must be [bs, T, Hq, d] with a contiguous last dim");
   check_kv(k_cache, "k_cache", q);
   check_kv(v_cache, "v_cache", q);
-  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache shapes differ");
+  DFLASH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache shapes differ");
   const int64_t bs = q.size(0), T = q.size(1), Hq = q.size(2), d = q.size(3), Hkv = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == d, "cache head_dim ", k_cache.size(3), " != q head_dim ", d);
+  DFLASH_CHECK(k_cache.size(3) == d, "cache head_dim ", k_cache.size(3), " != q head_dim ", d);
   check_index(slots, "slots", q);
   check_index(ctx_len, "ctx_len", q);
   check_index(q_start, "q_start", q);
-  TORCH_CHECK(k_blk.has_value() == v_blk.has_value(), "k_blk and v_blk must be given together");
+  DFLASH_CHECK(k_blk.has_value() == v_blk.has_value(), "k_blk and v_blk must be given together");
   if (k_blk) {
     check_kv(*k_blk, "k_blk", q);
     check_kv(*v_blk, "v_blk", q);
     for (const at::Tensor* t : {&*k_blk, &*v_blk})
-      TORCH_CHECK(t->size(0) == bs && t->size(1) == T && t->size(2) == Hkv && t->size(3) == d,
-                  "block K/V must be [bs, T, Hkv, d], got ", t->sizes());
+      DFLASH_CHECK(t->size(0) == bs && t->size(1) == T && t->size(2) == Hkv && t->size(3) == d,
+                   "block K/V must be [bs, T, Hkv, d], got ", t->sizes());
   }
 
   const c10::cuda::CUDAGuard guard(q.device());
@@ -105,7 +137,7 @@ at::Tensor block_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache, 
   p.scale = static_cast<float>(scale);
   // Default hint: the cache's capacity (plus the block), the most any row can have.
   p.max_keys = static_cast<int>(max_keys > 0 ? max_keys : k_cache.size(1) + (k_blk ? T : 0));
-  if (const char* why = dflash::block_attention_check(p)) TORCH_CHECK(false, "block_attention: ", why);
+  if (const char* why = dflash::block_attention_check(p)) DFLASH_CHECK(false, "block_attention: ", why);
   if (bs == 0 || T == 0) return out;
 
   const int splits = num_splits > 0 ? static_cast<int>(num_splits) : dflash::block_attention_num_splits(p, 0);
@@ -114,7 +146,7 @@ at::Tensor block_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache, 
   if (ws_bytes > 0) workspace = at::empty({static_cast<int64_t>(ws_bytes)}, q.options().dtype(at::kByte));
   const cudaError_t err = dflash::block_attention_launch(p, splits, ws_bytes ? workspace.data_ptr() : nullptr,
                                                          ws_bytes, c10::cuda::getCurrentCUDAStream().stream());
-  TORCH_CHECK(err == cudaSuccess, "block_attention launch failed: ", cudaGetErrorString(err));
+  DFLASH_CHECK(err == cudaSuccess, "block_attention launch failed: ", cudaGetErrorString(err));
   return out;
 }
 
@@ -129,12 +161,12 @@ at::Tensor block_attention_meta(const at::Tensor& q, const at::Tensor&, const at
 // Layer ops (layer_ops.h). Outputs are new contiguous tensors from the caching allocator.
 
 dflash::DType model_dtype(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf, name, " must be bf16 or fp16");
+  DFLASH_CHECK(t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf, name, " must be bf16 or fp16");
   return t.scalar_type() == at::kBFloat16 ? dflash::DType::kBFloat16 : dflash::DType::kFloat16;
 }
 
 void check_launch(cudaError_t err, const char* op) {
-  TORCH_CHECK(err == cudaSuccess, op, " launch failed: ", cudaGetErrorString(err));
+  DFLASH_CHECK(err == cudaSuccess, op, " launch failed: ", cudaGetErrorString(err));
 }
 
 // x [..., H] fp32 or weight's dtype, contiguous; weight [H]; delta (add_rms_norm) like x in
@@ -142,23 +174,23 @@ void check_launch(cudaError_t err, const char* op) {
 std::tuple<at::Tensor, at::Tensor> rms_norm_common(const at::Tensor& x, const at::Tensor* delta,
                                                    const at::Tensor& weight, double eps, bool zero_centered,
                                                    const at::Tensor* gate = nullptr) {
-  TORCH_CHECK(weight.is_cuda() && weight.dim() == 1 && weight.size(0) > 0 && weight.is_contiguous(),
-              "weight must be a contiguous non-empty [H] CUDA tensor");
+  DFLASH_CHECK(weight.is_cuda() && weight.dim() == 1 && weight.size(0) > 0 && weight.is_contiguous(),
+               "weight must be a contiguous non-empty [H] CUDA tensor");
   const dflash::DType dtype = model_dtype(weight, "weight");
-  TORCH_CHECK(x.is_cuda() && x.device() == weight.device(), "x must be on weight's CUDA device");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == weight.scalar_type(),
-              "x must be fp32 or weight's dtype");
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == weight.size(0) && x.is_contiguous(),
-              "x must be a contiguous [..., H] tensor, H = ", weight.size(0), ", got ", x.sizes());
+  DFLASH_CHECK(x.is_cuda() && x.device() == weight.device(), "x must be on weight's CUDA device");
+  DFLASH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == weight.scalar_type(),
+               "x must be fp32 or weight's dtype");
+  DFLASH_CHECK(x.dim() >= 1 && x.size(-1) == weight.size(0) && x.is_contiguous(),
+               "x must be a contiguous [..., H] tensor, H = ", weight.size(0), ", got ", x.sizes());
   if (delta) {
-    TORCH_CHECK(delta->is_cuda() && delta->device() == x.device(), "delta must be on x's CUDA device");
-    TORCH_CHECK(delta->scalar_type() == weight.scalar_type(), "delta must have weight's dtype");
-    TORCH_CHECK(delta->sizes() == x.sizes() && delta->is_contiguous(), "delta must be contiguous with x's shape");
+    DFLASH_CHECK(delta->is_cuda() && delta->device() == x.device(), "delta must be on x's CUDA device");
+    DFLASH_CHECK(delta->scalar_type() == weight.scalar_type(), "delta must have weight's dtype");
+    DFLASH_CHECK(delta->sizes() == x.sizes() && delta->is_contiguous(), "delta must be contiguous with x's shape");
   }
   if (gate) {
-    TORCH_CHECK(gate->is_cuda() && gate->device() == x.device(), "gate must be on x's CUDA device");
-    TORCH_CHECK(gate->scalar_type() == weight.scalar_type(), "gate must have weight's dtype");
-    TORCH_CHECK(gate->sizes() == x.sizes(), "gate must have x's shape");
+    DFLASH_CHECK(gate->is_cuda() && gate->device() == x.device(), "gate must be on x's CUDA device");
+    DFLASH_CHECK(gate->scalar_type() == weight.scalar_type(), "gate must have weight's dtype");
+    DFLASH_CHECK(gate->sizes() == x.sizes(), "gate must have x's shape");
   }
   // A gate that is a slice of a packed projection's output is read in place: its rows come in
   // groups of G back to back (its innermost dims with contiguous rows' strides), the groups
@@ -166,14 +198,14 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_common(const at::Tensor& x, const at
   int64_t gate_group = 0, gate_group_stride = 0;
   if (gate && !gate->is_contiguous()) {
     const int64_t H = weight.size(0);
-    TORCH_CHECK(gate->stride(-1) == 1, "gate's rows must be contiguous, got strides ", gate->strides());
+    DFLASH_CHECK(gate->stride(-1) == 1, "gate's rows must be contiguous, got strides ", gate->strides());
     int64_t i = gate->dim() - 2, g = 1;
     for (; i >= 0 && (gate->size(i) == 1 || gate->stride(i) == g * H); --i) g *= gate->size(i);
     gate_group = g, gate_group_stride = g * H;
     for (int64_t step = 0; i >= 0; --i) {
       if (gate->size(i) == 1) continue;
-      TORCH_CHECK(step == 0 || gate->stride(i) == step, "gate's row groups must be one stride apart, got strides ",
-                  gate->strides());
+      DFLASH_CHECK(step == 0 || gate->stride(i) == step, "gate's row groups must be one stride apart, got strides ",
+                   gate->strides());
       if (step == 0) gate_group_stride = gate->stride(i);
       step = gate->stride(i) * gate->size(i);
     }
@@ -200,7 +232,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_common(const at::Tensor& x, const at
   p.eps = static_cast<float>(eps);
   p.sum = delta ? sum.data_ptr<float>() : nullptr;
   p.out = y.data_ptr();
-  if (const char* why = dflash::rms_norm_check(p)) TORCH_CHECK(false, "rms_norm: ", why);
+  if (const char* why = dflash::rms_norm_check(p)) DFLASH_CHECK(false, "rms_norm: ", why);
   check_launch(dflash::rms_norm_launch(p, c10::cuda::getCurrentCUDAStream().stream()), "rms_norm");
   return {sum, y};
 }
@@ -219,16 +251,16 @@ at::Tensor gated_rms_norm_cuda(const at::Tensor& x, const at::Tensor& gate, cons
 }
 
 void check_rows(const at::Tensor& t, const char* name, const at::Tensor& qkv, int64_t width) {
-  TORCH_CHECK(t.is_cuda() && t.device() == qkv.device(), name, " must be on qkv's CUDA device");
-  TORCH_CHECK(t.scalar_type() == qkv.scalar_type(), name, " must have qkv's dtype");
-  TORCH_CHECK(t.dim() == 2 && t.size(0) == qkv.size(0) && t.size(1) == width && t.stride(1) == 1, name,
-              " must be [N, ", width, "] with a contiguous last dim, got ", t.sizes());
+  DFLASH_CHECK(t.is_cuda() && t.device() == qkv.device(), name, " must be on qkv's CUDA device");
+  DFLASH_CHECK(t.scalar_type() == qkv.scalar_type(), name, " must have qkv's dtype");
+  DFLASH_CHECK(t.dim() == 2 && t.size(0) == qkv.size(0) && t.size(1) == width && t.stride(1) == 1, name,
+               " must be [N, ", width, "] with a contiguous last dim, got ", t.sizes());
 }
 
 void check_weight(const at::Tensor& t, const char* name, const at::Tensor& qkv, int64_t d) {
-  TORCH_CHECK(t.is_cuda() && t.device() == qkv.device(), name, " must be on qkv's CUDA device");
-  TORCH_CHECK(t.scalar_type() == qkv.scalar_type(), name, " must have qkv's dtype");
-  TORCH_CHECK(t.dim() == 1 && t.size(0) == d && t.is_contiguous(), name, " must be a contiguous [", d, "] tensor");
+  DFLASH_CHECK(t.is_cuda() && t.device() == qkv.device(), name, " must be on qkv's CUDA device");
+  DFLASH_CHECK(t.scalar_type() == qkv.scalar_type(), name, " must have qkv's dtype");
+  DFLASH_CHECK(t.dim() == 1 && t.size(0) == d && t.is_contiguous(), name, " must be a contiguous [", d, "] tensor");
 }
 
 // qkv [N, (Hq + 2 Hkv) d] (q_gate: [N, (2 Hq + 2 Hkv) d], each query head followed by its
@@ -241,34 +273,34 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> qk_norm_rope_cuda(
     const std::optional<at::Tensor>& k_cache, const std::optional<at::Tensor>& v_cache,
     const std::optional<at::Tensor>& slots, const std::optional<at::Tensor>& positions, bool zero_centered,
     int64_t rotary_dim, bool q_gate) {
-  TORCH_CHECK(qkv.is_cuda(), "qkv must be a CUDA tensor");
+  DFLASH_CHECK(qkv.is_cuda(), "qkv must be a CUDA tensor");
   const dflash::DType dtype = model_dtype(qkv, "qkv");
-  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "qkv must be [N, (Hq + 2 Hkv) d] with a contiguous last dim");
-  TORCH_CHECK(num_q_heads >= 0 && num_kv_heads >= 1, "need num_q_heads >= 0 and num_kv_heads >= 1");
-  TORCH_CHECK(k_weight.dim() == 1, "k_weight must be [d]");
+  DFLASH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "qkv must be [N, (Hq + 2 Hkv) d] with a contiguous last dim");
+  DFLASH_CHECK(num_q_heads >= 0 && num_kv_heads >= 1, "need num_q_heads >= 0 and num_kv_heads >= 1");
+  DFLASH_CHECK(k_weight.dim() == 1, "k_weight must be [d]");
   const int64_t N = qkv.size(0), d = k_weight.size(0), Hq = num_q_heads, Hkv = num_kv_heads;
   const int64_t q_heads = q_gate ? 2 * Hq : Hq, R = rotary_dim == 0 ? d : rotary_dim;
-  TORCH_CHECK(qkv.size(1) == (q_heads + 2 * Hkv) * d, "qkv width ", qkv.size(1), " != (", q_gate ? "2 " : "",
-              "Hq + 2 Hkv) d = ", (q_heads + 2 * Hkv) * d);
+  DFLASH_CHECK(qkv.size(1) == (q_heads + 2 * Hkv) * d, "qkv width ", qkv.size(1), " != (", q_gate ? "2 " : "",
+               "Hq + 2 Hkv) d = ", (q_heads + 2 * Hkv) * d);
   check_rows(cos, "cos", qkv, R);
   check_rows(sin, "sin", qkv, R);
   check_weight(k_weight, "k_weight", qkv, d);
-  TORCH_CHECK(q_weight.has_value() == (Hq > 0), "q_weight must be given exactly when num_q_heads > 0");
+  DFLASH_CHECK(q_weight.has_value() == (Hq > 0), "q_weight must be given exactly when num_q_heads > 0");
   if (q_weight) check_weight(*q_weight, "q_weight", qkv, d);
   const bool to_cache = k_cache.has_value();
-  TORCH_CHECK(v_cache.has_value() == to_cache && slots.has_value() == to_cache && positions.has_value() == to_cache,
-              "k_cache, v_cache, slots and positions must be given together");
+  DFLASH_CHECK(v_cache.has_value() == to_cache && slots.has_value() == to_cache && positions.has_value() == to_cache,
+               "k_cache, v_cache, slots and positions must be given together");
   if (to_cache) {
     for (const auto* c : {&*k_cache, &*v_cache}) {
-      TORCH_CHECK(c->is_cuda() && c->device() == qkv.device(), "caches must be on qkv's CUDA device");
-      TORCH_CHECK(c->scalar_type() == qkv.scalar_type(), "caches must have qkv's dtype");
-      TORCH_CHECK(c->dim() == 4 && c->size(2) == Hkv && c->size(3) == d && c->stride(3) == 1,
-                  "caches must be [num_slots, capacity, Hkv, d] with a contiguous last dim, got ", c->sizes());
+      DFLASH_CHECK(c->is_cuda() && c->device() == qkv.device(), "caches must be on qkv's CUDA device");
+      DFLASH_CHECK(c->scalar_type() == qkv.scalar_type(), "caches must have qkv's dtype");
+      DFLASH_CHECK(c->dim() == 4 && c->size(2) == Hkv && c->size(3) == d && c->stride(3) == 1,
+                   "caches must be [num_slots, capacity, Hkv, d] with a contiguous last dim, got ", c->sizes());
     }
     for (const auto* t : {&*slots, &*positions}) {
-      TORCH_CHECK(t->is_cuda() && t->device() == qkv.device(), "slots and positions must be on qkv's CUDA device");
-      TORCH_CHECK(t->scalar_type() == at::kInt && t->dim() == 1 && t->size(0) == N && t->is_contiguous(),
-                  "slots and positions must be contiguous [N] int32 tensors");
+      DFLASH_CHECK(t->is_cuda() && t->device() == qkv.device(), "slots and positions must be on qkv's CUDA device");
+      DFLASH_CHECK(t->scalar_type() == at::kInt && t->dim() == 1 && t->size(0) == N && t->is_contiguous(),
+                   "slots and positions must be contiguous [N] int32 tensors");
     }
   }
 
@@ -308,17 +340,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> qk_norm_rope_cuda(
     p.k_out = k.data_ptr();
     p.v_out = v.data_ptr();
   }
-  if (const char* why = dflash::qk_norm_rope_check(p)) TORCH_CHECK(false, "qk_norm_rope: ", why);
+  if (const char* why = dflash::qk_norm_rope_check(p)) DFLASH_CHECK(false, "qk_norm_rope: ", why);
   check_launch(dflash::qk_norm_rope_launch(p, c10::cuda::getCurrentCUDAStream().stream()), "qk_norm_rope");
   return {q, k, v};
 }
 
 // gate_up [..., 2I] contiguous -> silu(gate) * up [..., I].
 at::Tensor silu_mul_cuda(const at::Tensor& gate_up) {
-  TORCH_CHECK(gate_up.is_cuda(), "gate_up must be a CUDA tensor");
+  DFLASH_CHECK(gate_up.is_cuda(), "gate_up must be a CUDA tensor");
   const dflash::DType dtype = model_dtype(gate_up, "gate_up");
-  TORCH_CHECK(gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0 && gate_up.is_contiguous(),
-              "gate_up must be a contiguous [..., 2I] tensor, got ", gate_up.sizes());
+  DFLASH_CHECK(gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0 && gate_up.is_contiguous(),
+               "gate_up must be a contiguous [..., 2I] tensor, got ", gate_up.sizes());
   auto sizes = gate_up.sizes().vec();
   sizes.back() /= 2;
   const c10::cuda::CUDAGuard guard(gate_up.device());
@@ -330,7 +362,7 @@ at::Tensor silu_mul_cuda(const at::Tensor& gate_up) {
   p.rows = out.numel() / p.inter;
   p.gate_up = gate_up.data_ptr();
   p.out = out.data_ptr();
-  if (const char* why = dflash::silu_mul_check(p)) TORCH_CHECK(false, "silu_mul: ", why);
+  if (const char* why = dflash::silu_mul_check(p)) DFLASH_CHECK(false, "silu_mul: ", why);
   check_launch(dflash::silu_mul_launch(p, c10::cuda::getCurrentCUDAStream().stream()), "silu_mul");
   return out;
 }
@@ -338,12 +370,12 @@ at::Tensor silu_mul_cuda(const at::Tensor& gate_up) {
 // x [R, H, D] contiguous, gate [R, H, D] in x's dtype with a contiguous last dim (a view of the
 // q projection's output) -> x * sigmoid(gate) [R, H, D].
 at::Tensor sigmoid_gate_cuda(const at::Tensor& x, const at::Tensor& gate) {
-  TORCH_CHECK(x.is_cuda() && gate.device() == x.device(), "x and gate must be on one GPU");
+  DFLASH_CHECK(x.is_cuda() && gate.device() == x.device(), "x and gate must be on one GPU");
   const dflash::DType dtype = model_dtype(x, "x");
-  TORCH_CHECK(x.dim() == 3 && x.is_contiguous(), "x must be a contiguous [R, H, D] tensor, got ", x.sizes());
-  TORCH_CHECK(gate.scalar_type() == x.scalar_type() && gate.sizes() == x.sizes() && gate.stride(2) == 1,
-              "gate must be x's shape ", x.sizes(), " and dtype with a contiguous last dim, got ", gate.sizes(),
-              " strides ", gate.strides());
+  DFLASH_CHECK(x.dim() == 3 && x.is_contiguous(), "x must be a contiguous [R, H, D] tensor, got ", x.sizes());
+  DFLASH_CHECK(gate.scalar_type() == x.scalar_type() && gate.sizes() == x.sizes() && gate.stride(2) == 1,
+               "gate must be x's shape ", x.sizes(), " and dtype with a contiguous last dim, got ", gate.sizes(),
+               " strides ", gate.strides());
   const c10::cuda::CUDAGuard guard(x.device());
   auto out = at::empty(x.sizes(), x.options());
   if (out.numel() == 0) return out;
@@ -357,24 +389,24 @@ at::Tensor sigmoid_gate_cuda(const at::Tensor& x, const at::Tensor& gate) {
   p.gate_row_stride = gate.stride(0);
   p.gate_head_stride = gate.stride(1);
   p.out = out.data_ptr();
-  if (const char* why = dflash::sigmoid_gate_check(p)) TORCH_CHECK(false, "sigmoid_gate: ", why);
+  if (const char* why = dflash::sigmoid_gate_check(p)) DFLASH_CHECK(false, "sigmoid_gate: ", why);
   check_launch(dflash::sigmoid_gate_launch(p, c10::cuda::getCurrentCUDAStream().stream()), "sigmoid_gate");
   return out;
 }
 
 // x [M, K] (M <= 16), weight [N, K], bias [N] or None, all one dtype, contiguous -> [M, N].
 at::Tensor gemv_cuda(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.is_cuda() && weight.is_cuda() && weight.device() == x.device(), "x and weight must be on one GPU");
+  DFLASH_CHECK(x.is_cuda() && weight.is_cuda() && weight.device() == x.device(), "x and weight must be on one GPU");
   const dflash::DType dtype = model_dtype(x, "x");
-  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "weight must have x's dtype");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.dim() == 2 && weight.is_contiguous() &&
-                  weight.size(1) == x.size(1),
-              "x must be a contiguous [M, K] and weight a contiguous [N, K] tensor, got ", x.sizes(), " and ",
-              weight.sizes());
+  DFLASH_CHECK(weight.scalar_type() == x.scalar_type(), "weight must have x's dtype");
+  DFLASH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.dim() == 2 && weight.is_contiguous() &&
+                   weight.size(1) == x.size(1),
+               "x must be a contiguous [M, K] and weight a contiguous [N, K] tensor, got ", x.sizes(), " and ",
+               weight.sizes());
   if (bias.has_value()) {
-    TORCH_CHECK(bias->device() == x.device() && bias->scalar_type() == x.scalar_type() && bias->dim() == 1 &&
-                    bias->size(0) == weight.size(0) && bias->is_contiguous(),
-                "bias must be a contiguous [N] tensor of x's dtype on x's device");
+    DFLASH_CHECK(bias->device() == x.device() && bias->scalar_type() == x.scalar_type() && bias->dim() == 1 &&
+                     bias->size(0) == weight.size(0) && bias->is_contiguous(),
+                 "bias must be a contiguous [N] tensor of x's dtype on x's device");
   }
   const c10::cuda::CUDAGuard guard(x.device());
   auto y = at::empty({x.size(0), weight.size(0)}, x.options());
@@ -388,7 +420,7 @@ at::Tensor gemv_cuda(const at::Tensor& x, const at::Tensor& weight, const std::o
   p.weight = weight.data_ptr();
   p.bias = bias.has_value() ? bias->data_ptr() : nullptr;
   p.y = y.data_ptr();
-  if (const char* why = dflash::gemv_check(p)) TORCH_CHECK(false, "gemv: ", why);
+  if (const char* why = dflash::gemv_check(p)) DFLASH_CHECK(false, "gemv: ", why);
   check_launch(dflash::gemv_launch(p, c10::cuda::getCurrentCUDAStream().stream()), "gemv");
   return y;
 }
@@ -424,22 +456,22 @@ at::Tensor causal_conv_cuda(const at::Tensor& x, const at::Tensor& weight, const
                             const std::optional<at::Tensor>& snapshots, const at::Tensor& slots,
                             const at::Tensor& start, const std::optional<at::Tensor>& num_tokens) {
   const dflash::DType dtype = model_dtype(x, "x");
-  TORCH_CHECK(x.is_cuda() && x.dim() == 3 && x.stride(2) == 1 && x.stride(0) == x.stride(1) * x.size(1),
-              "x must be a [bs, T, C] CUDA tensor with contiguous channels and evenly spaced tokens");
+  DFLASH_CHECK(x.is_cuda() && x.dim() == 3 && x.stride(2) == 1 && x.stride(0) == x.stride(1) * x.size(1),
+               "x must be a [bs, T, C] CUDA tensor with contiguous channels and evenly spaced tokens");
   const int64_t bs = x.size(0), T = x.size(1), C = x.size(2);
-  TORCH_CHECK(weight.dim() == 2 && weight.size(0) == C && weight.is_contiguous(), "weight must be [C, K] contiguous");
+  DFLASH_CHECK(weight.dim() == 2 && weight.size(0) == C && weight.is_contiguous(), "weight must be [C, K] contiguous");
   const int64_t K = weight.size(1);
-  TORCH_CHECK(conv_cache.dim() == 3 && conv_cache.size(1) == K - 1 && conv_cache.size(2) == C &&
-                  conv_cache.is_contiguous(), "conv_cache must be [num_slots, K - 1, C] contiguous");
+  DFLASH_CHECK(conv_cache.dim() == 3 && conv_cache.size(1) == K - 1 && conv_cache.size(2) == C &&
+                   conv_cache.is_contiguous(), "conv_cache must be [num_slots, K - 1, C] contiguous");
   for (const at::Tensor* t : {&weight, &conv_cache}) {
-    TORCH_CHECK(t->device() == x.device() && t->scalar_type() == x.scalar_type(), "weight and caches need x's dtype");
+    DFLASH_CHECK(t->device() == x.device() && t->scalar_type() == x.scalar_type(), "weight and caches need x's dtype");
   }
   if (snapshots) {  // at least one: without snapshots the window goes to conv_cache instead
-    TORCH_CHECK(snapshots->dim() == 4 && snapshots->size(0) == conv_cache.size(0) && snapshots->size(1) >= 1 &&
-                    snapshots->size(2) == K - 1 &&
-                    snapshots->size(3) == C && snapshots->is_contiguous() && snapshots->device() == x.device() &&
-                    snapshots->scalar_type() == x.scalar_type(),
-                "snapshots must be [num_slots, NS >= 1, K - 1, C] contiguous in x's dtype");
+    DFLASH_CHECK(snapshots->dim() == 4 && snapshots->size(0) == conv_cache.size(0) && snapshots->size(1) >= 1 &&
+                     snapshots->size(2) == K - 1 &&
+                     snapshots->size(3) == C && snapshots->is_contiguous() && snapshots->device() == x.device() &&
+                     snapshots->scalar_type() == x.scalar_type(),
+                 "snapshots must be [num_slots, NS >= 1, K - 1, C] contiguous in x's dtype");
   }
   check_index(slots, "slots", x);
   check_index(start, "start", x);
@@ -462,7 +494,7 @@ at::Tensor causal_conv_cuda(const at::Tensor& x, const at::Tensor& weight, const
   p.start = start.data_ptr<int32_t>();
   p.num_tokens = num_tokens ? num_tokens->data_ptr<int32_t>() : nullptr;
   p.out = out.data_ptr();
-  if (const char* why = dflash::causal_conv_check(p)) TORCH_CHECK(false, "causal_conv: ", why);
+  if (const char* why = dflash::causal_conv_check(p)) DFLASH_CHECK(false, "causal_conv: ", why);
   check_launch(dflash::causal_conv_launch(p, c10::cuda::getCurrentCUDAStream().stream()), "causal_conv");
   return out;
 }
@@ -489,10 +521,10 @@ at::Tensor silu_mul_meta(const at::Tensor& gate_up) {
 // Gated DeltaNet recurrence (gated_delta.h): reads state_cache, writes snapshot_cache in place.
 
 void check_fp32(const at::Tensor& t, const char* name, const at::Tensor& q, at::IntArrayRef sizes) {
-  TORCH_CHECK(t.is_cuda() && t.device() == q.device(), name, " must be on q's CUDA device");
-  TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be fp32, got ", t.scalar_type());
-  TORCH_CHECK(t.sizes() == sizes, name, " must be ", sizes, ", got ", t.sizes());
-  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+  DFLASH_CHECK(t.is_cuda() && t.device() == q.device(), name, " must be on q's CUDA device");
+  DFLASH_CHECK(t.scalar_type() == at::kFloat, name, " must be fp32, got ", t.scalar_type());
+  DFLASH_CHECK(t.sizes() == sizes, name, " must be ", sizes, ", got ", t.sizes());
+  DFLASH_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
 
 // q, k [bs, T, Hk, dk]; v [bs, T, Hv, dv]; g, beta [bs, T, Hv]; state_cache [num_slots, Hv,
@@ -504,11 +536,11 @@ at::Tensor gated_delta_recurrent_cuda(const at::Tensor& q, const at::Tensor& k, 
                                       const at::Tensor& snapshot_cache, const at::Tensor& slots,
                                       const at::Tensor& start, const at::Tensor& num_tokens,
                                       std::optional<at::ScalarType> out_dtype, bool outputs) {
-  TORCH_CHECK(q.is_cuda(), "q must be a CUDA tensor");
-  TORCH_CHECK(q.dim() == 4, "q must be [bs, T, Hk, dk], got ", q.sizes());
-  TORCH_CHECK(v.dim() == 4, "v must be [bs, T, Hv, dv], got ", v.sizes());
-  TORCH_CHECK(snapshot_cache.dim() == 5, "snapshot_cache must be [num_slots, NS, Hv, dk, dv], got ",
-              snapshot_cache.sizes());
+  DFLASH_CHECK(q.is_cuda(), "q must be a CUDA tensor");
+  DFLASH_CHECK(q.dim() == 4, "q must be [bs, T, Hk, dk], got ", q.sizes());
+  DFLASH_CHECK(v.dim() == 4, "v must be [bs, T, Hv, dv], got ", v.sizes());
+  DFLASH_CHECK(snapshot_cache.dim() == 5, "snapshot_cache must be [num_slots, NS, Hv, dk, dv], got ",
+               snapshot_cache.sizes());
   const int64_t bs = q.size(0), T = q.size(1), Hk = q.size(2), dk = q.size(3), Hv = v.size(2), dv = v.size(3);
   const int64_t num_slots = snapshot_cache.size(0), NS = snapshot_cache.size(1);
   check_fp32(q, "q", q, q.sizes());
@@ -524,7 +556,7 @@ at::Tensor gated_delta_recurrent_cuda(const at::Tensor& q, const at::Tensor& k, 
 
   const at::ScalarType out_type = out_dtype.value_or(at::kFloat);
   const std::optional<dflash::DType> out_kind = attention_dtype(out_type);
-  TORCH_CHECK(out_kind.has_value(), "gated_delta_recurrent: out_dtype must be fp32, bf16 or fp16, got ", out_type);
+  DFLASH_CHECK(out_kind.has_value(), "gated_delta_recurrent: out_dtype must be fp32, bf16 or fp16, got ", out_type);
   const c10::cuda::CUDAGuard guard(q.device());
   // without outputs (a commit's replay) an empty tensor: the kernel writes only the state
   auto out = at::empty({outputs ? bs : 0, T, Hv, dv}, q.options().dtype(out_type));
@@ -549,7 +581,7 @@ at::Tensor gated_delta_recurrent_cuda(const at::Tensor& q, const at::Tensor& k, 
   p.start = start.data_ptr<int32_t>();
   p.num_tokens = num_tokens.data_ptr<int32_t>();
   p.out = outputs ? out.data_ptr() : nullptr;
-  if (const char* why = dflash::gated_delta_recurrent_check(p)) TORCH_CHECK(false, "gated_delta_recurrent: ", why);
+  if (const char* why = dflash::gated_delta_recurrent_check(p)) DFLASH_CHECK(false, "gated_delta_recurrent: ", why);
   check_launch(dflash::gated_delta_recurrent_launch(p, c10::cuda::getCurrentCUDAStream().stream()),
                "gated_delta_recurrent");
   return out;
@@ -577,36 +609,36 @@ void gated_delta_prepare_into(const at::Tensor& qkv, const at::Tensor& a, const 
                               const at::Tensor& k, const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
                               int64_t num_k_heads, int64_t key_dim, int64_t value_dim, double eps, double q_scale) {
   const auto dtype = attention_dtype(qkv.scalar_type());
-  TORCH_CHECK(qkv.is_cuda() && dtype, "qkv must be a bf16, fp16 or fp32 CUDA tensor");
-  TORCH_CHECK(qkv.dim() >= 1 && qkv.is_contiguous(), "qkv must be contiguous");
-  TORCH_CHECK(num_k_heads > 0 && key_dim > 0 && value_dim > 0 && neg_a.numel() > 0, "head sizes must be positive");
+  DFLASH_CHECK(qkv.is_cuda() && dtype, "qkv must be a bf16, fp16 or fp32 CUDA tensor");
+  DFLASH_CHECK(qkv.dim() >= 1 && qkv.is_contiguous(), "qkv must be contiguous");
+  DFLASH_CHECK(num_k_heads > 0 && key_dim > 0 && value_dim > 0 && neg_a.numel() > 0, "head sizes must be positive");
   const int64_t Hv = neg_a.numel(), width = 2 * num_k_heads * key_dim + Hv * value_dim;
-  TORCH_CHECK(qkv.size(-1) == width, "qkv must be [..., ", width, "], got ", qkv.sizes());
+  DFLASH_CHECK(qkv.size(-1) == width, "qkv must be [..., ", width, "], got ", qkv.sizes());
   const int64_t N = qkv.numel() / width;
   const auto lead = qkv.sizes().slice(0, qkv.dim() - 1);
   for (const auto* t : {&a, &b}) {
-    TORCH_CHECK(t->is_cuda() && t->device() == qkv.device() && t->scalar_type() == qkv.scalar_type(),
-                "a and b must be on qkv's device in its dtype");
-    TORCH_CHECK(t->dim() == qkv.dim() && t->sizes().slice(0, t->dim() - 1) == lead && t->size(-1) == Hv &&
-                    t->stride(-1) == 1,
-                "a and b must be [..., Hv] with qkv's leading dims and a contiguous last dim, got ", t->sizes());
+    DFLASH_CHECK(t->is_cuda() && t->device() == qkv.device() && t->scalar_type() == qkv.scalar_type(),
+                 "a and b must be on qkv's device in its dtype");
+    DFLASH_CHECK(t->dim() == qkv.dim() && t->sizes().slice(0, t->dim() - 1) == lead && t->size(-1) == Hv &&
+                     t->stride(-1) == 1,
+                 "a and b must be [..., Hv] with qkv's leading dims and a contiguous last dim, got ", t->sizes());
     // the rows are evenly spaced: [..., Hv] views of one [N, P] projection output
     for (int64_t d = 0; d + 2 < t->dim(); ++d) {
-      TORCH_CHECK(t->stride(d) == t->stride(d + 1) * t->size(d + 1), "a and b rows must be evenly spaced");
+      DFLASH_CHECK(t->stride(d) == t->stride(d + 1) * t->size(d + 1), "a and b rows must be evenly spaced");
     }
   }
-  TORCH_CHECK(a.stride(-2) == b.stride(-2), "a and b must have the same row stride");
+  DFLASH_CHECK(a.stride(-2) == b.stride(-2), "a and b must have the same row stride");
   for (const auto* t : {&neg_a, &dt_bias}) {
-    TORCH_CHECK(t->is_cuda() && t->device() == qkv.device() && t->scalar_type() == at::kFloat &&
-                    t->dim() == 1 && t->numel() == Hv && t->is_contiguous(),
-                "neg_a and dt_bias must be contiguous fp32 [Hv] CUDA tensors");
+    DFLASH_CHECK(t->is_cuda() && t->device() == qkv.device() && t->scalar_type() == at::kFloat &&
+                     t->dim() == 1 && t->numel() == Hv && t->is_contiguous(),
+                 "neg_a and dt_bias must be contiguous fp32 [Hv] CUDA tensors");
   }
   const std::pair<const at::Tensor*, int64_t> outs[] = {
       {&q, num_k_heads * key_dim}, {&k, num_k_heads * key_dim}, {&v, Hv * value_dim}, {&g, Hv}, {&beta, Hv}};
   for (const auto& [t, per_token] : outs) {
-    TORCH_CHECK(t->device() == qkv.device() && t->scalar_type() == at::kFloat && t->is_contiguous() &&
-                    t->numel() == N * per_token,
-                "the outputs must be contiguous fp32 tensors on qkv's device, ", per_token, " values per token");
+    DFLASH_CHECK(t->device() == qkv.device() && t->scalar_type() == at::kFloat && t->is_contiguous() &&
+                     t->numel() == N * per_token,
+                 "the outputs must be contiguous fp32 tensors on qkv's device, ", per_token, " values per token");
   }
   const c10::cuda::CUDAGuard guard(qkv.device());
 
@@ -630,7 +662,7 @@ void gated_delta_prepare_into(const at::Tensor& qkv, const at::Tensor& a, const 
   p.v = v.data_ptr<float>();
   p.g = g.data_ptr<float>();
   p.beta = beta.data_ptr<float>();
-  if (const char* why = dflash::gated_delta_prepare_check(p)) TORCH_CHECK(false, "gated_delta_prepare: ", why);
+  if (const char* why = dflash::gated_delta_prepare_check(p)) DFLASH_CHECK(false, "gated_delta_prepare: ", why);
   check_launch(dflash::gated_delta_prepare_launch(p, c10::cuda::getCurrentCUDAStream().stream()),
                "gated_delta_prepare");
 }
@@ -639,7 +671,7 @@ void gated_delta_prepare_into(const at::Tensor& qkv, const at::Tensor& a, const 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_delta_prepare_cuda(
     const at::Tensor& qkv, const at::Tensor& a, const at::Tensor& b, const at::Tensor& neg_a,
     const at::Tensor& dt_bias, int64_t num_k_heads, int64_t key_dim, int64_t value_dim, double eps, double q_scale) {
-  TORCH_CHECK(qkv.dim() >= 1 && neg_a.numel() > 0, "qkv must have a last dim, neg_a values");
+  DFLASH_CHECK(qkv.dim() >= 1 && neg_a.numel() > 0, "qkv must have a last dim, neg_a values");
   auto [q, k, v, g, beta] = gated_delta_prepare_outputs(qkv, neg_a.numel(), num_k_heads, key_dim, value_dim);
   gated_delta_prepare_into(qkv, a, b, neg_a, dt_bias, q, k, v, g, beta, num_k_heads, key_dim, value_dim, eps, q_scale);
   return {q, k, v, g, beta};
@@ -660,22 +692,22 @@ at::Tensor gated_delta_step_cuda(const at::Tensor& qkv, const at::Tensor& a, con
                                  double norm_eps, double l2_eps, double q_scale, const at::Tensor& state_cache,
                                  const at::Tensor& slots, const at::Tensor& start, const at::Tensor& num_tokens,
                                  int64_t num_k_heads) {
-  TORCH_CHECK(qkv.is_cuda() && qkv.dim() == 2 && qkv.stride(1) == 1, "qkv must be a CUDA [bs, C] tensor with "
-              "contiguous rows, got ", qkv.sizes());
+  DFLASH_CHECK(qkv.is_cuda() && qkv.dim() == 2 && qkv.stride(1) == 1, "qkv must be a CUDA [bs, C] tensor with "
+               "contiguous rows, got ", qkv.sizes());
   const std::optional<dflash::DType> dtype = attention_dtype(qkv.scalar_type());
-  TORCH_CHECK(dtype.has_value() && *dtype != dflash::DType::kFloat32, "qkv must be bf16 or fp16");
+  DFLASH_CHECK(dtype.has_value() && *dtype != dflash::DType::kFloat32, "qkv must be bf16 or fp16");
   const int64_t bs = qkv.size(0), Hv = neg_a.numel(), D = dflash::kGatedDeltaStepDim;
   for (const auto& [t, name] : {std::pair{&a, "a"}, std::pair{&b, "b"}}) {
-    TORCH_CHECK(t->device() == qkv.device() && t->scalar_type() == qkv.scalar_type() && t->dim() == 2 &&
-                    t->size(0) == bs && t->size(1) == Hv && t->stride(1) == 1 && t->stride(0) == a.stride(0),
-                name, " must be [bs, Hv] in qkv's dtype with a's strides and a contiguous last dim, got ", t->sizes());
+    DFLASH_CHECK(t->device() == qkv.device() && t->scalar_type() == qkv.scalar_type() && t->dim() == 2 &&
+                     t->size(0) == bs && t->size(1) == Hv && t->stride(1) == 1 && t->stride(0) == a.stride(0),
+                 name, " must be [bs, Hv] in qkv's dtype with a's strides and a contiguous last dim, got ", t->sizes());
   }
-  TORCH_CHECK(z.device() == qkv.device() && z.scalar_type() == qkv.scalar_type() && z.dim() == 3 && z.size(0) == bs &&
-                  z.size(1) == Hv && z.size(2) == D && z.stride(2) == 1 && z.stride(1) == D,
-              "z must be [bs, Hv, ", D, "] in qkv's dtype, each row's heads contiguous, got ", z.sizes());
-  TORCH_CHECK(norm_weight.device() == qkv.device() && norm_weight.scalar_type() == qkv.scalar_type() &&
-                  norm_weight.numel() == D && norm_weight.is_contiguous(),
-              "norm_weight must be a contiguous [", D, "] in qkv's dtype");
+  DFLASH_CHECK(z.device() == qkv.device() && z.scalar_type() == qkv.scalar_type() && z.dim() == 3 && z.size(0) == bs &&
+                   z.size(1) == Hv && z.size(2) == D && z.stride(2) == 1 && z.stride(1) == D,
+               "z must be [bs, Hv, ", D, "] in qkv's dtype, each row's heads contiguous, got ", z.sizes());
+  DFLASH_CHECK(norm_weight.device() == qkv.device() && norm_weight.scalar_type() == qkv.scalar_type() &&
+                   norm_weight.numel() == D && norm_weight.is_contiguous(),
+               "norm_weight must be a contiguous [", D, "] in qkv's dtype");
   check_fp32(neg_a, "neg_a", qkv, {Hv});
   check_fp32(dt_bias, "dt_bias", qkv, {Hv});
   check_fp32(state_cache, "state_cache", qkv, {state_cache.size(0), Hv, D, D});
@@ -708,7 +740,7 @@ at::Tensor gated_delta_step_cuda(const at::Tensor& qkv, const at::Tensor& a, con
   p.start = start.data_ptr<int32_t>();
   p.num_tokens = num_tokens.data_ptr<int32_t>();
   p.y = y.data_ptr();
-  if (const char* why = dflash::gated_delta_step_check(p)) TORCH_CHECK(false, "gated_delta_step: ", why);
+  if (const char* why = dflash::gated_delta_step_check(p)) DFLASH_CHECK(false, "gated_delta_step: ", why);
   check_launch(dflash::gated_delta_step_launch(p, c10::cuda::getCurrentCUDAStream().stream()), "gated_delta_step");
   return y;
 }
@@ -736,26 +768,26 @@ at::Tensor gated_delta_recurrent_meta(const at::Tensor& q, const at::Tensor&, co
 // shared_last: a hint (moe.h) that every token's last pick is expert E - 1.
 at::Tensor moe_experts_cuda(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down,
                             const at::Tensor& weights, const at::Tensor& ids, bool fp32_out, bool shared_last) {
-  TORCH_CHECK(x.is_cuda(), "x must be a CUDA tensor");
+  DFLASH_CHECK(x.is_cuda(), "x must be a CUDA tensor");
   const std::optional<dflash::DType> dtype = attention_dtype(x.scalar_type());
-  TORCH_CHECK(dtype.has_value(), "x must be bf16, fp16 or fp32, got ", x.scalar_type());
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [N, H] tensor, got ", x.sizes());
-  TORCH_CHECK(gate_up.dim() == 3 && down.dim() == 3, "gate_up must be [E, 2I, H] and down [E, H, I]");
+  DFLASH_CHECK(dtype.has_value(), "x must be bf16, fp16 or fp32, got ", x.scalar_type());
+  DFLASH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [N, H] tensor, got ", x.sizes());
+  DFLASH_CHECK(gate_up.dim() == 3 && down.dim() == 3, "gate_up must be [E, 2I, H] and down [E, H, I]");
   const int64_t N = x.size(0), H = x.size(1), E = gate_up.size(0), I = gate_up.size(1) / 2;
-  TORCH_CHECK(gate_up.size(1) == 2 * I && gate_up.size(2) == H, "gate_up must be [E, 2I, ", H, "], got ",
-              gate_up.sizes());
-  TORCH_CHECK(down.size(0) == E && down.size(1) == H && down.size(2) == I, "down must be [", E, ", ", H, ", ", I,
-              "], got ", down.sizes());
+  DFLASH_CHECK(gate_up.size(1) == 2 * I && gate_up.size(2) == H, "gate_up must be [E, 2I, ", H, "], got ",
+               gate_up.sizes());
+  DFLASH_CHECK(down.size(0) == E && down.size(1) == H && down.size(2) == I, "down must be [", E, ", ", H, ", ", I,
+               "], got ", down.sizes());
   for (const auto* t : {&gate_up, &down}) {
-    TORCH_CHECK(t->device() == x.device() && t->scalar_type() == x.scalar_type() && t->is_contiguous(),
-                "gate_up and down must be contiguous, on x's device, in x's dtype");
+    DFLASH_CHECK(t->device() == x.device() && t->scalar_type() == x.scalar_type() && t->is_contiguous(),
+                 "gate_up and down must be contiguous, on x's device, in x's dtype");
   }
-  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == N && weights.sizes() == ids.sizes(),
-              "weights and ids must be [N, k] with x's N");
-  TORCH_CHECK(weights.device() == x.device() && weights.scalar_type() == at::kFloat && weights.is_contiguous(),
-              "weights must be contiguous fp32 on x's device");
-  TORCH_CHECK(ids.device() == x.device() && ids.scalar_type() == at::kInt && ids.is_contiguous(),
-              "ids must be contiguous int32 on x's device");
+  DFLASH_CHECK(ids.dim() == 2 && ids.size(0) == N && weights.sizes() == ids.sizes(),
+               "weights and ids must be [N, k] with x's N");
+  DFLASH_CHECK(weights.device() == x.device() && weights.scalar_type() == at::kFloat && weights.is_contiguous(),
+               "weights must be contiguous fp32 on x's device");
+  DFLASH_CHECK(ids.device() == x.device() && ids.scalar_type() == at::kInt && ids.is_contiguous(),
+               "ids must be contiguous int32 on x's device");
 
   const c10::cuda::CUDAGuard guard(x.device());
   auto out = at::empty({N, H}, fp32_out ? x.options().dtype(at::kFloat) : x.options());
@@ -781,7 +813,7 @@ at::Tensor moe_experts_cuda(const at::Tensor& x, const at::Tensor& gate_up, cons
   p.y = y.data_ptr();
   p.out = out.data_ptr();
   p.shared_last = shared_last;
-  if (const char* why = dflash::moe_check(p)) TORCH_CHECK(false, "moe_experts: ", why);
+  if (const char* why = dflash::moe_check(p)) DFLASH_CHECK(false, "moe_experts: ", why);
   check_launch(dflash::moe_launch(p, c10::cuda::getCurrentCUDAStream().stream()), "moe_experts");
   return out;
 }
@@ -789,19 +821,19 @@ at::Tensor moe_experts_cuda(const at::Tensor& x, const at::Tensor& gate_up, cons
 // ids [N, k] int32 contiguous -> (order [N k]: the slots grouped by expert, then those with an
 // id outside [0, E); rows [N k]: each slot's position in order; ends [E]: cumulative counts).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_sort_cuda(const at::Tensor& ids, int64_t num_experts) {
-  TORCH_CHECK(ids.is_cuda() && ids.scalar_type() == at::kInt && ids.is_contiguous(),
-              "ids must be a contiguous int32 CUDA tensor");
-  TORCH_CHECK(num_experts >= 1 && num_experts <= dflash::kMoeMaxExperts, "moe_sort: num_experts must be in [1, ",
-              dflash::kMoeMaxExperts, "]");
+  DFLASH_CHECK(ids.is_cuda() && ids.scalar_type() == at::kInt && ids.is_contiguous(),
+               "ids must be a contiguous int32 CUDA tensor");
+  DFLASH_CHECK(num_experts >= 1 && num_experts <= dflash::kMoeMaxExperts, "moe_sort: num_experts must be in [1, ",
+               dflash::kMoeMaxExperts, "]");
   const c10::cuda::CUDAGuard guard(ids.device());
   dflash::MoeSortParams p;
   p.slots = static_cast<int>(ids.numel());
   p.experts = static_cast<int>(num_experts);
-  TORCH_CHECK(ids.numel() < (int64_t{1} << 30), "moe_sort: too many slots");
+  DFLASH_CHECK(ids.numel() < (int64_t{1} << 30), "moe_sort: too many slots");
   auto work = at::empty({dflash::moe_sort_work_ints(p)}, ids.options());
   p.ids = ids.data_ptr<int32_t>();
   p.work = work.data_ptr<int32_t>();
-  if (const char* why = dflash::moe_sort_check(p)) TORCH_CHECK(false, "moe_sort: ", why);
+  if (const char* why = dflash::moe_sort_check(p)) DFLASH_CHECK(false, "moe_sort: ", why);
   check_launch(dflash::moe_sort_launch(p, c10::cuda::getCurrentCUDAStream().stream()), "moe_sort");
   const int64_t S = p.slots, E = num_experts;  // the layout of moe.h
   return {work.narrow(0, E + 1, S), work.narrow(0, E + 1 + S, S), work.narrow(0, 0, E)};
@@ -812,20 +844,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_sort_cuda(const at::Tensor& i
 // rounded to y's dtype by the kernel's store, without a cast kernel after it.
 at::Tensor moe_combine_cuda(const at::Tensor& y, const at::Tensor& weights, const at::Tensor& ids,
                             const std::optional<at::Tensor>& rows, int64_t num_experts, bool fp32_out) {
-  TORCH_CHECK(y.is_cuda(), "y must be a CUDA tensor");
+  DFLASH_CHECK(y.is_cuda(), "y must be a CUDA tensor");
   const std::optional<dflash::DType> dtype = attention_dtype(y.scalar_type());
-  TORCH_CHECK(dtype.has_value(), "y must be bf16, fp16 or fp32, got ", y.scalar_type());
-  TORCH_CHECK(ids.dim() == 2 && weights.sizes() == ids.sizes(), "weights and ids must be [N, k]");
+  DFLASH_CHECK(dtype.has_value(), "y must be bf16, fp16 or fp32, got ", y.scalar_type());
+  DFLASH_CHECK(ids.dim() == 2 && weights.sizes() == ids.sizes(), "weights and ids must be [N, k]");
   const int64_t N = ids.size(0), k = ids.size(1);
-  TORCH_CHECK(y.dim() == 2 && y.size(0) == N * k && y.is_contiguous(), "y must be a contiguous [N k, H] tensor");
-  TORCH_CHECK(weights.device() == y.device() && weights.scalar_type() == at::kFloat && weights.is_contiguous(),
-              "weights must be contiguous fp32 on y's device");
-  TORCH_CHECK(ids.device() == y.device() && ids.scalar_type() == at::kInt && ids.is_contiguous(),
-              "ids must be contiguous int32 on y's device");
+  DFLASH_CHECK(y.dim() == 2 && y.size(0) == N * k && y.is_contiguous(), "y must be a contiguous [N k, H] tensor");
+  DFLASH_CHECK(weights.device() == y.device() && weights.scalar_type() == at::kFloat && weights.is_contiguous(),
+               "weights must be contiguous fp32 on y's device");
+  DFLASH_CHECK(ids.device() == y.device() && ids.scalar_type() == at::kInt && ids.is_contiguous(),
+               "ids must be contiguous int32 on y's device");
   if (rows) {
-    TORCH_CHECK(rows->device() == y.device() && rows->scalar_type() == at::kInt && rows->is_contiguous() &&
-                    rows->numel() == N * k,
-                "rows must be contiguous int32 [N k] on y's device");
+    DFLASH_CHECK(rows->device() == y.device() && rows->scalar_type() == at::kInt && rows->is_contiguous() &&
+                     rows->numel() == N * k,
+                 "rows must be contiguous int32 [N k] on y's device");
   }
   const c10::cuda::CUDAGuard guard(y.device());
   auto out = at::empty({N, y.size(1)}, fp32_out ? y.options().dtype(at::kFloat) : y.options());
@@ -841,7 +873,7 @@ at::Tensor moe_combine_cuda(const at::Tensor& y, const at::Tensor& weights, cons
   p.weights = weights.data_ptr<float>();
   p.ids = ids.data_ptr<int32_t>();
   p.out = out.data_ptr();
-  if (const char* why = dflash::moe_combine_check(p)) TORCH_CHECK(false, "moe_combine: ", why);
+  if (const char* why = dflash::moe_combine_check(p)) DFLASH_CHECK(false, "moe_combine: ", why);
   check_launch(dflash::moe_combine_launch(p, c10::cuda::getCurrentCUDAStream().stream()), "moe_combine");
   return out;
 }
@@ -850,13 +882,13 @@ at::Tensor moe_combine_cuda(const at::Tensor& y, const at::Tensor& weights, cons
 // W x^T read as its transpose) -> (weights [N, k] fp32, ids [N, k] int32).
 std::tuple<at::Tensor, at::Tensor> moe_route_cuda(const at::Tensor& logits, int64_t top_k, bool renormalize,
                                                    bool shared) {
-  TORCH_CHECK(logits.is_cuda(), "logits must be a CUDA tensor");
+  DFLASH_CHECK(logits.is_cuda(), "logits must be a CUDA tensor");
   const std::optional<dflash::DType> dtype = attention_dtype(logits.scalar_type());
-  TORCH_CHECK(dtype.has_value(), "logits must be bf16, fp16 or fp32, got ", logits.scalar_type());
-  TORCH_CHECK(logits.dim() == 2 && logits.stride(0) >= 1 && logits.stride(1) >= 1,
-              "logits must be an [N, E] tensor with positive strides, got sizes ", logits.sizes(), " strides ",
-              logits.strides());
-  TORCH_CHECK(logits.size(0) < (int64_t{1} << 31), "moe_route: too many tokens");
+  DFLASH_CHECK(dtype.has_value(), "logits must be bf16, fp16 or fp32, got ", logits.scalar_type());
+  DFLASH_CHECK(logits.dim() == 2 && logits.stride(0) >= 1 && logits.stride(1) >= 1,
+               "logits must be an [N, E] tensor with positive strides, got sizes ", logits.sizes(), " strides ",
+               logits.strides());
+  DFLASH_CHECK(logits.size(0) < (int64_t{1} << 31), "moe_route: too many tokens");
   const c10::cuda::CUDAGuard guard(logits.device());
   const int64_t picks = top_k + (shared ? 1 : 0);
   auto weights = at::empty({logits.size(0), picks}, logits.options().dtype(at::kFloat));
@@ -873,7 +905,7 @@ std::tuple<at::Tensor, at::Tensor> moe_route_cuda(const at::Tensor& logits, int6
   p.expert_stride = logits.stride(1);
   p.weights = weights.data_ptr<float>();
   p.ids = ids.data_ptr<int32_t>();
-  if (const char* why = dflash::moe_route_check(p)) TORCH_CHECK(false, "moe_route: ", why);
+  if (const char* why = dflash::moe_route_check(p)) DFLASH_CHECK(false, "moe_route: ", why);
   check_launch(dflash::moe_route_launch(p, c10::cuda::getCurrentCUDAStream().stream()), "moe_route");
   return {weights, ids};
 }
