@@ -196,6 +196,10 @@ def _no_add_norm(x, delta, *args, **kwargs):
     return x, delta  # the stream as it was, the delta as the normed input: no kernel
 
 
+def _no_linear_add_norm(x, weight, bias, residual, *args, **kwargs):
+    return residual, ops.linear(x, weight, bias)  # the projection kept, its add + norm left out
+
+
 def _no_norm(x, weight, *args, **kwargs):
     return x.to(weight.dtype)  # the first layer's fp32 input: one cast kernel
 
@@ -210,7 +214,8 @@ def ablations(target) -> dict[str, list[tuple[object, str, object]]]:
 
     kinds = {type(m) for m in target.modules()}
     # every layer's two residual norms (their adds) and the final one; not q/k or gated norms
-    parts = {"residual norms": [(ops, "add_rms_norm", _no_add_norm), (ops, "rms_norm", _no_norm)]}
+    parts = {"residual norms": [(ops, "add_rms_norm", _no_add_norm), (ops, "rms_norm", _no_norm),
+                                (ops, "linear_add_rms_norm", _no_linear_add_norm)]}
     if SparseMoeBlock in kinds:
         parts["routed experts"] = [(ops, "moe_experts", _no_experts)]
     for label, cls in (("MoE blocks", SparseMoeBlock), ("dense MLPs", MLP), ("attention layers", qwen3.Qwen3Attention),

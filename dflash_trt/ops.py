@@ -402,6 +402,39 @@ def linear(x, weight, bias=None):
     return F.linear(x, weight, bias)
 
 
+GEMV_NORM_MAX_FEATURES = 8192  # plugins/gemv.h kGemvNormMaxFeatures
+
+
+def linear_add_rms_norm(x, weight, bias, residual, norm_weight, eps: float, zero_centered: bool = False,
+                        ticket: torch.Tensor | None = None):
+    """add_rms_norm(residual, linear(x, weight, bias), norm_weight, eps, zero_centered) -> (s, y):
+    a layer's last projection and the residual add + norm after it.
+
+    Where x is one row that goes to the gemv kernel (an AR step at batch 1) and `ticket` is
+    given, one launch: the GEMV's last CTA runs the add + norm (plugins/gemv.h, GemvNorm) with
+    add_rms_norm's bits. `ticket` is an int32 [1] zero tensor the caller owns; the launch leaves
+    it zero, and launches that may run at the same time need their own. Elsewhere the two ops."""
+    H = weight.shape[0]
+    if ticket is not None and _linear_norm_fits(x, weight, bias, residual, norm_weight):
+        assert ticket.dtype == torch.int32 and ticket.numel() == 1 and ticket.device == x.device, \
+            f"ticket must be one int32 on x's {x.device}, got {ticket.dtype} {tuple(ticket.shape)} on {ticket.device}"
+        return torch.ops.dflash.linear_add_rms_norm(x.reshape(1, -1), weight, bias, residual, norm_weight, float(eps),
+                                                    zero_centered, ticket)
+    assert residual.shape[-1] == H, f"residual must be [..., {H}], got {tuple(residual.shape)}"
+    return add_rms_norm(residual, linear(x, weight, bias), norm_weight, eps, zero_centered)
+
+
+def _linear_norm_fits(x, weight, bias, residual, norm_weight) -> bool:
+    H = weight.shape[0]
+    if not (x.dtype == weight.dtype and x.is_contiguous() and x.numel() == x.shape[-1]):
+        return False
+    return (_gemv_kernel_fits(x.reshape(1, -1), weight, bias) and H % 8 == 0 and H <= GEMV_NORM_MAX_FEATURES
+            and residual.dtype == torch.float32 and residual.numel() == H and residual.is_contiguous()
+            and residual.device == x.device and residual.data_ptr() % 16 == 0
+            and norm_weight.dtype == x.dtype and norm_weight.shape == (H,) and norm_weight.is_contiguous()
+            and norm_weight.device == x.device and norm_weight.data_ptr() % 16 == 0)
+
+
 def silu_mul(gate_up):
     """silu(gate) * up for gate_up [..., 2I] (gate first, as MLP chunks it) -> [..., I]."""
     assert gate_up.dim() >= 1 and gate_up.shape[-1] % 2 == 0, f"gate_up must be [..., 2I], got {gate_up.shape}"

@@ -11,7 +11,10 @@
 // issues its next loads before its math (lanes.h, lane_dots_pipelined). launch_one_row picks R,
 // the slices and the pipelining per feature count. The launch may
 // overlap the kernel before it (pdl.h): the CTAs that start early pull their first weight
-// lines into L2 while the input is being computed.
+// lines into L2 while the input is being computed. With a GemvNorm, the CTA that finishes last
+// (a ticket) runs the residual add + RMSNorm that follows the matmul (row_norm.h): a layer's
+// o_proj or down_proj and the next norm in one launch, which saves the norm's launch and its
+// wait on the matmul's tail.
 //
 // Two to 16 rows (a verify or draft block at batch 1, a small batch) run on the tensor cores: a
 // CTA owns 16 MT output features and every row of x, its warps split K, and each warp applies
@@ -30,6 +33,7 @@
 #include "lanes.h"
 #include "mma_tile.h"
 #include "pdl.h"
+#include "row_norm.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -44,11 +48,31 @@ constexpr int kThreads = 256;  // 8 warps
 constexpr int kWarps = kThreads / 32;
 constexpr int kLoadsInFlight = 8;  // 16-byte weight loads per lane per iteration
 
+// The add + norm after the matmul (kNormPlays > 0): every CTA's y before its ticket; the CTA that
+// takes the last one sees all of y and runs the add + norm, each thread over kNormPlays vectors,
+// then zeroes the ticket for the next launch.
+template <typename T, int kNormPlays>
+__device__ void add_rms_norm_if_last(const GemvParams& p, const GemvNorm& n) {
+  __shared__ bool last;
+  __threadfence();  // this CTA's y before its ticket
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(n.ticket, 1) == static_cast<int>(gridDim.x) - 1;
+  __syncthreads();
+  if (!last) return;
+  pdl_allow_dependents();  // the next kernel may start fetching its weights while this CTA norms
+  __threadfence();
+  cta_add_rms_norm<T, kThreads, kNormPlays>(n.residual, static_cast<const T*>(p.y), static_cast<const T*>(n.weight),
+                                static_cast<int>(p.out_features), n.eps, n.zero_centered, n.sum,
+                                static_cast<T*>(n.out));
+  if (threadIdx.x == 0) *n.ticket = 0;
+}
+
 // A CTA's 8 warps are 8 / S groups of S: a group owns R consecutive output features, its S
 // warps each a contiguous 1/S of K; the S sums meet in shared memory, added in slice order.
-// kPipelined: each warp's loop is lane_dots_pipelined.
-template <typename T, int R, int S, bool kPipelined>
-__global__ void __launch_bounds__(kThreads) gemv_kernel(GemvParams p) {
+// kPipelined: each warp's loop is lane_dots_pipelined. kNormPlays > 0: a norm follows (which
+// decides when the next kernel may start).
+template <typename T, int R, int S, bool kPipelined, int kNormPlays>
+__device__ __forceinline__ void gemv_row(const GemvParams& p) {
   constexpr int U = kLoadsInFlight / R, kGroups = kWarps / S;
   __shared__ float part[kGroups][S][R];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, group = warp / S, slice = warp % S;
@@ -69,7 +93,9 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(GemvParams p) {
       if (lane + 32 * u < count) prefetch_l2(rows[r] + lane + 32 * u);
   }
   pdl_wait();
-  pdl_allow_dependents();
+  // With the norm, the last CTA lets the next kernel start (the others count once they exit):
+  // started with every CTA, its CTAs would wait out this one's whole matmul.
+  if constexpr (kNormPlays == 0) pdl_allow_dependents();
 
   float acc[R] = {};
   if constexpr (kPipelined) {
@@ -84,14 +110,28 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(GemvParams p) {
     for (int r = 0; r < R; ++r) part[group][slice][r] = acc[r];
   }
   __syncthreads();  // every warp gets here: none returns early
-  if (slice != 0 || lane >= R || n0 + lane >= p.out_features) return;
-  float sum = 0.0f;
+  if (slice == 0 && lane < R && n0 + lane < p.out_features) {
+    float sum = 0.0f;
 #pragma unroll
-  for (int i = 0; i < S; ++i) sum += part[group][i][lane];
-  const int64_t n = n0 + lane;
-  const T* bias = static_cast<const T*>(p.bias);
-  const float b = bias != nullptr ? to_float(bias[n]) : 0.0f;
-  static_cast<T*>(p.y)[n] = from_float<T>(sum + b);
+    for (int i = 0; i < S; ++i) sum += part[group][i][lane];
+    const int64_t n = n0 + lane;
+    const T* bias = static_cast<const T*>(p.bias);
+    const float b = bias != nullptr ? to_float(bias[n]) : 0.0f;
+    static_cast<T*>(p.y)[n] = from_float<T>(sum + b);
+  }
+}
+
+template <typename T, int R, int S, bool kPipelined>
+__global__ void __launch_bounds__(kThreads) gemv_kernel(GemvParams p) {
+  gemv_row<T, R, S, kPipelined, 0>(p);
+}
+
+// The matmul, then the add + norm (GemvNorm), each of the last CTA's threads over kNormPlays
+// vectors of the row.
+template <typename T, int R, int S, bool kPipelined, int kNormPlays>
+__global__ void __launch_bounds__(kThreads) gemv_norm_kernel(GemvParams p, GemvNorm n) {
+  gemv_row<T, R, S, kPipelined, kNormPlays>(p);
+  add_rms_norm_if_last<T, kNormPlays>(p, n);
 }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -102,17 +142,31 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // the weights stream nearer copy bandwidth. With four features a warp still at least four CTAs an
 // SM, the reads are long enough for the pipelined loop's extra bytes in flight to pay (four
 // features, all of K): it wins on the LM heads and gate_up, loses on the smaller projections
-// (BENCHMARKS.md, "GEMV").
+// (BENCHMARKS.md, "GEMV"). As features a CTA: 32 (R = 4, pipelined), 8 (R = 2), 2 (R = 1).
+int one_row_features_per_cta(int64_t N, int sms) {
+  if (ceil_div(N, 4 * kWarps) >= 4 * sms) return 4 * kWarps;
+  if (ceil_div(N, kWarps) >= sms) return kWarps;
+  return kWarps / 4;
+}
+
 template <typename T>
 cudaError_t launch_one_row(const GemvParams& p, int sms, cudaStream_t stream) {
-  const int64_t N = p.out_features;
-  const dim3 block(kThreads);
-  const auto grid = [&](int features_per_cta) { return dim3(static_cast<unsigned>(ceil_div(N, features_per_cta))); };
-  if (ceil_div(N, 4 * kWarps) >= 4 * sms)
-    return pdl_launch(gemv_kernel<T, 4, 1, true>, grid(4 * kWarps), block, 0, stream, true, p);
-  if (ceil_div(N, kWarps) >= sms)
-    return pdl_launch(gemv_kernel<T, 2, 2, false>, grid(kWarps), block, 0, stream, true, p);
-  return pdl_launch(gemv_kernel<T, 1, 4, false>, grid(kWarps / 4), block, 0, stream, true, p);
+  const int per_cta = one_row_features_per_cta(p.out_features, sms);
+  const dim3 grid(static_cast<unsigned>(ceil_div(p.out_features, per_cta))), block(kThreads);
+  if (per_cta == 4 * kWarps) return pdl_launch(gemv_kernel<T, 4, 1, true>, grid, block, 0, stream, true, p);
+  if (per_cta == kWarps) return pdl_launch(gemv_kernel<T, 2, 2, false>, grid, block, 0, stream, true, p);
+  return pdl_launch(gemv_kernel<T, 1, 4, false>, grid, block, 0, stream, true, p);
+}
+
+template <typename T, int kNormPlays>
+cudaError_t launch_one_row_norm(const GemvParams& p, const GemvNorm& n, int sms, cudaStream_t stream) {
+  const int per_cta = one_row_features_per_cta(p.out_features, sms);
+  const dim3 grid(static_cast<unsigned>(ceil_div(p.out_features, per_cta))), block(kThreads);
+  if (per_cta == 4 * kWarps)
+    return pdl_launch(gemv_norm_kernel<T, 4, 1, true, kNormPlays>, grid, block, 0, stream, true, p, n);
+  if (per_cta == kWarps)
+    return pdl_launch(gemv_norm_kernel<T, 2, 2, false, kNormPlays>, grid, block, 0, stream, true, p, n);
+  return pdl_launch(gemv_norm_kernel<T, 1, 4, false, kNormPlays>, grid, block, 0, stream, true, p, n);
 }
 
 // y[m, n] for the 16 MT features n of tile blockIdx.x and every row m of x (NT tiles of 8); the
@@ -173,28 +227,44 @@ cudaError_t launch_rows(const GemvParams& p, int sms, cudaStream_t stream) {
 }
 
 template <typename T>
-cudaError_t launch_typed(const GemvParams& p, cudaStream_t stream) {
+cudaError_t launch_typed(const GemvParams& p, const GemvNorm* norm, cudaStream_t stream) {
   const int sms = device_sms();  // 0 where unknown: the widest layouts, which run anywhere
-  return p.rows == 1 ? launch_one_row<T>(p, sms, stream) : launch_rows<T>(p, sms, stream);
+  if (p.rows > 1) return launch_rows<T>(p, sms, stream);
+  if (!norm) return launch_one_row<T>(p, sms, stream);
+  // the fewest vectors a thread of the norm's CTA that the row needs (registers: the whole
+  // kernel is compiled for what its epilogue keeps live)
+  const int64_t vectors = p.out_features / 8;
+  if (vectors <= kThreads) return launch_one_row_norm<T, 1>(p, *norm, sms, stream);
+  if (vectors <= 2 * kThreads) return launch_one_row_norm<T, 2>(p, *norm, sms, stream);
+  return launch_one_row_norm<T, 4>(p, *norm, sms, stream);
 }
 
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
 }  // namespace
 
-const char* gemv_check(const GemvParams& p) {
+const char* gemv_check(const GemvParams& p, const GemvNorm* norm) {
   if (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16) return "dtype must be bf16 or fp16";
   if (p.rows < 1 || p.rows > kGemvMaxRows) return "rows must be in [1, 16]";
   if (p.out_features < 1 || p.out_features > (int64_t{1} << 34)) return "out_features must be in [1, 2^34]";
   if (p.in_features < 8 || p.in_features % 8 != 0) return "in_features must be a positive multiple of 8";
   if (!p.x || !p.weight || !p.y) return "null pointer";
   if (!aligned16(p.x) || !aligned16(p.weight)) return "x and weight must be 16-byte aligned";
+  if (norm == nullptr) return nullptr;
+  const GemvNorm& n = *norm;
+  if (p.rows != 1) return "the add + norm takes one row";
+  if (p.out_features > kGemvNormMaxFeatures || p.out_features % 8 != 0)
+    return "the add + norm needs out_features a multiple of 8, at most 8192";
+  if (!n.residual || !n.weight || !n.sum || !n.out || !n.ticket) return "null pointer";
+  if (!aligned16(p.y) || !aligned16(n.residual) || !aligned16(n.weight) || !aligned16(n.sum) || !aligned16(n.out))
+    return "y, residual, norm weight, sum and out must be 16-byte aligned";
   return nullptr;
 }
 
-cudaError_t gemv_launch(const GemvParams& p, cudaStream_t stream) {
-  if (gemv_check(p) != nullptr) return cudaErrorInvalidValue;
-  return p.dtype == DType::kBFloat16 ? launch_typed<__nv_bfloat16>(p, stream) : launch_typed<__half>(p, stream);
+cudaError_t gemv_launch(const GemvParams& p, cudaStream_t stream, const GemvNorm* norm) {
+  if (gemv_check(p, norm) != nullptr) return cudaErrorInvalidValue;
+  return p.dtype == DType::kBFloat16 ? launch_typed<__nv_bfloat16>(p, norm, stream)
+                                     : launch_typed<__half>(p, norm, stream);
 }
 
 }  // namespace dflash

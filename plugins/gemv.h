@@ -21,6 +21,23 @@
 namespace dflash {
 
 constexpr int kGemvMaxRows = 16;  // rows of x (M) the kernel takes; more go to a GEMM
+constexpr int kGemvNormMaxFeatures = 8192;  // N of a GEMV with the add + norm after it
+
+// The residual add + RMSNorm that follows a one-row matmul (a layer's o_proj or down_proj, then
+// the next norm), run by the GEMV's last CTA instead of a kernel of its own: sum = residual +
+// y in fp32, out = its RMSNorm, with add_rms_norm's semantics and bits (layer_ops.h,
+// RmsNormParams). One row (rows == 1), N a multiple of 8, every pointer 16-byte aligned.
+struct GemvNorm {
+  const float* residual = nullptr;  // [N] fp32
+  const void* weight = nullptr;     // [N] in the GEMV's dtype
+  float eps = 1e-6f;
+  bool zero_centered = false;
+  float* sum = nullptr;             // [N] fp32
+  void* out = nullptr;              // [N] in the dtype
+  // One int the launch counts its finished CTAs in: zero before the launch, and the launch
+  // leaves it zero. Launches running at the same time need their own.
+  int* ticket = nullptr;
+};
 
 struct GemvParams {
   DType dtype = DType::kBFloat16;  // of x, W, bias and y (bf16 or fp16)
@@ -34,7 +51,8 @@ struct GemvParams {
 };
 
 // nullptr when the launch would be valid, else why not.
-const char* gemv_check(const GemvParams& p);
-cudaError_t gemv_launch(const GemvParams& p, cudaStream_t stream);
+// norm: the add + RMSNorm after the matmul, or null.
+const char* gemv_check(const GemvParams& p, const GemvNorm* norm = nullptr);
+cudaError_t gemv_launch(const GemvParams& p, cudaStream_t stream, const GemvNorm* norm = nullptr);
 
 }  // namespace dflash

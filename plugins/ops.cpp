@@ -394,10 +394,10 @@ at::Tensor sigmoid_gate_cuda(const at::Tensor& x, const at::Tensor& gate) {
   return out;
 }
 
-// x [M, K] (M <= 16), weight [N, K], bias [N] or None, all one dtype, contiguous -> [M, N].
-at::Tensor gemv_cuda(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+// x [M, K] (M <= 16), weight [N, K], bias [N] or None, all one dtype, contiguous.
+void check_gemv_args(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   DFLASH_CHECK(x.is_cuda() && weight.is_cuda() && weight.device() == x.device(), "x and weight must be on one GPU");
-  const dflash::DType dtype = model_dtype(x, "x");
+  model_dtype(x, "x");
   DFLASH_CHECK(weight.scalar_type() == x.scalar_type(), "weight must have x's dtype");
   DFLASH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.dim() == 2 && weight.is_contiguous() &&
                    weight.size(1) == x.size(1),
@@ -408,11 +408,13 @@ at::Tensor gemv_cuda(const at::Tensor& x, const at::Tensor& weight, const std::o
                      bias->size(0) == weight.size(0) && bias->is_contiguous(),
                  "bias must be a contiguous [N] tensor of x's dtype on x's device");
   }
-  const c10::cuda::CUDAGuard guard(x.device());
-  auto y = at::empty({x.size(0), weight.size(0)}, x.options());
-  if (y.numel() == 0) return y;
+}
+
+// The launch of y [M, N] = x W^T (+ bias), the arguments checked by check_gemv_args.
+dflash::GemvParams gemv_params(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                               at::Tensor& y) {
   dflash::GemvParams p;
-  p.dtype = dtype;
+  p.dtype = model_dtype(x, "x");
   p.rows = static_cast<int>(x.size(0));
   p.out_features = weight.size(0);
   p.in_features = x.size(1);
@@ -420,9 +422,55 @@ at::Tensor gemv_cuda(const at::Tensor& x, const at::Tensor& weight, const std::o
   p.weight = weight.data_ptr();
   p.bias = bias.has_value() ? bias->data_ptr() : nullptr;
   p.y = y.data_ptr();
-  if (const char* why = dflash::gemv_check(p)) DFLASH_CHECK(false, "gemv: ", why);
-  check_launch(dflash::gemv_launch(p, c10::cuda::getCurrentCUDAStream().stream()), "gemv");
+  return p;
+}
+
+void gemv_run(const dflash::GemvParams& p, const char* op, const dflash::GemvNorm* norm = nullptr) {
+  if (const char* why = dflash::gemv_check(p, norm)) DFLASH_CHECK(false, op, ": ", why);
+  check_launch(dflash::gemv_launch(p, c10::cuda::getCurrentCUDAStream().stream(), norm), op);
+}
+
+at::Tensor gemv_cuda(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  check_gemv_args(x, weight, bias);
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto y = at::empty({x.size(0), weight.size(0)}, x.options());
+  if (y.numel() > 0) gemv_run(gemv_params(x, weight, bias, y), "gemv");
   return y;
+}
+
+// x [1, K], weight [N, K], bias [N] or None as for gemv; residual [..., N] fp32 and norm_weight [N]
+// in x's dtype, contiguous; ticket one int32, zero (the launch leaves it zero). Returns (sum, out)
+// of add_rms_norm(residual, x W^T (+ bias), norm_weight), in residual's shape.
+std::tuple<at::Tensor, at::Tensor> linear_add_rms_norm_cuda(const at::Tensor& x, const at::Tensor& weight,
+                                                            const std::optional<at::Tensor>& bias,
+                                                            const at::Tensor& residual, const at::Tensor& norm_weight,
+                                                            double eps, bool zero_centered, const at::Tensor& ticket) {
+  check_gemv_args(x, weight, bias);
+  const int64_t N = weight.size(0);
+  DFLASH_CHECK(x.size(0) == 1, "linear_add_rms_norm takes one row of x, got ", x.size(0));
+  DFLASH_CHECK(residual.device() == x.device() && residual.scalar_type() == at::kFloat && residual.is_contiguous() &&
+                   residual.dim() >= 1 && residual.size(-1) == N && residual.numel() == N,
+               "residual must be a contiguous fp32 [..., N] tensor of one row on x's device, N = ", N, ", got ",
+               residual.sizes(), " ", residual.scalar_type());
+  DFLASH_CHECK(norm_weight.device() == x.device() && norm_weight.scalar_type() == x.scalar_type() &&
+                   norm_weight.dim() == 1 && norm_weight.size(0) == N && norm_weight.is_contiguous(),
+               "norm_weight must be a contiguous [N] tensor of x's dtype on x's device, N = ", N);
+  DFLASH_CHECK(ticket.device() == x.device() && ticket.scalar_type() == at::kInt && ticket.numel() == 1,
+               "ticket must be one int32 on x's device");
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto y = at::empty({1, N}, x.options());
+  auto sum = at::empty(residual.sizes(), residual.options());
+  auto out = at::empty(residual.sizes(), x.options());
+  dflash::GemvNorm norm;
+  norm.residual = residual.data_ptr<float>();
+  norm.weight = norm_weight.data_ptr();
+  norm.eps = static_cast<float>(eps);
+  norm.zero_centered = zero_centered;
+  norm.sum = sum.data_ptr<float>();
+  norm.out = out.data_ptr();
+  norm.ticket = ticket.data_ptr<int>();
+  gemv_run(gemv_params(x, weight, bias, y), "linear_add_rms_norm", &norm);
+  return {sum, out};
 }
 
 // Shape-only versions for tracing (torch.compile, fake tensors).
@@ -507,6 +555,13 @@ at::Tensor causal_conv_meta(const at::Tensor& x, const at::Tensor&, const at::Te
 
 at::Tensor gemv_meta(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>&) {
   return at::empty({x.size(0), weight.size(0)}, x.options());
+}
+
+std::tuple<at::Tensor, at::Tensor> linear_add_rms_norm_meta(const at::Tensor& x, const at::Tensor&,
+                                                            const std::optional<at::Tensor>&,
+                                                            const at::Tensor& residual, const at::Tensor&, double,
+                                                            bool, const at::Tensor&) {
+  return {at::empty(residual.sizes(), residual.options()), at::empty(residual.sizes(), x.options())};
 }
 
 at::Tensor sigmoid_gate_meta(const at::Tensor& x, const at::Tensor&) { return at::empty(x.sizes(), x.options()); }
@@ -950,6 +1005,9 @@ TORCH_LIBRARY(dflash, m) {
   m.def("sigmoid_gate(Tensor x, Tensor gate) -> Tensor");
   m.def("gemv(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
   m.def(
+      "linear_add_rms_norm(Tensor x, Tensor weight, Tensor? bias, Tensor residual, Tensor norm_weight, float eps, "
+      "bool zero_centered, Tensor(a!) ticket) -> (Tensor, Tensor)");
+  m.def(
       "causal_conv(Tensor x, Tensor weight, Tensor(a!) conv_cache, Tensor(b!)? snapshots, Tensor slots, "
       "Tensor start, Tensor? num_tokens=None) -> Tensor");
   m.def(
@@ -986,6 +1044,7 @@ TORCH_LIBRARY_IMPL(dflash, CUDA, m) {
   m.impl("silu_mul", &silu_mul_cuda);
   m.impl("sigmoid_gate", &sigmoid_gate_cuda);
   m.impl("gemv", &gemv_cuda);
+  m.impl("linear_add_rms_norm", &linear_add_rms_norm_cuda);
   m.impl("causal_conv", &causal_conv_cuda);
   m.impl("gated_delta_recurrent", &gated_delta_recurrent_cuda);
   m.impl("gated_delta_prepare", &gated_delta_prepare_cuda);
@@ -1006,6 +1065,7 @@ TORCH_LIBRARY_IMPL(dflash, Meta, m) {
   m.impl("silu_mul", &silu_mul_meta);
   m.impl("sigmoid_gate", &sigmoid_gate_meta);
   m.impl("gemv", &gemv_meta);
+  m.impl("linear_add_rms_norm", &linear_add_rms_norm_meta);
   m.impl("causal_conv", &causal_conv_meta);
   m.impl("gated_delta_recurrent", &gated_delta_recurrent_meta);
   m.impl("gated_delta_prepare", &gated_delta_prepare_meta);

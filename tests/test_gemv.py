@@ -2,7 +2,9 @@
 rejects bad arguments, models route their linears through ops.linear unchanged on the CPU,
 and on the GPU the kernel agrees with the reference (to a unit in the last place for one row;
 within the tensor cores' fp32 sum for 2 to 16) for every row count it takes, ragged feature
-counts and each warp layout, and ops.linear takes it for up to 16 rows (cuda marker)."""
+counts and each warp layout, and ops.linear takes it for up to 16 rows (cuda marker). The add +
+norm a one-row GEMV runs after its matmul (ops.linear_add_rms_norm) has the bits of the two ops
+it replaces, in the kernel and in the models' AR step."""
 
 import pytest
 import torch
@@ -10,7 +12,9 @@ import torch.nn.functional as F
 from test_layer_ops import dims_for, rand, randomise
 
 from dflash_trt import ops
-from dflash_trt.models.layers import MLP, Linear, PackedLinear
+from dflash_trt.benchmark import random_weights as rw
+from dflash_trt.graphs import DecodePasses
+from dflash_trt.models.layers import MLP, Linear, PackedLinear, RMSNorm
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -31,7 +35,7 @@ def test_linear_layers_compute_what_nn_linear_does_on_the_cpu():
     mlp = randomise(MLP(dims_for(4, 2, 16)))
     assert isinstance(mlp.gate_up_proj, PackedLinear) and isinstance(mlp.down_proj, Linear)
     x = rand(1, 1, 64, seed=5)
-    assert torch.equal(mlp(x), F.linear(ops.silu_mul(F.linear(x, mlp.gate_up_proj.weight)), mlp.down_proj.weight))
+    assert torch.equal(mlp(x).value(), F.linear(ops.silu_mul(F.linear(x, mlp.gate_up_proj.weight)), mlp.down_proj.weight))
 
 
 def test_linear_takes_empty_inputs_as_nn_linear_does():
@@ -161,3 +165,140 @@ def test_kernel_refuses_what_it_cannot_take():
     x, w, _ = gpu_case(2, 64, 36, torch.bfloat16, False)
     with pytest.raises(RuntimeError, match="multiple of 8"):
         torch.ops.dflash.gemv(x, w, None)
+
+
+# -- the add + norm after a one-row projection (ops.linear_add_rms_norm) ----------------------
+
+
+def norm_case(n, k, dtype, bias, device, seed=0):
+    x, w, b = (gpu_case if device == "cuda" else cpu_case)(1, n, k, dtype, bias, seed)
+    residual = rand(1, 1, n, dtype=torch.float32, device=device, seed=seed + 3, scale=4.0)
+    norm_weight = rand(n, dtype=dtype, device=device, seed=seed + 4)
+    return x.reshape(1, 1, k), w, b, residual, norm_weight
+
+
+def cpu_case(m, n, k, dtype, bias, seed=0):
+    return (rand(m, k, dtype=dtype, seed=seed), rand(n, k, dtype=dtype, seed=seed + 1, scale=k ** -0.5),
+            rand(n, dtype=dtype, seed=seed + 2) if bias else None)
+
+
+@pytest.mark.parametrize("zero_centered", [False, True], ids=["", "zero-centred"])
+def test_linear_add_rms_norm_is_the_projection_then_the_add_and_norm_on_the_cpu(zero_centered):
+    x, w, b, residual, norm_weight = norm_case(48, 32, torch.float32, True, "cpu")
+    ticket = torch.zeros(1, dtype=torch.int32)
+    s, y = ops.linear_add_rms_norm(x, w, b, residual, norm_weight, 1e-6, zero_centered, ticket)
+    ref_s, ref_y = ops.add_rms_norm_reference(residual, F.linear(x, w, b), norm_weight, 1e-6, zero_centered)
+    assert torch.equal(s, ref_s) and torch.equal(y, ref_y) and s.shape == (1, 1, 48)
+
+
+def test_a_norm_applies_a_projection_with_hooks_through_the_module():
+    # tensor parallelism sums o_proj's and down_proj's partial outputs in a forward hook
+    # (parallel.py): a norm that ran the matmul itself would skip the sum
+    norm, proj = randomise(RMSNorm(32, 1e-6)), randomise(Linear(16, 32))
+    x, residual = rand(1, 1, 16, seed=1), rand(1, 1, 32, seed=2)
+    proj.register_forward_hook(lambda module, args, out: out * 2)
+    s, y = norm.add_and_norm(residual, proj.deferred(x))
+    ref_s, ref_y = ops.add_rms_norm_reference(residual, 2 * F.linear(x, proj.weight, proj.bias), norm.weight, 1e-6)
+    assert torch.equal(s, ref_s) and torch.equal(y, ref_y)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("n, k", [
+    (64, 64),  # a tiny model: one warp's row in rms_norm, one CTA's features
+    (2048, 4096),  # Qwen3.5/3.6-35B-A3B's o_proj and out_proj
+    (4096, 12288),  # Qwen3-8B's down_proj (and o_proj's N)
+    (5120, 5120),  # 640 vectors: the last played warp of each CTA thread's third play partly empty
+    (4104, 512),  # 513 vectors: one vector alone in the last warp
+    (8192, 1024),  # the most the add + norm takes: four plays a thread
+])
+@pytest.mark.parametrize("zero_centered", [False, True], ids=["", "zero-centred"])
+@pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
+def test_kernel_add_rms_norm_has_the_bits_of_gemv_then_add_rms_norm(dtype, n, k, zero_centered, bias):
+    x, w, b, residual, norm_weight = norm_case(n, k, dtype, bias, "cuda", seed=n + k)
+    ticket = torch.zeros(1, dtype=torch.int32, device="cuda")
+    two_ops = ops.add_rms_norm(residual, torch.ops.dflash.gemv(x[0], w, b)[None], norm_weight, 1e-6, zero_centered)
+    fused = torch.ops.dflash.linear_add_rms_norm(x[0], w, b, residual, norm_weight, 1e-6, zero_centered, ticket)
+    assert fused[0].shape == residual.shape and fused[1].dtype == dtype
+    assert torch.equal(fused[0], two_ops[0]) and torch.equal(fused[1], two_ops[1])
+    assert ticket.item() == 0  # left ready for the next launch
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = torch.ops.dflash.linear_add_rms_norm(x[0], w, b, residual, norm_weight, 1e-6, zero_centered,
+                                                        ticket)
+    for _ in range(3):  # each replay finds the ticket at zero
+        captured[0].zero_(), captured[1].zero_()
+        graph.replay()
+        assert torch.equal(captured[0], two_ops[0]) and torch.equal(captured[1], two_ops[1])
+
+
+@pytest.mark.cuda
+def test_linear_add_rms_norm_takes_one_launch_for_one_row_only(monkeypatch):
+    taken = []
+    fused = torch.ops.dflash.linear_add_rms_norm
+    monkeypatch.setattr(ops.torch.ops.dflash, "linear_add_rms_norm", lambda *a: taken.append("fused") or fused(*a))
+    x, w, _, residual, norm_weight = norm_case(256, 128, torch.bfloat16, False, "cuda")
+    ticket = torch.zeros(1, dtype=torch.int32, device="cuda")
+    ops.linear_add_rms_norm(x, w, None, residual, norm_weight, 1e-6, ticket=ticket)
+    ops.linear_add_rms_norm(x, w, None, residual, norm_weight, 1e-6)  # no ticket: the two ops
+    two = rand(1, 2, 128, dtype=torch.bfloat16, device="cuda")
+    ops.linear_add_rms_norm(two, w, None, residual.expand(1, 2, 256).contiguous(), norm_weight, 1e-6, ticket=ticket)
+    assert taken == ["fused"]
+
+
+@pytest.mark.cuda
+def test_kernel_add_rms_norm_refuses_what_it_cannot_take():
+    x, w, _, residual, norm_weight = norm_case(64, 64, torch.bfloat16, False, "cuda")
+    ticket = torch.zeros(1, dtype=torch.int32, device="cuda")
+    op = torch.ops.dflash.linear_add_rms_norm
+    with pytest.raises(RuntimeError, match="one row of x"):
+        op(torch.cat([x[0], x[0]]), w, None, residual, norm_weight, 1e-6, False, ticket)
+    with pytest.raises(RuntimeError, match="ticket must be one int32"):
+        op(x[0], w, None, residual, norm_weight, 1e-6, False, ticket.long())
+    with pytest.raises(RuntimeError, match="residual must be a contiguous fp32"):
+        op(x[0], w, None, residual.to(torch.bfloat16), norm_weight, 1e-6, False, ticket)
+    x, w, _, residual, norm_weight = norm_case(8200, 64, torch.bfloat16, False, "cuda")
+    with pytest.raises(RuntimeError, match="at most 8192"):
+        op(x[0], w, None, residual, norm_weight, 1e-6, False, ticket)
+
+
+TINY_TARGETS = {
+    "qwen3": rw.TinyPairSpec(hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
+                             head_dim=16, target_layer_ids=(1, 2)),
+    "hybrid": rw.TinyPairSpec(target_type="qwen3_5", hidden_size=64, intermediate_size=128, num_layers=4,
+                              num_heads=4, num_kv_heads=2, head_dim=16, target_layer_ids=(1, 2)),
+    "moe hybrid": rw._qwen3_5_moe((1, 2), hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
+                                  linear_heads=(2, 4), num_experts=8, experts_per_tok=2, moe_intermediate_size=32,
+                                  shared_expert_size=32),
+}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", TINY_TARGETS)
+def test_ar_step_is_the_same_with_the_norms_run_by_the_projections(monkeypatch, name):
+    from test_profile_step import profile_step
+
+    monkeypatch.setitem(rw.PRESETS, "tiny", TINY_TARGETS[name])
+    engine = rw.random_engine("tiny", device="cuda", dtype=torch.bfloat16, max_batch_size=1, max_seq_len=128).engine
+    passes = DecodePasses(engine.target, engine.drafter, engine.target_cache, engine.draft_cache, engine.taps,
+                          engine.block_size)
+    x = passes.inputs(profile_step.fake_running(engine, 1, 16))
+    cache = engine.target_cache
+    saved = {k: v.clone() for k, v in vars(cache).items() if isinstance(v, torch.Tensor)}
+
+    def ar_step() -> tuple[torch.Tensor, torch.Tensor]:
+        for k, v in saved.items():
+            getattr(cache, k).copy_(v)
+        return passes.ar(x)
+
+    fused = torch.ops.dflash.linear_add_rms_norm
+    taken = []
+    monkeypatch.setattr(ops.torch.ops.dflash, "linear_add_rms_norm", lambda *a: taken.append(1) or fused(*a))
+    hidden, token = ar_step()
+    # the norms after every dense MLP and after the attention before one (MoE blocks take neither)
+    layers = engine.target.model.layers
+    assert len(taken) == 2 * sum(type(layer.mlp) is MLP for layer in layers) == (0 if name == "moe hybrid" else 8)
+    monkeypatch.setattr(ops, "linear_add_rms_norm", lambda x, w, b, r, *a, ticket=None: ops.add_rms_norm(
+        r, ops.linear(x, w, b), *a))
+    two_ops = ar_step()
+    assert torch.equal(hidden, two_ops[0]) and torch.equal(token, two_ops[1])

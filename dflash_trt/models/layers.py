@@ -8,6 +8,7 @@ PyTorch references are the CPU path and round exactly like the plain code they r
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -18,20 +19,51 @@ from dflash_trt.kv_cache import Packing
 from dflash_trt.sampling import Distribution, SamplingParams
 
 
+class Projected(NamedTuple):
+    """A layer part's output that ends in a projection (o_proj, out_proj, down_proj), not applied
+    yet: so that the residual add + norm after it can run in the matmul's kernel
+    (RMSNorm.add_and_norm). `value()` applies it."""
+    x: torch.Tensor
+    linear: Linear
+
+    def value(self) -> torch.Tensor:
+        return self.linear(self.x)
+
+
+def value(out: torch.Tensor | Projected) -> torch.Tensor:
+    """A layer part's output as a tensor."""
+    return out.value() if isinstance(out, Projected) else out
+
+
 class RMSNorm(nn.Module):
+    zero_centered = False  # Qwen3.5's scales by 1 + weight (qwen3_5.ZeroCenteredRMSNorm)
+
     def __init__(self, size: int, eps: float):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
+        self.weight = nn.Parameter(torch.zeros(size) if self.zero_centered else torch.ones(size))
         self.eps = eps
+        self._ticket: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32, scale in the weights' dtype: the order Qwen3 was trained with.
         # The input may be the fp32 residual stream; the output is always in the model dtype.
-        return ops.rms_norm(x, self.weight, self.eps)
+        return ops.rms_norm(x.contiguous(), self.weight, self.eps, self.zero_centered)
 
-    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + delta in fp32, its norm): a residual add fused into the norm that follows it."""
-        return ops.add_rms_norm(x, delta, self.weight, self.eps)
+    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor | Projected) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta in fp32, its norm): a residual add fused into the norm that follows it. A
+        Projected delta's matmul joins them (one launch for one row on CUDA) unless its Linear
+        has hooks (tensor parallelism's all-reduce, parallel.py): those need the module called."""
+        linear = delta.linear if isinstance(delta, Projected) else None
+        if linear is None or linear._forward_hooks or linear._forward_pre_hooks:
+            return ops.add_rms_norm(x, value(delta), self.weight, self.eps, self.zero_centered)
+        return ops.linear_add_rms_norm(delta.x, linear.weight, linear.bias, x, self.weight, self.eps,
+                                       self.zero_centered, self._ticket_on(x.device))
+
+    def _ticket_on(self, device: torch.device) -> torch.Tensor:
+        # the int the fused launch counts its CTAs in: this norm's own, so no two launches share one
+        if self._ticket is None or self._ticket.device != device:
+            self._ticket = torch.zeros(1, dtype=torch.int32, device=device)
+        return self._ticket
 
 
 def rope_inv_freq(dim: int, theta: float, yarn: YaRN | None = None) -> tuple[torch.Tensor, float]:
@@ -88,6 +120,10 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.linear(x, self.weight, self.bias)
+
+    def deferred(self, x: torch.Tensor) -> Projected:
+        """This projection of x, left for the norm after it to apply (Projected)."""
+        return Projected(x, self)
 
 
 class LMHead(Linear):
@@ -150,14 +186,16 @@ class AttentionProjections(nn.Module):
 
 
 class MLP(nn.Module):
+    input_norm_in_projection = True  # the norm before it may run in the projection before that (Projected)
+
     def __init__(self, dims: LayerDims, intermediate_size: int | None = None):
         super().__init__()
         width = intermediate_size or dims.intermediate_size  # another width: an MoE's shared expert
         self.gate_up_proj = PackedLinear(dims.hidden_size, {"gate_proj": width, "up_proj": width})
         self.down_proj = Linear(width, dims.hidden_size, bias=False)
 
-    def forward(self, x):
-        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+    def forward(self, x) -> Projected:
+        return self.down_proj.deferred(ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -181,8 +219,10 @@ class DecoderLayer(nn.Module):
         """x: the fp32 residual stream [bs, T, H] still without the previous layer's MLP output
         `mlp_out` (None before the first layer): that add is fused into this layer's input
         norm, which saves a kernel per layer. Returns (x, this layer's MLP output), likewise
-        left for the caller to add (`RMSNorm.add_and_norm` or `x + mlp_out`). With `packing`,
-        x and mlp_out are the pass's real tokens as one row, and only the mixer sees the rows."""
+        left for the caller to add (`RMSNorm.add_and_norm` or `x + value(mlp_out)`). The
+        attention and the MLP may return their last projection not applied (Projected): the
+        norm after each applies it. With `packing`, x and mlp_out are the pass's real tokens as
+        one row, and only the mixer sees the rows."""
         if mlp_out is None:
             h = self.input_layernorm(x)
         else:
@@ -190,7 +230,9 @@ class DecoderLayer(nn.Module):
         if packing is None:
             mixed = self.attend(h, *attention_args)
         else:
-            mixed = packing.pack(self.attend(packing.unpack(h), *attention_args))
+            mixed = packing.pack(value(self.attend(packing.unpack(h), *attention_args)))
+        if not self.mlp.input_norm_in_projection:
+            mixed = value(mixed)
         x, h = self.post_attention_layernorm.add_and_norm(x, mixed)
         return x, self.mlp(h)
 
@@ -205,6 +247,7 @@ def run_layers(layers: nn.ModuleList, final_norm: nn.Module, x: torch.Tensor, at
         # A tap id names the layer whose *output* is taken: here, right after layer i.
         # (In HF `output_hidden_states` terms that is hidden_states[i + 1].)
         if i in taps:
+            mlp_out = value(mlp_out)
             tapped.append(x + mlp_out)
     tapped = [tapped[sorted(set(taps)).index(t)] for t in taps]  # back to the config's order
     hidden, tapped = final_norm.add_and_norm(x, mlp_out)[1], (torch.cat(tapped, dim=-1) if taps else None)

@@ -23,7 +23,7 @@ from torch import nn
 
 from dflash_trt import ops
 from dflash_trt.config import LayerDims, MoEDims
-from dflash_trt.models.layers import MLP, Linear, PackedLinear
+from dflash_trt.models.layers import MLP, Linear, PackedLinear, value
 
 
 class Experts(nn.Module):
@@ -39,6 +39,11 @@ class Experts(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
+    # The norm before this block runs as its own kernel, not in the projection before it: with
+    # the norm in the projection the 35B-A3B's AR step measured slower (its MoE kernels took
+    # longer), the dense models' faster (BENCHMARKS.md, "GEMV").
+    input_norm_in_projection = False
+
     def __init__(self, dims: LayerDims, moe: MoEDims):
         super().__init__()
         self.moe = moe
@@ -64,7 +69,7 @@ class SparseMoeBlock(nn.Module):
         out = ops.moe_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids,
                               torch.float32 if separate_shared else h.dtype, shared_last=self.packed_shared)
         if separate_shared:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)).float() * self.shared_expert(x).float()
+            out = out + torch.sigmoid(self.shared_expert_gate(x)).float() * value(self.shared_expert(x)).float()
         return out.to(h.dtype).unflatten(0, h.shape[:2])
 
 

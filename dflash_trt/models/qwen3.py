@@ -30,7 +30,7 @@ class Qwen3Attention(AttentionProjections):
         out = paged_block_attention(q, cache.k[self.layer_idx], cache.v[self.layer_idx], slots, end, start,
                                     causal=True, scale=self.scale, max_keys=batch.max_end,
                                     fa3_ok=batch.full_rows)
-        return self.o_proj(out.flatten(2))
+        return self.o_proj.deferred(out.flatten(2))
 
 
 class Qwen3Model(nn.Module):

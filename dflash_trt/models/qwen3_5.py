@@ -42,7 +42,8 @@ from dflash_trt import ops
 from dflash_trt.config import HybridTargetConfig
 from dflash_trt.kv_cache import Batch, KVCache
 from dflash_trt.models.gated_delta import L2_EPS, gated_delta_rule
-from dflash_trt.models.layers import DecoderLayer, Linear, LMHead, PackedLinear, Rotary, apply_rope, run_layers
+from dflash_trt.models.layers import (DecoderLayer, Linear, LMHead, PackedLinear, RMSNorm, Rotary, apply_rope,
+                                      run_layers)
 from dflash_trt.models.moe import feed_forward
 from dflash_trt.ops import causal_conv1d, gated_delta_prepare, gated_delta_recurrent, paged_block_attention
 
@@ -117,22 +118,11 @@ class HybridCache(KVCache):
                 batch.start.int().repeat(layers), num_committed.int().repeat(layers))
 
 
-class ZeroCenteredRMSNorm(nn.Module):
-    """RMSNorm that scales by (1 + weight): a zero weight is the identity (HF Qwen3_5RMSNorm)."""
+class ZeroCenteredRMSNorm(RMSNorm):
+    """RMSNorm that scales by (1 + weight): a zero weight is the identity (HF Qwen3_5RMSNorm).
+    fp32 throughout, then the model dtype; one fused kernel on CUDA (ops.rms_norm)."""
 
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # fp32 throughout, then the model dtype (the input may be the fp32 residual stream);
-        # one fused kernel on CUDA (ops.rms_norm), which wants its rows contiguous
-        return ops.rms_norm(x.contiguous(), self.weight, self.eps, zero_centered=True)
-
-    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + delta in fp32, its norm): a residual add fused into the norm that follows it."""
-        return ops.add_rms_norm(x, delta, self.weight, self.eps, zero_centered=True)
+    zero_centered = True
 
 
 class GatedRMSNorm(nn.Module):
@@ -188,7 +178,7 @@ class GatedAttention(nn.Module):
                                     slots, end, start, causal=True, scale=self.scale, max_keys=batch.max_end,
                                     fa3_ok=batch.full_rows)
         # one kernel on CUDA reads the gate where the projection left it (ops.sigmoid_gate)
-        return self.o_proj(ops.sigmoid_gate(out, gate).flatten(2))
+        return self.o_proj.deferred(ops.sigmoid_gate(out, gate).flatten(2))
 
 
 class GatedDeltaNet(nn.Module):
@@ -256,7 +246,7 @@ class GatedDeltaNet(nn.Module):
             out = ops.gated_delta_step(qkv, a, b, z.unflatten(-1, (lin.num_value_heads, lin.value_head_dim)), neg_a,
                                        dt_bias, self.norm.weight, self.norm.eps, L2_EPS, lin.key_head_dim**-0.5,
                                        cache.state[layer], slots, start, num_tokens, lin.num_key_heads)
-            return self.out_proj(out.flatten(2))
+            return self.out_proj.deferred(out.flatten(2))
         if not prefill or in_place:
             # The recurrence's inputs in one kernel on CUDA (normalised q/k, v, gates, all fp32);
             # the state is read from the cache in place, never gathered. An AR step or a short
@@ -280,7 +270,7 @@ class GatedDeltaNet(nn.Module):
             cache.state[layer, batch.slots] = final[:, 0]
 
         out = self.norm(out, z.unflatten(-1, (lin.num_value_heads, lin.value_head_dim)))
-        return self.out_proj(out.flatten(2))
+        return self.out_proj.deferred(out.flatten(2))
 
 
 class HybridDecoderLayer(DecoderLayer):
