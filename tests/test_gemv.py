@@ -13,7 +13,6 @@ from test_layer_ops import dims_for, rand, randomise
 
 from dflash_trt import ops
 from dflash_trt.benchmark import random_weights as rw
-from dflash_trt.graphs import DecodePasses
 from dflash_trt.models.layers import MLP, Linear, PackedLinear, RMSNorm
 
 
@@ -35,7 +34,8 @@ def test_linear_layers_compute_what_nn_linear_does_on_the_cpu():
     mlp = randomise(MLP(dims_for(4, 2, 16)))
     assert isinstance(mlp.gate_up_proj, PackedLinear) and isinstance(mlp.down_proj, Linear)
     x = rand(1, 1, 64, seed=5)
-    assert torch.equal(mlp(x).value(), F.linear(ops.silu_mul(F.linear(x, mlp.gate_up_proj.weight)), mlp.down_proj.weight))
+    expected = F.linear(ops.silu_mul(F.linear(x, mlp.gate_up_proj.weight)), mlp.down_proj.weight)
+    assert torch.equal(mlp(x).value(), expected)
 
 
 def test_linear_takes_empty_inputs_as_nn_linear_does():
@@ -276,21 +276,11 @@ TINY_TARGETS = {
 @pytest.mark.cuda
 @pytest.mark.parametrize("name", TINY_TARGETS)
 def test_ar_step_is_the_same_with_the_norms_run_by_the_projections(monkeypatch, name):
-    from test_profile_step import profile_step
+    from test_profile_step import repeatable_ar_step
 
     monkeypatch.setitem(rw.PRESETS, "tiny", TINY_TARGETS[name])
     engine = rw.random_engine("tiny", device="cuda", dtype=torch.bfloat16, max_batch_size=1, max_seq_len=128).engine
-    passes = DecodePasses(engine.target, engine.drafter, engine.target_cache, engine.draft_cache, engine.taps,
-                          engine.block_size)
-    x = passes.inputs(profile_step.fake_running(engine, 1, 16))
-    cache = engine.target_cache
-    saved = {k: v.clone() for k, v in vars(cache).items() if isinstance(v, torch.Tensor)}
-
-    def ar_step() -> tuple[torch.Tensor, torch.Tensor]:
-        for k, v in saved.items():
-            getattr(cache, k).copy_(v)
-        return passes.ar(x)
-
+    ar_step = repeatable_ar_step(engine)
     fused = torch.ops.dflash.linear_add_rms_norm
     taken = []
     monkeypatch.setattr(ops.torch.ops.dflash, "linear_add_rms_norm", lambda *a: taken.append(1) or fused(*a))
@@ -298,7 +288,7 @@ def test_ar_step_is_the_same_with_the_norms_run_by_the_projections(monkeypatch, 
     # the norms after every dense MLP and after the attention before one (MoE blocks take neither)
     layers = engine.target.model.layers
     assert len(taken) == 2 * sum(type(layer.mlp) is MLP for layer in layers) == (0 if name == "moe hybrid" else 8)
-    monkeypatch.setattr(ops, "linear_add_rms_norm", lambda x, w, b, r, *a, ticket=None: ops.add_rms_norm(
-        r, ops.linear(x, w, b), *a))
+    monkeypatch.setattr(ops, "linear_add_rms_norm", lambda x, w, b, residual, norm_weight, eps, zero_centered, ticket:
+                        ops.add_rms_norm(residual, ops.linear(x, w, b), norm_weight, eps, zero_centered))
     two_ops = ar_step()
     assert torch.equal(hidden, two_ops[0]) and torch.equal(token, two_ops[1])

@@ -29,23 +29,33 @@ TINY = {
 }
 
 
+def repeatable_ar_step(engine):
+    """One eager AR step at batch 1 over 16 rows of noise -> (hidden, token), each call from the
+    same caches: a step writes them in place (a hybrid's state and conv window move on)."""
+    passes = DecodePasses(engine.target, engine.drafter, engine.target_cache, engine.draft_cache, engine.taps,
+                          engine.block_size)
+    x = passes.inputs(profile_step.fake_running(engine, 1, 16))
+    cache = engine.target_cache
+    saved = {k: v.clone() for k, v in vars(cache).items() if isinstance(v, torch.Tensor)}
+
+    def ar_step() -> tuple[torch.Tensor, torch.Tensor]:
+        for k, v in saved.items():
+            getattr(cache, k).copy_(v)
+        hidden, token = passes.ar(x)
+        return hidden.clone(), token.clone()
+
+    return ar_step
+
+
 @pytest.mark.parametrize("name", TINY)
 def test_every_ablation_changes_the_ar_step(monkeypatch, name):
     spec, parts = TINY[name]
     monkeypatch.setitem(rw.PRESETS, "tiny", spec)
     engine = rw.random_engine("tiny", device="cpu", dtype=torch.float32, max_batch_size=1, max_seq_len=128).engine
-    passes = DecodePasses(engine.target, engine.drafter, engine.target_cache, engine.draft_cache, engine.taps,
-                          engine.block_size)
-    x = passes.inputs(profile_step.fake_running(engine, 1, 16))
-    # an AR step writes the caches in place (a hybrid's state and conv window move on): each
-    # step below starts from the same caches
-    cache = engine.target_cache
-    saved = {k: v.clone() for k, v in vars(cache).items() if isinstance(v, torch.Tensor)}
+    step = repeatable_ar_step(engine)
 
     def ar_step() -> torch.Tensor:
-        for k, v in saved.items():
-            getattr(cache, k).copy_(v)
-        return passes.ar(x)[0].clone()
+        return step()[0]
 
     full = ar_step()
     assert torch.equal(ar_step(), full)  # the restore is whole
