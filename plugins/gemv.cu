@@ -62,8 +62,8 @@ __device__ void add_rms_norm_if_last(const GemvParams& p, const GemvNorm& n) {
   pdl_allow_dependents();  // the next kernel may start fetching its weights while this CTA norms
   __threadfence();
   cta_add_rms_norm<T, kThreads, kNormPlays>(n.residual, static_cast<const T*>(p.y), static_cast<const T*>(n.weight),
-                                static_cast<int>(p.out_features), n.eps, n.zero_centered, n.sum,
-                                static_cast<T*>(n.out));
+                                            static_cast<int>(p.out_features), n.eps, n.zero_centered, n.sum,
+                                            static_cast<T*>(n.out));
   if (threadIdx.x == 0) *n.ticket = 0;
 }
 

@@ -17,7 +17,6 @@
 #include "float_convert.h"
 #include "lanes.h"
 #include "pdl.h"
-#include "row_norm.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -157,7 +156,8 @@ __global__ void __launch_bounds__(kNormMaxThreads) rms_norm_kernel(RmsNormParams
     __syncthreads();
     sq = warp_sums[0];
   }
-  const float inv = inv_rms(sq, H, p.eps);
+  // torch: mean = sum * (1 / H), then + eps, then rsqrt (CUDA's rsqrtf, as torch.rsqrt).
+  const float inv = rsqrtf(__fadd_rn(__fmul_rn(sq, 1.0f / H), p.eps));
   const T* weight = static_cast<const T*>(p.weight);
   T* out = static_cast<T*>(p.out) + base;
 #pragma unroll
@@ -167,7 +167,11 @@ __global__ void __launch_bounds__(kNormMaxThreads) rms_norm_kernel(RmsNormParams
       float w[V], y[V];
       load<V>(weight + i, w);
 #pragma unroll
-      for (int k = 0; k < V; ++k) y[k] = rms_scaled<T>(s[it][k], inv, w[k], p.zero_centered);
+      for (int k = 0; k < V; ++k) {
+        const float n = __fmul_rn(s[it][k], inv);
+        // Qwen3 rounds n to the model dtype and scales in it; Qwen3.5 scales by 1 + w in fp32
+        y[k] = p.zero_centered ? __fmul_rn(n, __fadd_rn(1.0f, w[k])) : __fmul_rn(w[k], rounded<T>(n));
+      }
       if (gate) {  // the scaled value, rounded, times torch's silu of the gate in fp32
         if constexpr (!kGateAhead) load<V>(gate + i, z);
 #pragma unroll
@@ -232,11 +236,15 @@ __global__ void __launch_bounds__(kQkWarps * 32) qk_norm_rope_kernel(QkNormRopeP
     x[j] = to_float(src[32 * j]);
     sq = __fadd_rn(sq, __fmul_rn(x[j], x[j]));
   }
-  const float inv = inv_rms(warp_sum(sq), D, p.eps);
+  const float inv = rsqrtf(__fadd_rn(__fmul_rn(warp_sum(sq), 1.0f / D), p.eps));
   const T* weight = static_cast<const T*>(is_q ? p.q_weight : p.k_weight) + lane;
   float h[kChunks];
 #pragma unroll
-  for (int j = 0; j < kChunks; ++j) h[j] = rounded<T>(rms_scaled<T>(x[j], inv, to_float(weight[32 * j]), p.zero_centered));
+  for (int j = 0; j < kChunks; ++j) {
+    const float n = __fmul_rn(x[j], inv), w = to_float(weight[32 * j]);
+    // as rms_norm_kernel: Qwen3 rounds n and scales in the dtype, Qwen3.5 scales by 1 + w in fp32
+    h[j] = rounded<T>(p.zero_centered ? __fmul_rn(n, __fadd_rn(1.0f, w)) : __fmul_rn(w, rounded<T>(n)));
+  }
 
   const T* cos = static_cast<const T*>(p.cos) + r * p.cos_stride + lane;
   const T* sin = static_cast<const T*>(p.sin) + r * p.sin_stride + lane;

@@ -1,6 +1,8 @@
-// RMSNorm arithmetic shared by layer_ops.cu's rms_norm kernel and the GEMV that runs the add +
-// norm after its matmul (gemv.cu), so that both give the same bits (device code: include from
-// .cu only). Semantics in layer_ops.h (RmsNormParams).
+// The add + RMSNorm of one row by one CTA, for the GEMV that runs the norm after its matmul
+// (gemv.cu), with the bits of layer_ops.cu's rms_norm kernel: the same formula (kept there as it
+// was, so that the norm kernels' code is unchanged), and the same order of every sum. Device code:
+// include from .cu only. Semantics in layer_ops.h (RmsNormParams); tests/test_gemv.py holds the
+// two to the same bits.
 
 #pragma once
 
