@@ -25,15 +25,6 @@ namespace {
 constexpr int kThreads = 128;  // 4 warps: 4 tokens per CTA
 constexpr int kWarps = kThreads / 32;
 
-template <typename T>
-__device__ __forceinline__ float round_to(float x) {
-  return to_float(from_float<T>(x));
-}
-template <>
-__device__ __forceinline__ float round_to<float>(float x) {
-  return x;
-}
-
 // (value, id) of the larger; equal values: the lower id (torch.topk's order on CPU)
 __device__ __forceinline__ void keep_larger(float& v, int& id, float ov, int oid) {
   if (ov > v || (ov == v && oid < id)) {
@@ -100,10 +91,10 @@ __global__ void __launch_bounds__(kThreads) moe_route_kernel(MoeRouteParams p) {
   float* w = p.weights + static_cast<int64_t>(token) * picks;
   int32_t* ids = p.ids + static_cast<int64_t>(token) * picks;
   if (lane < p.top_k) {
-    w[lane] = round_to<T>(p.renormalize ? picked_w * (1.f / total) : picked_w);
+    w[lane] = rounded<T>(p.renormalize ? picked_w * (1.f / total) : picked_w);
     ids[lane] = picked_id;
   } else if (p.shared && lane == p.top_k) {  // the shared expert: sigmoid of its gate, rounded like the logits
-    w[lane] = round_to<T>(1.f / (1.f + expf(-to_float(row[p.experts * es]))));
+    w[lane] = rounded<T>(1.f / (1.f + expf(-to_float(row[p.experts * es]))));
     ids[lane] = p.experts;
   }
 }
