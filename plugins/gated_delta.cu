@@ -42,6 +42,7 @@
 #include "lanes.h"
 #include "mma_tile.h"
 #include "pdl.h"
+#include "row_norm.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -654,16 +655,6 @@ __global__ void __launch_bounds__(kPrepareThreads) gated_delta_prepare_kernel(Ga
 
 constexpr int kStepWarps = kGatedDeltaStepDim / kWarpCols;  // 8
 
-// 8 fp32 values rounded to T into 16 bytes at dst (the loads: lanes.h unpack8)
-template <typename T>
-__device__ __forceinline__ void store8(T* dst, const float (&src)[8]) {
-  uint4 raw;
-  T* e = reinterpret_cast<T*>(&raw);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) e[i] = from_float<T>(src[i]);
-  *reinterpret_cast<uint4*>(dst) = raw;
-}
-
 template <typename T>
 __global__ void __launch_bounds__(kStepWarps * 32) gated_delta_step_kernel(GatedDeltaStepParams p) {
   constexpr int D = kGatedDeltaStepDim, kRows = D / kRowLanes;
@@ -750,17 +741,17 @@ __global__ void __launch_bounds__(kStepWarps * 32) gated_delta_step_kernel(Gated
     for (int k = 0; k < 8; ++k) sq = __fadd_rn(sq, __fmul_rn(sv[k], sv[k]));
   }
   sq = warp_sum(sq);
-  const float inv = rsqrtf(__fadd_rn(__fmul_rn(sq, 1.0f / D), p.norm_eps));
+  const float inv = inv_rms(sq, D, p.norm_eps);
   if (i < D) {
     float w[8], y[8];
     const uint4 wr = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.norm_weight) + i);
     unpack8<T>(wr, w);
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
-      y[k] = __fmul_rn(w[k], rounded<T>(__fmul_rn(sv[k], inv)));
+      y[k] = rms_scaled<T>(sv[k], inv, w[k], false);
       y[k] = __fmul_rn(rounded<T>(y[k]), zv[k] / (1.0f + expf(-zv[k])));
     }
-    store8<T>(static_cast<T*>(p.y) + (static_cast<int64_t>(b) * Hv + h) * D + i, y);
+    *reinterpret_cast<uint4*>(static_cast<T*>(p.y) + (static_cast<int64_t>(b) * Hv + h) * D + i) = pack8<T>(y);
   }
 }
 

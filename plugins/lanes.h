@@ -24,6 +24,17 @@ __device__ __forceinline__ void unpack8(const uint4& chunk, float (&f)[8]) {
   for (int i = 0; i < 8; ++i) f[i] = to_float(e[i]);
 }
 
+// Eight floats rounded to T (bf16 or fp16) as one 16-byte chunk: unpack8's inverse.
+template <typename T>
+__device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
+  static_assert(sizeof(T) == 2, "eight values per 16 bytes: bf16 or fp16");
+  uint4 chunk;
+  T* e = reinterpret_cast<T*>(&chunk);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) e[i] = from_float<T>(f[i]);
+  return chunk;
+}
+
 // Chunks c0, c0 + 32, ..., c0 + 32 (U - 1) of each of the R rows (zeros past `chunks`), streamed:
 // read once, evict first.
 template <int R, int U>

@@ -1,8 +1,9 @@
-// The add + RMSNorm of one row by one CTA, for the GEMV that runs the norm after its matmul
-// (gemv.cu), with the bits of layer_ops.cu's rms_norm kernel: the same formula (kept there as it
-// was, so that the norm kernels' code is unchanged), and the same order of every sum. Device code:
-// include from .cu only. Semantics in layer_ops.h (RmsNormParams); tests/test_gemv.py holds the
-// two to the same bits.
+// RMSNorm arithmetic for the kernels that run a norm inside another launch, with the bits of
+// layer_ops.cu's rms_norm kernel (the same formula, kept there as it was so that the norm
+// kernels' code is unchanged; semantics in layer_ops.h, RmsNormParams): the add + norm of one
+// row by one CTA after a GEMV (gemv.cu; tests/test_gemv.py holds it to the same bits) and the
+// gated norm of gated_delta.cu's fused decode step (tests/test_gated_delta_kernel.py). Device
+// code: include from .cu only.
 
 #pragma once
 
@@ -92,11 +93,10 @@ __device__ void cta_add_rms_norm(const float* residual, const T* delta, const T*
     if (v >= vectors) break;
     float wf[8];
     unpack8<T>(w[j], wf);
-    uint4 o;
-    T* e = reinterpret_cast<T*>(&o);
+    float y[8];
 #pragma unroll
-    for (int k = 0; k < 8; ++k) e[k] = from_float<T>(rms_scaled<T>(s[j][k], inv, wf[k], zero_centered));
-    reinterpret_cast<uint4*>(out)[v] = o;
+    for (int k = 0; k < 8; ++k) y[k] = rms_scaled<T>(s[j][k], inv, wf[k], zero_centered);
+    reinterpret_cast<uint4*>(out)[v] = pack8<T>(y);
   }
 }
 
