@@ -1,3 +1,4 @@
+import importlib
 import os
 from pathlib import Path
 
@@ -23,6 +24,21 @@ def attention_backend_choice_reset():
     state, where the wheel is installed): no test inherits another's choice."""
     yield
     fa3.use(set())
+
+
+@pytest.fixture
+def transformers_torch_paths(monkeypatch):
+    """transformers' Qwen3.5 models take fla's Triton kernels for the gated delta rule (and
+    causal-conv1d's for the conv) whenever those packages import, whatever the tensors' device:
+    a CPU reference on a machine that has fla launched them on CPU tensors. Their torch code is
+    the reference we compare with, so the tests put it back."""
+    for name in ("qwen3_5", "qwen3_5_moe"):
+        module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+        for fn in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+                   "causal_conv1d_update"):
+            wrapped = getattr(getattr(module, fn), "__wrapped__", None)
+            if wrapped is not None:
+                monkeypatch.setattr(module, fn, wrapped)
 
 
 @pytest.fixture(scope="session")

@@ -18,6 +18,7 @@ from dflash_trt.models.moe import SparseMoeBlock
 from dflash_trt.sampling import SamplingParams
 
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("transformers_torch_paths")
 
 IDS_ONLY = dict(tokenizer_tokens=None, vocab_size=512)
 QWEN3_MOE = dict(num_experts=8, experts_per_tok=2, moe_intermediate_size=24, num_layers=3, **IDS_ONLY)

@@ -6,7 +6,7 @@ DFLASH_CHECK): every case here has such a message (cuda marker; the ops exist th
 import pytest
 import torch
 
-from dflash_trt import ops
+from dflash_trt import ops, plugins
 
 BF16 = dict(dtype=torch.bfloat16, device="cuda")
 
@@ -27,6 +27,7 @@ def cases():
 @pytest.mark.cuda
 @pytest.mark.parametrize("case", list(cases()))
 def test_a_wrong_call_raises_with_its_numbers_in_the_message(case):
+    assert plugins.load() is not None, "the plugins did not build"
     call, message = cases()[case]
     with pytest.raises(RuntimeError, match=message):
         call()

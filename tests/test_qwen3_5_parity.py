@@ -8,6 +8,7 @@ from dflash_trt.kv_cache import Batch
 from dflash_trt.loading import load_target
 
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("transformers_torch_paths")
 
 HYBRID = dict(target_type="qwen3_5", tokenizer_tokens=None, vocab_size=512)
 CONFIGS = {
