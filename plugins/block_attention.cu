@@ -8,8 +8,10 @@
 //     to occupy half the SMs, which takes fewer rows per CTA: see launch_plan);
 //   - a contiguous share of the row's keys. Long contexts are cut into `num_splits` shares so
 //     that a small batch still fills every SM; each CTA leaves a partial result (normalised
-//     output + log-sum-exp) and a small combine kernel merges them. With one split the
-//     attention kernel writes the output directly.
+//     output + log-sum-exp) and a small combine kernel merges them; one token at batch 1 with at
+//     most 8 splits, the splits form a cluster and merge through shared memory instead
+//     (merge_cluster).
+//     With one split the attention kernel writes the output directly.
 //
 // Inside a CTA (4 warps). Keys stream through shared memory in tiles of 64 (32 at head_dim
 // 256) with cp.async 16-byte copies, double buffered, so the next tile's loads are in flight
@@ -38,6 +40,7 @@
 #include "lanes.h"
 #include "pdl.h"
 
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -56,8 +59,18 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kTileKeys = 64;   // keys per shared-memory tile (fewer at d = 256, see tile_keys_for)
 constexpr int kMaxMTiles = 4;   // m16 tiles of query rows per CTA at most (64 rows)
 constexpr int kMinChunk = 128;  // keys per split at least (a split must amortise its epilogue)
+constexpr int kMinChunkOneToken = 64;  // the same for an AR step at batch 1 (min_chunk_keys)
 constexpr int kMaxSplits = 64;
+constexpr int kMaxClusterSplits = 8;  // splits merged in one cluster at most (the portable cluster size)
 constexpr float kLog2e = 1.4426950408889634f;
+
+// Keys a split reads at least. An AR step at batch 1 (one token a row) is latency-bound: splits of
+// one tile put more SMs to work on a short context and their cluster merge is cheap; blocks of
+// tokens keep 128, as 64 made the draft and verify passes slower (BENCHMARKS.md, "Mixture of
+// experts").
+__host__ __device__ __forceinline__ int min_chunk_keys(const BlockAttentionParams& p) {
+  return p.batch == 1 && p.num_tokens == 1 ? kMinChunkOneToken : kMinChunk;
+}
 
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
@@ -176,10 +189,87 @@ __device__ __forceinline__ RowKeys row_keys(const BlockAttentionParams& p, int c
   // Per-row chunk: every row uses at most num_splits CTAs whatever its length, so results
   // never depend on the host's max_keys hint; short rows leave their last CTAs empty.
   int chunk = ceil_div(r.n_keys, num_splits);
-  chunk = max(kMinChunk, ceil_div(chunk, kTileKeys) * kTileKeys);
+  chunk = max(min_chunk_keys(p), ceil_div(chunk, kTileKeys) * kTileKeys);
   r.begin = min(split * chunk, r.n_keys);
   r.end = min(r.begin + chunk, r.n_keys);
   return r;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Combine: one warp per (b, t, head) row merges the num_splits partials of either kernel
+//   out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M),  M = max_s lse_s.
+// Every split writes every row's partial, an empty one lse = -inf and o = 0 (both attention
+// kernels), so its weight is 0 and adding it adds 0. With many splits (up to 64; 33 at
+// batch 1 and 32k context on the H100) a loop that loads split s + 1 only after using split
+// s waits out two memory latencies per split, so no load here waits on another: the lanes
+// read 32 splits' lse at once (row max and weights), and the weighted sum, branch-free, is
+// unrolled so that the o rows of 8 splits are in flight, each weight broadcast from the lane
+// that computed it.
+// Lane l holds columns 4 l .. 4 l + 3 of each 128-column group (NC groups: d <= 128 NC).
+
+// One row's merge, by one warp: lse_at(s) is split s's log-sum-exp, o_at(s) its D floats.
+// The combine kernel reads them from the global partials; a cluster's first CTA from its
+// CTAs' shared memory (below), with the same arithmetic in the same order.
+template <typename T, int NC, typename Lse, typename Part>
+__device__ __forceinline__ void combine_row(int num_splits, int head_dim, int lane, Lse lse_at, Part o_at,
+                                            T* __restrict__ out) {
+  float mx = -INFINITY;
+  for (int s = lane; s < num_splits; s += 32) mx = fmaxf(mx, lse_at(s));
+  mx = warp_max(mx);
+  const float m_use = mx == -INFINITY ? 0.f : mx;
+  float wsum = 0.f;  // this lane's splits' weights
+  float4 o[NC];
+  int load_col[NC];  // a lane past head_dim reads the last columns again (no branch in the
+                     // loop below) and does not store them
+#pragma unroll
+  for (int c = 0; c < NC; ++c) {
+    o[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+    load_col[c] = min(4 * lane + 128 * c, head_dim - 4);
+  }
+  for (int s0 = 0; s0 < num_splits; s0 += 32) {
+    const float lse = s0 + lane < num_splits ? lse_at(s0 + lane) : -INFINITY;
+    const float w_lane = lse == -INFINITY ? 0.f : exp2f(lse - m_use);
+    wsum += w_lane;
+    const int n = min(32, num_splits - s0);
+#pragma unroll 8
+    for (int j = 0; j < n; ++j) {
+      const float w = __shfl_sync(0xffffffffu, w_lane, j);
+      const float* src = o_at(s0 + j);
+#pragma unroll
+      for (int c = 0; c < NC; ++c) fma4(o[c], w, *reinterpret_cast<const float4*>(src + load_col[c]));
+    }
+  }
+  wsum = warp_sum(wsum);
+  const float inv = wsum > 0.f ? 1.f / wsum : 0.f;  // 0: no visible key in any split -> zeros
+#pragma unroll
+  for (int c = 0; c < NC; ++c) {
+    const int col = 4 * lane + 128 * c;
+    if (col < head_dim) store_out4<T>(out + col, make_float4(o[c].x * inv, o[c].y * inv, o[c].z * inv, o[c].w * inv));
+  }
+}
+
+// A cluster's merge (a launch with cluster_combine: the num_splits CTAs of one (row, KV head,
+// query chunk) form one cluster, sm_90 on): each CTA has left its rows' normalised partials in
+// its shared memory, o_s [CR][D] and lse_s [CR]; the first CTA's warps merge them row by row
+// (combine_row), reading the others' shared memory, and store the output: no partials in
+// global memory and no combine launch. Query rows first_row .. first_row + cta_rows - 1 are
+// the CTA's, those below `rows` real; out_row(r) is query row r's output row.
+template <typename T, int D, typename OutRow>
+__device__ __forceinline__ void merge_cluster(const float* o_s, const float* lse_s, T* out, int rows, int first_row,
+                                              int cta_rows, OutRow out_row, int num_splits) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();  // every split's partials are in its shared memory
+  if (cluster.block_rank() == 0) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    for (int rr = warp; rr < cta_rows && first_row + rr < rows; rr += kWarps)
+      combine_row<T, D <= 128 ? 1 : 2>(
+          num_splits, D, lane, [&](int s) { return cluster.map_shared_rank(lse_s, s)[rr]; },
+          [&](int s) { return cluster.map_shared_rank(o_s, s) + rr * D; }, out + out_row(first_row + rr) * D);
+  }
+  cluster.sync();  // no CTA leaves while the first reads its shared memory
+#endif
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -192,7 +282,7 @@ __device__ __forceinline__ RowKeys row_keys(const BlockAttentionParams& p, int c
 template <typename T, int D, int MT, int TK>
 __global__ void __launch_bounds__(kThreads, 2)
     block_attention_kernel(const BlockAttentionParams p, int num_splits, float* __restrict__ o_part,
-                           float* __restrict__ lse_part) {
+                           float* __restrict__ lse_part, bool cluster_combine) {
   constexpr int KG = kWarps / MT;      // warps per m-tile, each on its own slice of every tile
   constexpr int NK = TK / KG;          // keys per warp per tile: 16, 32 or 64 (d = 256: 16 or 32)
   constexpr int STRIDE = D + 8;        // shared row stride in elements: the 16-byte pad puts the
@@ -430,6 +520,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   float* o_s = reinterpret_cast<float*>(smem_raw);
   float* m_s = o_s + kWarps * 16 * D;
   float* l_s = m_s + kWarps * 16;
+  float* lse_s = l_s + kWarps * 16;  // [CR]: a cluster's partials (merge_cluster)
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float l = l_run[h];
@@ -476,26 +567,26 @@ __global__ void __launch_bounds__(kThreads, 2)
     const int64_t row_index = (static_cast<int64_t>(b) * T_ + t) * p.num_q_heads + head;
     if (num_splits == 1) {
       store4<T>(out + row_index * D + col, o);
+    } else if (cluster_combine) {
+      // Row rr of o_s is read only by this thread's item (the slices of the other warps sit
+      // past row CR), so the partial can replace it in place.
+      *reinterpret_cast<float4*>(o_s + rr * D + col) = o;
+      if (col == 0) lse_s[rr] = l > 0.f ? m_use + log2f(l) : -INFINITY;
     } else {
       const int64_t part_row = static_cast<int64_t>(split) * p.batch * T_ * p.num_q_heads + row_index;
       *reinterpret_cast<float4*>(o_part + part_row * D + col) = o;
       if (col == 0) lse_part[part_row] = l > 0.f ? m_use + log2f(l) : -INFINITY;
     }
   }
+  if (cluster_combine) {
+    const auto out_row = [&](int r) {
+      return (static_cast<int64_t>(b) * T_ + r / group) * p.num_q_heads + kvh * group + r % group;
+    };
+    merge_cluster<T, D>(o_s, lse_s, out, rows, q_chunk * CR, CR, out_row, num_splits);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
-// Combine: one warp per (b, t, head) row merges the num_splits partials of either kernel
-//   out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M),  M = max_s lse_s.
-// Every split writes every row's partial, an empty one lse = -inf and o = 0 (both attention
-// kernels), so its weight is 0 and adding it adds 0. With many splits (up to 64; 33 at
-// batch 1 and 32k context on the H100) a loop that loads split s + 1 only after using split
-// s waits out two memory latencies per split, so no load here waits on another: the lanes
-// read 32 splits' lse at once (row max and weights), and the weighted sum, branch-free, is
-// unrolled so that the o rows of 8 splits are in flight, each weight broadcast from the lane
-// that computed it.
-// Lane l holds columns 4 l .. 4 l + 3 of each 128-column group (NC groups: d <= 128 NC).
-
 template <typename T, int NC>
 __global__ void __launch_bounds__(kThreads)
     block_attention_combine_kernel(int64_t num_rows, int head_dim, int num_splits, const float* __restrict__ o_part,
@@ -505,41 +596,9 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= num_rows) return;  // whole warps: the shuffles below see all 32 lanes
-  float mx = -INFINITY;
-  for (int s = lane; s < num_splits; s += 32) mx = fmaxf(mx, lse_part[s * num_rows + row]);
-  mx = warp_max(mx);
-  const float m_use = mx == -INFINITY ? 0.f : mx;
-  float wsum = 0.f;  // this lane's splits' weights
-  float4 o[NC];
-  int load_col[NC];  // a lane past head_dim reads the last columns again (no branch in the
-                     // loop below) and does not store them
-#pragma unroll
-  for (int c = 0; c < NC; ++c) {
-    o[c] = make_float4(0.f, 0.f, 0.f, 0.f);
-    load_col[c] = min(4 * lane + 128 * c, head_dim - 4);
-  }
-  for (int s0 = 0; s0 < num_splits; s0 += 32) {
-    const float lse = s0 + lane < num_splits ? lse_part[(s0 + lane) * num_rows + row] : -INFINITY;
-    const float w_lane = lse == -INFINITY ? 0.f : exp2f(lse - m_use);
-    wsum += w_lane;
-    const int n = min(32, num_splits - s0);
-#pragma unroll 8
-    for (int j = 0; j < n; ++j) {
-      const float w = __shfl_sync(0xffffffffu, w_lane, j);
-      const float* src = o_part + ((s0 + j) * num_rows + row) * head_dim;
-#pragma unroll
-      for (int c = 0; c < NC; ++c) fma4(o[c], w, *reinterpret_cast<const float4*>(src + load_col[c]));
-    }
-  }
-  wsum = warp_sum(wsum);
-  const float inv = wsum > 0.f ? 1.f / wsum : 0.f;  // 0: no visible key in any split -> zeros
-#pragma unroll
-  for (int c = 0; c < NC; ++c) {
-    const int col = 4 * lane + 128 * c;
-    if (col < head_dim)
-      store_out4<T>(out + row * head_dim + col,
-                    make_float4(o[c].x * inv, o[c].y * inv, o[c].z * inv, o[c].w * inv));
-  }
+  combine_row<T, NC>(
+      num_splits, head_dim, lane, [&](int s) { return lse_part[s * num_rows + row]; },
+      [&](int s) { return o_part + (s * num_rows + row) * head_dim; }, out + row * head_dim);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -731,10 +790,10 @@ int num_rows_per_kv_head(const BlockAttentionParams& p) { return p.num_tokens * 
 
 template <typename T, int D, int MT, int TK>
 constexpr size_t smem_bytes() {
-  // max(two stages of K and V tiles + Q at d = 256, the merge buffers)
+  // max(two stages of K and V tiles + Q at d = 256, the merge buffers: o_s, m_s, l_s, lse_s)
   const size_t q_bytes = D > 128 ? MT * 16 * (D + 8) * sizeof(T) : 0;
   return std::max<size_t>(2 * 2 * TK * (D + 8) * sizeof(T) + q_bytes,
-                          (kWarps * 16 * D + 2 * kWarps * 16) * sizeof(float));
+                          (kWarps * 16 * D + 3 * kWarps * 16) * sizeof(float));
 }
 
 template <typename T>
@@ -844,7 +903,7 @@ LaunchPlan launch_plan(const BlockAttentionParams& p, int num_sms) {
     // But each split must read enough keys to pay for writing and re-reading its fp32
     // partial (M rows x d x 8 bytes against keys x d x 4 bytes of K/V): 8 * M keys keeps
     // that below 1/4 of the traffic, usually far below. Unknown lengths are not split.
-    const int min_chunk = std::max(kMinChunk, 8 * std::min(rows, cta_rows));
+    const int min_chunk = std::max(min_chunk_keys(p), 8 * std::min(rows, cta_rows));
     const int by_length = p.max_keys > 0 ? ceil_div(p.max_keys, min_chunk) : 1;
     const int resident = resident_ctas(p, plan.m_tiles);
     const int wanted = p.batch == 1 ? std::max(1, std::min(resident, 2) * num_sms / ctas)
@@ -858,6 +917,16 @@ LaunchPlan launch_plan(const BlockAttentionParams& p, int num_sms) {
     if (plan.m_tiles == min_mt || 2 * ctas * plan.num_splits >= num_sms) return plan;
     plan.m_tiles /= 2;
   }
+}
+
+// Whether a bf16/fp16 launch merges its splits in clusters (merge_cluster) rather than through
+// global partials and the combine kernel: one token at batch 1 (an AR step: latency-bound, its
+// splits even) with 2 to 8 splits (a portable cluster), on devices that launch clusters (sm_90
+// on). A block of tokens is not: the first CTA's merge of its rows made the draft and verify
+// passes slower than the combine kernel (BENCHMARKS.md, "Mixture of experts").
+bool cluster_combines(const BlockAttentionParams& p, int num_splits) {
+  return p.batch == 1 && p.num_tokens == 1 && num_splits >= 2 && num_splits <= kMaxClusterSplits &&
+         device_attribute(cudaDevAttrClusterLaunch) > 0;
 }
 
 // Merges the split partials into p.out (after a launch with num_splits > 1).
@@ -949,15 +1018,29 @@ cudaError_t block_attention_launch(const BlockAttentionParams& p, int num_splits
   // count it is that function's plan (any split count gives the same result).
   const int m_tiles = launch_plan(p, std::max(device_sms(), 1)).m_tiles;
   const dim3 grid(num_splits, p.num_kv_heads * ceil_div(num_rows_per_kv_head(p), 16 * m_tiles), p.batch);
+  const bool cluster = cluster_combines(p, num_splits);
   return dispatch(p, m_tiles, [&](auto t, auto d, auto mt, auto tk) {
     using T = typename decltype(t)::type;
     constexpr int D = decltype(d)::value, MT = decltype(mt)::value, TK = decltype(tk)::value;
     decltype(&block_attention_kernel<T, D, MT, TK>) kernel;
     cudaError_t err = prepare<T, D, MT, TK>(&kernel);
     if (err != cudaSuccess) return err;
-    pdl_launch(kernel, grid, dim3(kThreads), smem_bytes<T, D, MT, TK>(), stream, true, p, num_splits, o_part,
-               lse_part);
-    if (num_splits > 1) launch_combine<T>(p, num_splits, o_part, lse_part, stream);
+    cudaLaunchConfig_t config = {};
+    config.gridDim = grid;
+    config.blockDim = dim3(kThreads);
+    config.dynamicSmemBytes = smem_bytes<T, D, MT, TK>();
+    config.stream = stream;
+    cudaLaunchAttribute attrs[2];
+    attrs[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;  // pdl.h
+    attrs[0].val.programmaticStreamSerializationAllowed = 1;
+    attrs[1].id = cudaLaunchAttributeClusterDimension;
+    attrs[1].val.clusterDim.x = static_cast<unsigned>(num_splits);
+    attrs[1].val.clusterDim.y = attrs[1].val.clusterDim.z = 1;
+    config.attrs = pdl_supported() ? attrs : attrs + 1;
+    config.numAttrs = (pdl_supported() ? 1 : 0) + (cluster ? 1 : 0);
+    err = cudaLaunchKernelEx(&config, kernel, p, num_splits, o_part, lse_part, cluster);
+    if (err != cudaSuccess) return err;
+    if (num_splits > 1 && !cluster) launch_combine<T>(p, num_splits, o_part, lse_part, stream);
     return cudaGetLastError();
   });
 }

@@ -350,6 +350,22 @@ def test_cuda_forced_split_count_with_small_ctas_matches_reference(dtype, d, num
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("num_splits", [2, 5, 8, 9])  # up to 8: one cluster a row's splits, merged on chip
+@pytest.mark.parametrize("T, Hq, Hkv", [(1, 16, 2), (1, 32, 8), (16, 32, 8)])  # decode (35B-A3B, 8B); a verify
+# block takes the combine kernel
+@pytest.mark.parametrize("dtype,d", [(torch.bfloat16, 64), (torch.bfloat16, 128), (torch.float16, 256),
+                                     (torch.bfloat16, 256)], ids=["bf16-d64", "bf16-d128", "fp16-d256", "bf16-d256"])
+def test_cuda_batch_one_splits_merged_in_a_cluster_match_reference(dtype, d, T, Hq, Hkv, num_splits):
+    assert plugins.load() is not None
+    for start in (700, 0):  # 0 with the block given: the first splits see no key at all
+        c = make_case(1, T, Hq, Hkv, d, [start], "given", dtype=dtype, device="cuda", seed=num_splits)
+        expected = paged_block_attention_reference(**as_fp32(c), causal=True, window=None, scale=0.1)
+        got = torch.ops.dflash.block_attention(c["q"], c["k_cache"], c["v_cache"], c["slots"], c["ctx_len"],
+                                               c["q_start"], c["k_blk"], c["v_blk"], True, 0, 0.1, 0, num_splits)
+        assert (got.float() - expected).abs().max().item() <= TOLERANCE[dtype], start
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("num_splits", [1, 4])
 @pytest.mark.parametrize("dtype,d", [(torch.bfloat16, 64), (torch.bfloat16, 256), (torch.float32, 64),
                                      (torch.float32, 16)], ids=["bf16-d64", "bf16-d256", "fp32-d64", "fp32-d16"])
