@@ -35,7 +35,7 @@ from contextlib import ExitStack
 
 import torch
 
-from dflash_trt import ops
+from dflash_trt import fa3, ops
 from dflash_trt.benchmark.bench import encode_prompts
 from dflash_trt.benchmark.datasets import load_prompts
 from dflash_trt.benchmark.random_weights import random_engine
@@ -279,6 +279,55 @@ def profile(fn, steps=5, top=0) -> dict:
     return out
 
 
+def kernel_name(name: str) -> str:
+    """A kernel's name without its namespace, template arguments and parameters, the tile shape
+    kept (`gemv_kernel<bf16, 2, 2, false>` and `gemv_kernel<bf16, 1, 4, false>` are two)."""
+    name = name.removeprefix("void ").replace("(anonymous namespace)::", "")
+    depth = 0
+    for i, c in enumerate(name):  # the parameters start at the first "(" outside the template arguments
+        depth += {"<": 1, ">": -1}.get(c, 0)
+        if c == "(" and depth == 0:
+            name = name[:i]
+            break
+    base, _, args = name.strip().partition("<")
+    return base.split("::")[-1] + (f"<{args}" if args else "")
+
+
+def trace_graph_replays(fn, path: str, steps: int = 5) -> dict:
+    """A Chrome trace (Perfetto, chrome://tracing) of `steps` calls of fn, a graph replay: each
+    kernel's start and end on the GPU, so that what overlaps (programmatic dependents start
+    early and wait) and the gaps between kernels can be seen, which per-kernel sums cannot
+    show. Returns the GPU span per step (first start to last end) and, per kernel, its calls
+    and ms per step from its start to the next kernel's start: with programmatic dependents a
+    kernel's duration includes its wait for the one before, so durations add up to more than
+    the step, while these add up to the span."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    fn()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(path)
+    kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA" and e.device_time_total > 0),
+                     key=lambda e: e.time_range.start)
+    if not kernels:
+        return {"trace": path, "kernels_per_step": 0, "gpu_span_ms_per_step": 0.0, "by_kernel": []}
+    span_us = max(e.time_range.end for e in kernels) - kernels[0].time_range.start
+    per = defaultdict(lambda: [0, 0.0, 0.0])  # calls, start-to-next-start us, duration us
+    for event, after in zip(kernels, kernels[1:] + [None]):
+        row = per[kernel_name(event.name)]
+        row[0] += 1
+        row[1] += (after.time_range.start if after else event.time_range.end) - event.time_range.start
+        row[2] += event.time_range.end - event.time_range.start
+    by_kernel = [dict(kernel=name, calls=calls / steps, ms=until_next / steps / 1e3, mean_us=duration / calls)
+                 for name, (calls, until_next, duration) in sorted(per.items(), key=lambda kv: -kv[1][1])]
+    return {"trace": path, "kernels_per_step": len(kernels) / steps, "gpu_span_ms_per_step": span_us / steps / 1e3,
+            "by_kernel": by_kernel}
+
+
 def prefill_profile(engine, num_tokens: int, steps: int = 5) -> dict:
     """One request's prefill step of num_tokens at batch 1 (engine.step, first token
     included): wall ms as the engine runs it (a padded graph where one is wide enough) and
@@ -378,6 +427,11 @@ def main(argv=None) -> int:
                     help="draft, verify and commit at this width (default: the block; the step walls verify the block)")
     ap.add_argument("--ablate", action="store_true",
                     help="also time the AR step at batch 1 with each kind of layer part left out")
+    ap.add_argument("--warm-up", action="store_true",
+                    help="run Engine.warm_up first, as serving does: where fa3-fwd is installed, every attention "
+                         "shape of the graphs takes the faster backend (without it: our kernel always)")
+    ap.add_argument("--trace", metavar="FILE",
+                    help="also write a Chrome trace of AR steps at --profile-batch as the graphs replay them")
     ap.add_argument("--blas", choices=("cublas", "cublaslt"),
                     help="the BLAS library torch uses for the GEMMs (default: torch's choice)")
     args = ap.parse_args(argv)
@@ -395,9 +449,12 @@ def main(argv=None) -> int:
     engine, passes = loaded.engine, loaded.engine.passes
     if args.draft_vocab_size:  # before the first pass: graphs are captured on first use
         engine.drafter.prune_vocab(torch.arange(args.draft_vocab_size))
+    if args.warm_up:
+        engine.warm_up()
     eager = DecodePasses(engine.target, engine.drafter, engine.target_cache, engine.draft_cache, engine.taps,
                          engine.block_size)
     result = {"gpu": torch.cuda.get_device_name(), "preset": args.preset,
+              "fa3_shapes": sorted([s.rows, s.tokens, s.causal] for s in fa3.chosen()),
               "recurrent_prefill_tokens": qwen3_5.RECURRENT_PREFILL_TOKENS, "layers": args.layers, "context": args.context,
               "passes": type(passes).__name__, "blas": str(torch.backends.cuda.preferred_blas_library()),
               "draft_window": engine.draft_window, "draft_vocab_size": args.draft_vocab_size,
@@ -471,6 +528,13 @@ def main(argv=None) -> int:
             half = [width // 2] * args.profile_batch
             result["profile_commit_ms"] = profile(lambda: DecodePasses.commit(passes, x, width, half),
                                                   top=args.top_kernels)
+        if args.trace:
+            result["trace_ar"] = row = trace_graph_replays(lambda: passes.ar(x), args.trace)
+            print(f"trace of the AR step: {args.trace} ({row['kernels_per_step']:.0f} kernels, "
+                  f"{row['gpu_span_ms_per_step']:.3f} ms a step from first start to last end); ms a step from a "
+                  "kernel's start to the next one's, calls, mean duration in us:", file=sys.stderr)
+            for k in row["by_kernel"][:args.top_kernels or 12]:
+                print(f"  {k['ms']:7.3f} {k['calls']:5.0f} {k['mean_us']:7.2f}  {k['kernel'][:90]}", file=sys.stderr)
         if args.ablate:
             result["ablate_ar_batch1_ms"] = times = ablate_ar(engine, args.context)
             print("AR step at batch 1: " + ", ".join(

@@ -10,8 +10,7 @@
 //     that a small batch still fills every SM; each CTA leaves a partial result (normalised
 //     output + log-sum-exp) and a small combine kernel merges them; one token at batch 1 with at
 //     most 8 splits, the splits form a cluster and merge through shared memory instead
-//     (merge_cluster).
-//     With one split the attention kernel writes the output directly.
+//     (merge_cluster). With one split the attention kernel writes the output directly.
 //
 // Inside a CTA (4 warps). Keys stream through shared memory in tiles of 64 (32 at head_dim
 // 256) with cp.async 16-byte copies, double buffered, so the next tile's loads are in flight

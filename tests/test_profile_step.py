@@ -67,3 +67,18 @@ def test_every_ablation_changes_the_ar_step(monkeypatch, name):
                 stack.enter_context(mock.patch.object(*patch))
             assert not torch.equal(ar_step(), full), label
         assert torch.equal(ar_step(), full), f"{label}: the patch outlived its ablation"
+
+
+@pytest.mark.parametrize("name, short", [
+    ("void dflash::(anonymous namespace)::gemv_kernel<__nv_bfloat16, 2, 2, false>(dflash::GemvParams)",
+     "gemv_kernel<__nv_bfloat16, 2, 2, false>"),
+    ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::ArgMaxOps<float>, unsigned int, "
+     "long, 4> >(at::native::ReduceOp<float, at::native::ArgMaxOps<float>, unsigned int, long, 4>)",
+     "reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::ArgMaxOps<float>, unsigned int, long, 4> >"),
+    ("Memcpy DtoD (Device -> Device)", "Memcpy DtoD"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64",) * 2,
+])
+def test_a_traced_kernel_is_named_by_its_function_and_template_arguments(name, short):
+    """--trace groups kernels by these names: two tile shapes of one kernel stay apart, and a
+    parameter list (or the anonymous namespace's parentheses) never cuts the name short."""
+    assert profile_step.kernel_name(name) == short
