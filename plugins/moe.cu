@@ -640,6 +640,8 @@ __global__ void __launch_bounds__(kTokenThreads) moe_token_gate_up_kernel(MoePar
 // products over half of I (kTokenDownPicks picks at a time, a chunk a lane and pick), the
 // halves added in shared memory before the rounding: twice the warps of one a row, each with a
 // shorter loop, stream the rows nearer copy bandwidth (BENCHMARKS.md, "Mixture of experts").
+// A round's activation chunks load with its weight chunks, before any is used: loaded inside
+// the sum, each pick's waited out its own round trip. Fewer or more picks a round were slower.
 // While gate_up runs, each warp pulls its half rows of every pick into L2.
 template <typename T>
 __global__ void __launch_bounds__(kTokenThreads) moe_token_down_kernel(MoeParams p) {
@@ -668,18 +670,25 @@ __global__ void __launch_bounds__(kTokenThreads) moe_token_down_kernel(MoeParams
     const uint4* rows[G];
     float dot[G] = {};
 #pragma unroll
-    for (int g = 0; g < G; ++g) {  // past the picks or outside the experts: expert 0's row, not added
+    for (int g = 0; g < G; ++g) {  // outside the experts: expert 0's row, not added
       const int e = p.ids[j0 + g < p.top_k ? j0 + g : 0];
       rows[g] = down + ((e >= 0 && e < p.experts ? e : 0) * static_cast<int64_t>(p.hidden) + hr) * chunks;
     }
+    const int picks = min(G, p.top_k - j0);  // past the picks: no load
     for (int64_t c = lane; c < count; c += 32) {
-      uint4 wv[G];
-#pragma unroll
-      for (int g = 0; g < G; ++g) wv[g] = __ldcs(rows[g] + c);
+      uint4 wv[G], av[G];
 #pragma unroll
       for (int g = 0; g < G; ++g) {
+        if (g < picks) {
+          wv[g] = __ldcs(rows[g] + c);
+          av[g] = __ldg(act + (j0 + g) * chunks + c);
+        }
+      }
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        if (g >= picks) continue;
         float af[8], wf[8];
-        unpack8<T>(__ldg(act + (j0 + g < p.top_k ? j0 + g : 0) * chunks + c), af);
+        unpack8<T>(av[g], af);
         unpack8<T>(wv[g], wf);
 #pragma unroll
         for (int i = 0; i < 8; ++i) dot[g] = fmaf(af[i], wf[i], dot[g]);
