@@ -15,7 +15,10 @@ Random weights of a real shape (dflash_trt.benchmark.random_weights), greedy, on
    routed experts, the MoE blocks, the dense MLPs, the attention or linear-attention mixers,
    the attention, delta-rule and conv kernels alone, the residual norms):
    what each costs inside the step. The trace's per-kernel times do not add up to that: a
-   kernel launched to overlap the one before it (plugins/pdl.h) counts the wait as its own.
+   kernel launched to overlap the one before it (plugins/pdl.h) counts the wait as its own;
+5. with --trace FILE, a Chrome trace of graphed AR steps (every kernel's start and end) and,
+   per kernel, the time from its start to the next kernel's start, which does add up;
+   with --warm-up, Engine.warm_up first, as serving does (FA3 where installed).
 
 The roofline counts the bytes a step really reads: every weight once, except the embedding
 table (one row per token) and, for a mixture of experts, the routed experts: only the
