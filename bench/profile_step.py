@@ -258,9 +258,8 @@ def ablate_ar(engine, context: int, reps: int = 100) -> dict[str, float]:
     return times
 
 
-def profile(fn, steps=5, top=0) -> dict:
-    """GPU ms per step by kernel family; with top > 0 also the `top` costliest kernels by
-    name, with their calls per step (which GEMM shapes cost what)."""
+def profiled(fn, steps: int):
+    """torch.profiler's record of `steps` calls of fn on the GPU, after one call outside it."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -270,6 +269,13 @@ def profile(fn, steps=5, top=0) -> dict:
         for _ in range(steps):
             fn()
         torch.cuda.synchronize()
+    return prof
+
+
+def profile(fn, steps=5, top=0) -> dict:
+    """GPU ms per step by kernel family; with top > 0 also the `top` costliest kernels by
+    name, with their calls per step (which GEMM shapes cost what)."""
+    prof = profiled(fn, steps)
     per, kernels = defaultdict(float), []
     for event in prof.key_averages():
         if event.device_time_total > 0 and event.device_type.name == "CUDA":
@@ -283,8 +289,8 @@ def profile(fn, steps=5, top=0) -> dict:
 
 
 def kernel_name(name: str) -> str:
-    """A kernel's name without its namespace, template arguments and parameters, the tile shape
-    kept (`gemv_kernel<bf16, 2, 2, false>` and `gemv_kernel<bf16, 1, 4, false>` are two)."""
+    """A kernel's name without its namespace and parameters; its template arguments stay, so two
+    tile shapes of one kernel (`gemv_kernel<bf16, 2, 2, false>`, `<bf16, 1, 4, false>`) are two."""
     name = name.removeprefix("void ").replace("(anonymous namespace)::", "")
     depth = 0
     for i, c in enumerate(name):  # the parameters start at the first "(" outside the template arguments
@@ -304,15 +310,7 @@ def trace_graph_replays(fn, path: str, steps: int = 5) -> dict:
     and ms per step from its start to the next kernel's start: with programmatic dependents a
     kernel's duration includes its wait for the one before, so durations add up to more than
     the step, while these add up to the span."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
-    fn()
-    torch.cuda.synchronize()
-    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            fn()
-        torch.cuda.synchronize()
+    prof = profiled(fn, steps)
     prof.export_chrome_trace(path)
     kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA" and e.device_time_total > 0),
                      key=lambda e: e.time_range.start)
