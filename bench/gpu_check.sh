@@ -35,7 +35,8 @@
 #   bash bench/gpu_check.sh demo-target demo-drafter demo-eval
 #                                      # the shipped demo pair's recipe (bench/train_demo.py; its corpus
 #                                      # stage writes .gpu/demo first, on any machine); DEMO_STEPS,
-#                                      # DEMO_DRAFTER_STEPS and DEMO_DRAFT_LAYERS vary it
+#                                      # DEMO_DRAFTER_STEPS, DEMO_DRAFT_LAYERS, DEMO_DRAFT_WIDTH (its MLP)
+#                                      # and DEMO_TAPS vary it
 #   bash bench/gpu_check.sh tests roofline   # several stages in one call
 #
 # The GPU machine has torch, transformers and numpy 2 but no internet. What it lacks travels
@@ -282,7 +283,8 @@ demo-target)
 demo-drafter)
   step plugins 300 python3 -c 'from dflash_trt import plugins; print(plugins.load())'
   step demo-drafter 585 dflash-trt train --target .gpu/demo/target --data .gpu/demo/drafter_prompts.jsonl \
-    -o .gpu/demo/drafter --block-size 16 --draft-layers "${DEMO_DRAFT_LAYERS:-2}" --target-layer-ids 1,3,5 --steps "${DEMO_DRAFTER_STEPS:-18000}" \
+    -o .gpu/demo/drafter --block-size 16 --draft-layers "${DEMO_DRAFT_LAYERS:-2}" --target-layer-ids "${DEMO_TAPS:-1,3,5}" \
+    ${DEMO_DRAFT_WIDTH:+--intermediate-size "$DEMO_DRAFT_WIDTH"} --steps "${DEMO_DRAFTER_STEPS:-18000}" \
     --batch-size 32 --max-length 512 --num-anchors 32 --lr 1.5e-3 --response-tokens 256 --generate-batch 256 --log-every 1000 \
     --checkpoint-every 3000 --eval-temperature 0 --eval-temperature 0.7
   mkdir -p "$OUT/demo" && cp -r .gpu/demo/drafter "$OUT/demo/"
