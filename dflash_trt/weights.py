@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 from pathlib import Path
 
 import torch
@@ -304,18 +305,27 @@ def set_parameter(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
     setattr(model.get_submodule(owner), leaf, nn.Parameter(tensor.contiguous(), requires_grad=False))
 
 
+def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """save_file, then the mode any new file gets (0666 less the umask): safetensors writes its
+    files 0600, which a server or a colleague running as another user cannot read."""
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o666 & ~umask)
+
+
 def write_safetensors(directory: Path, tensors: dict[str, torch.Tensor], num_shards: int = 1,
                       dtype: torch.dtype | None = None) -> None:
     tensors = {name: (t.to(dtype) if dtype else t).contiguous() for name, t in tensors.items()}
     if num_shards == 1:
-        save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+        _save(tensors, directory / "model.safetensors")
         return
     names = list(tensors)
     weight_map = {}
     for shard in range(num_shards):
         file = f"model-{shard + 1:05d}-of-{num_shards:05d}.safetensors"
         part = {n: tensors[n] for n in names[shard::num_shards]}
-        save_file(part, str(directory / file), metadata={"format": "pt"})
+        _save(part, directory / file)
         weight_map.update({n: file for n in part})
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}

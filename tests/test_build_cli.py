@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from dflash_trt import build
@@ -16,6 +17,7 @@ from dflash_trt.cli import cli
 from dflash_trt.loading import load_engine, load_pair
 from dflash_trt.sampling import SamplingParams
 from dflash_trt.speculate import OracleDrafts
+from dflash_trt.weights import write_safetensors
 
 
 def invoke(*args):
@@ -43,6 +45,28 @@ def test_build_of_the_demo_prints_the_output_path_and_writes_the_engine(demo):
     assert record["build_config"]["preset"] == "tiny" and record["block_size"] == 16  # the demo drafter's
     for part in ("target/config.json", "drafter/config.json", "tokenizer/tokenizer.json"):
         assert (out / "engine" / part).exists(), part
+
+
+def test_the_engines_files_get_the_mode_any_new_file_gets(demo):
+    """safetensors writes its files 0600 (a temporary file renamed); a server or another user
+    reading the engine needs the mode the umask gives every other file the build writes."""
+    out, _ = demo
+    config_mode = (out / "engine" / "target" / "config.json").stat().st_mode & 0o777
+    for weights in (out / "engine").rglob("*.safetensors"):
+        assert weights.stat().st_mode & 0o777 == config_mode, weights
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+@pytest.mark.parametrize("num_shards", [1, 3])
+def test_written_weights_follow_the_umask(tmp_path, umask, num_shards):
+    old = os.umask(umask)
+    try:
+        write_safetensors(tmp_path, {f"w{i}": torch.zeros(2) for i in range(3)}, num_shards)
+    finally:
+        os.umask(old)
+    files = sorted(tmp_path.glob("*.safetensors"))
+    assert len(files) == num_shards
+    assert {f.stat().st_mode & 0o777 for f in files} == {0o666 & ~umask}
 
 
 def test_packed_engine_generates_what_the_source_checkpoints_generate(make_pair, tmp_path):
