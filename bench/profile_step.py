@@ -302,31 +302,43 @@ def kernel_name(name: str) -> str:
     return base.split("::")[-1] + (f"<{args}" if args else "")
 
 
+def replay_timeline(kernels: list[tuple[str, float, float]], steps: int) -> dict:
+    """kernels: (name, start us, end us) of `steps` replays of one graph, in start order ->
+    the GPU span per replay (its first start to its last end, averaged over all replays but the
+    first) and, per kernel name,
+    calls and ms per replay from its start to the next kernel's start in the same replay (a
+    replay's last kernel: to its own end, so the host's gap before the next replay counts for
+    nobody). With programmatic dependents a kernel's duration includes its wait for the one
+    before, so durations add up to more than the replay, while these add up to its span."""
+    per_replay = len(kernels) // steps if steps and len(kernels) % steps == 0 else len(kernels)
+    replays = [kernels[i:i + per_replay] for i in range(0, len(kernels), per_replay)] if kernels else []
+    # under torch.profiler the first replay's first kernel waits ~1 ms for the next (the profiler
+    # starting up): the first replay does not count where there are others
+    replays = replays[1:] if len(replays) > 1 else replays
+    per = defaultdict(lambda: [0, 0.0, 0.0])  # calls, start-to-next-start us, duration us
+    for replay in replays:
+        for (name, start, end), after in zip(replay, replay[1:] + [None]):
+            row = per[kernel_name(name)]
+            row[0] += 1
+            row[1] += (after[1] if after else end) - start
+            row[2] += end - start
+    n = max(len(replays), 1)
+    span_us = sum(max(end for _, _, end in r) - r[0][1] for r in replays) / n
+    return {"kernels_per_step": per_replay, "gpu_span_ms_per_step": span_us / 1e3,
+            "by_kernel": [dict(kernel=name, calls=calls / n, ms=until_next / n / 1e3, mean_us=duration / calls)
+                          for name, (calls, until_next, duration) in sorted(per.items(), key=lambda kv: -kv[1][1])]}
+
+
 def trace_graph_replays(fn, path: str, steps: int = 5) -> dict:
     """A Chrome trace (Perfetto, chrome://tracing) of `steps` calls of fn, a graph replay: each
     kernel's start and end on the GPU, so that what overlaps (programmatic dependents start
     early and wait) and the gaps between kernels can be seen, which per-kernel sums cannot
-    show. Returns the GPU span per step (first start to last end) and, per kernel, its calls
-    and ms per step from its start to the next kernel's start: with programmatic dependents a
-    kernel's duration includes its wait for the one before, so durations add up to more than
-    the step, while these add up to the span."""
+    show; summed by replay_timeline."""
     prof = profiled(fn, steps)
     prof.export_chrome_trace(path)
-    kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA" and e.device_time_total > 0),
-                     key=lambda e: e.time_range.start)
-    if not kernels:
-        return {"trace": path, "kernels_per_step": 0, "gpu_span_ms_per_step": 0.0, "by_kernel": []}
-    span_us = max(e.time_range.end for e in kernels) - kernels[0].time_range.start
-    per = defaultdict(lambda: [0, 0.0, 0.0])  # calls, start-to-next-start us, duration us
-    for event, after in zip(kernels, kernels[1:] + [None]):
-        row = per[kernel_name(event.name)]
-        row[0] += 1
-        row[1] += (after.time_range.start if after else event.time_range.end) - event.time_range.start
-        row[2] += event.time_range.end - event.time_range.start
-    by_kernel = [dict(kernel=name, calls=calls / steps, ms=until_next / steps / 1e3, mean_us=duration / calls)
-                 for name, (calls, until_next, duration) in sorted(per.items(), key=lambda kv: -kv[1][1])]
-    return {"trace": path, "kernels_per_step": len(kernels) / steps, "gpu_span_ms_per_step": span_us / steps / 1e3,
-            "by_kernel": by_kernel}
+    kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+               if e.device_type.name == "CUDA" and e.device_time_total > 0]
+    return {"trace": path, **replay_timeline(sorted(kernels, key=lambda k: k[1]), steps)}
 
 
 def prefill_profile(engine, num_tokens: int, steps: int = 5) -> dict:
