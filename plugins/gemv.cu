@@ -149,24 +149,24 @@ int one_row_features_per_cta(int64_t N, int sms) {
   return kWarps / 4;
 }
 
-template <typename T>
-cudaError_t launch_one_row(const GemvParams& p, int sms, cudaStream_t stream) {
-  const int per_cta = one_row_features_per_cta(p.out_features, sms);
-  const dim3 grid(static_cast<unsigned>(ceil_div(p.out_features, per_cta))), block(kThreads);
-  if (per_cta == 4 * kWarps) return pdl_launch(gemv_kernel<T, 4, 1, true>, grid, block, 0, stream, true, p);
-  if (per_cta == kWarps) return pdl_launch(gemv_kernel<T, 2, 2, false>, grid, block, 0, stream, true, p);
-  return pdl_launch(gemv_kernel<T, 1, 4, false>, grid, block, 0, stream, true, p);
+// The one-row kernel of a layout (R features a group, K in S slices), with the add + norm after
+// it where a GemvNorm is given.
+template <typename T, int R, int S, bool kPipelined, int kNormPlays, typename... Norm>
+cudaError_t launch_layout(const GemvParams& p, dim3 grid, cudaStream_t stream, const Norm&... norm) {
+  if constexpr (sizeof...(Norm) == 0)
+    return pdl_launch(gemv_kernel<T, R, S, kPipelined>, grid, dim3(kThreads), 0, stream, true, p);
+  else
+    return pdl_launch(gemv_norm_kernel<T, R, S, kPipelined, kNormPlays>, grid, dim3(kThreads), 0, stream, true, p,
+                      norm...);
 }
 
-template <typename T, int kNormPlays>
-cudaError_t launch_one_row_norm(const GemvParams& p, const GemvNorm& n, int sms, cudaStream_t stream) {
+template <typename T, int kNormPlays = 0, typename... Norm>
+cudaError_t launch_one_row(const GemvParams& p, int sms, cudaStream_t stream, const Norm&... norm) {
   const int per_cta = one_row_features_per_cta(p.out_features, sms);
-  const dim3 grid(static_cast<unsigned>(ceil_div(p.out_features, per_cta))), block(kThreads);
-  if (per_cta == 4 * kWarps)
-    return pdl_launch(gemv_norm_kernel<T, 4, 1, true, kNormPlays>, grid, block, 0, stream, true, p, n);
-  if (per_cta == kWarps)
-    return pdl_launch(gemv_norm_kernel<T, 2, 2, false, kNormPlays>, grid, block, 0, stream, true, p, n);
-  return pdl_launch(gemv_norm_kernel<T, 1, 4, false, kNormPlays>, grid, block, 0, stream, true, p, n);
+  const dim3 grid(static_cast<unsigned>(ceil_div(p.out_features, per_cta)));
+  if (per_cta == 4 * kWarps) return launch_layout<T, 4, 1, true, kNormPlays>(p, grid, stream, norm...);
+  if (per_cta == kWarps) return launch_layout<T, 2, 2, false, kNormPlays>(p, grid, stream, norm...);
+  return launch_layout<T, 1, 4, false, kNormPlays>(p, grid, stream, norm...);
 }
 
 // y[m, n] for the 16 MT features n of tile blockIdx.x and every row m of x (NT tiles of 8); the
@@ -234,9 +234,9 @@ cudaError_t launch_typed(const GemvParams& p, const GemvNorm* norm, cudaStream_t
   // the fewest vectors a thread of the norm's CTA that the row needs (registers: the whole
   // kernel is compiled for what its epilogue keeps live)
   const int64_t vectors = p.out_features / 8;
-  if (vectors <= kThreads) return launch_one_row_norm<T, 1>(p, *norm, sms, stream);
-  if (vectors <= 2 * kThreads) return launch_one_row_norm<T, 2>(p, *norm, sms, stream);
-  return launch_one_row_norm<T, 4>(p, *norm, sms, stream);
+  if (vectors <= kThreads) return launch_one_row<T, 1>(p, sms, stream, *norm);
+  if (vectors <= 2 * kThreads) return launch_one_row<T, 2>(p, sms, stream, *norm);
+  return launch_one_row<T, 4>(p, sms, stream, *norm);
 }
 
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }

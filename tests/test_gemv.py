@@ -59,10 +59,10 @@ def test_gemv_rejects_bad_arguments_naming_them(args, message):
 # -- GPU -------------------------------------------------------------------------------------
 
 
-def gpu_case(m, n, k, dtype, bias, seed=0):
-    x = rand(m, k, dtype=dtype, device="cuda", seed=seed)
-    w = rand(n, k, dtype=dtype, device="cuda", seed=seed + 1, scale=k ** -0.5)
-    b = rand(n, dtype=dtype, device="cuda", seed=seed + 2) if bias else None
+def case(m, n, k, dtype, bias, seed=0, device="cuda"):
+    x = rand(m, k, dtype=dtype, device=device, seed=seed)
+    w = rand(n, k, dtype=dtype, device=device, seed=seed + 1, scale=k ** -0.5)
+    b = rand(n, dtype=dtype, device=device, seed=seed + 2) if bias else None
     return x, w, b
 
 
@@ -99,7 +99,7 @@ def tensor_core_slack(x, w):
 ])
 @pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
 def test_kernel_matches_the_reference(dtype, m, n, k, bias):
-    x, w, b = gpu_case(m, n, k, dtype, bias, seed=m + n + k)
+    x, w, b = case(m, n, k, dtype, bias, seed=m + n + k)
     assert ops._gemv_kernel_fits(x, w, b)  # else ops.gemv would compare the reference with itself
     y = ops.gemv(x, w, b)
     assert y.shape == (m, n) and y.dtype == dtype
@@ -129,7 +129,7 @@ def calls(monkeypatch):
 def test_linear_takes_the_kernel_up_to_16_rows_and_cublas_beyond(monkeypatch, calls):
     # up to 16 rows (a verify block at batch 1) the kernel reads the weights faster than cuBLAS
     # on the Qwen3-8B linears (BENCHMARKS.md, "GEMV")
-    x, w, _ = gpu_case(48, 300, 256, torch.bfloat16, False)
+    x, w, _ = case(48, 300, 256, torch.bfloat16, False)
     y = ops.linear(x[:1], w)
     assert_within_an_ulp(y, ops.gemv_reference(x[:1], w))
     y = ops.linear(x[:1, None], w)  # [bs = 1, T = 1, K]: an AR step at batch 1
@@ -148,21 +148,21 @@ def test_linear_takes_the_kernel_up_to_16_rows_and_cublas_beyond(monkeypatch, ca
 
 @pytest.mark.cuda
 def test_linear_leaves_what_the_kernel_cannot_take_to_cublas(monkeypatch, calls):
-    x, w, _ = gpu_case(1, 64, 36, torch.bfloat16, False)  # K not a multiple of 8
+    x, w, _ = case(1, 64, 36, torch.bfloat16, False)  # K not a multiple of 8
     ops.linear(x, w)
-    x, w, _ = gpu_case(1, 64, 64, torch.float32, False)  # fp32
+    x, w, _ = case(1, 64, 64, torch.float32, False)  # fp32
     ops.linear(x, w)
-    x, w, _ = gpu_case(3, 64, 64, torch.bfloat16, False)
+    x, w, _ = case(3, 64, 64, torch.bfloat16, False)
     ops.linear(x[:1, 8:40], w[:, :32])  # a strided weight
     assert calls == ["cublas"] * 3
 
 
 @pytest.mark.cuda
 def test_kernel_refuses_what_it_cannot_take():
-    x, w, _ = gpu_case(17, 64, 64, torch.bfloat16, False)
+    x, w, _ = case(17, 64, 64, torch.bfloat16, False)
     with pytest.raises(RuntimeError, match="rows must be in"):
         torch.ops.dflash.gemv(x, w, None)
-    x, w, _ = gpu_case(2, 64, 36, torch.bfloat16, False)
+    x, w, _ = case(2, 64, 36, torch.bfloat16, False)
     with pytest.raises(RuntimeError, match="multiple of 8"):
         torch.ops.dflash.gemv(x, w, None)
 
@@ -171,15 +171,10 @@ def test_kernel_refuses_what_it_cannot_take():
 
 
 def norm_case(n, k, dtype, bias, device, seed=0):
-    x, w, b = (gpu_case if device == "cuda" else cpu_case)(1, n, k, dtype, bias, seed)
+    x, w, b = case(1, n, k, dtype, bias, seed, device)
     residual = rand(1, 1, n, dtype=torch.float32, device=device, seed=seed + 3, scale=4.0)
     norm_weight = rand(n, dtype=dtype, device=device, seed=seed + 4)
     return x.reshape(1, 1, k), w, b, residual, norm_weight
-
-
-def cpu_case(m, n, k, dtype, bias, seed=0):
-    return (rand(m, k, dtype=dtype, seed=seed), rand(n, k, dtype=dtype, seed=seed + 1, scale=k ** -0.5),
-            rand(n, dtype=dtype, seed=seed + 2) if bias else None)
 
 
 @pytest.mark.parametrize("zero_centered", [False, True], ids=["", "zero-centred"])
