@@ -35,8 +35,9 @@
 #   bash bench/gpu_check.sh demo-target demo-drafter demo-eval
 #                                      # the shipped demo pair's recipe (bench/train_demo.py; its corpus
 #                                      # stage writes .gpu/demo first, on any machine); DEMO_STEPS,
-#                                      # DEMO_DRAFTER_STEPS, DEMO_DRAFT_LAYERS, DEMO_DRAFT_WIDTH (its MLP)
-#                                      # and DEMO_TAPS vary it
+#                                      # DEMO_DRAFTER_STEPS, DEMO_DRAFT_LAYERS, DEMO_DRAFT_WIDTH (its MLP),
+#                                      # DEMO_TAPS, DEMO_EXTRA_BLOCK (also train at that block size),
+#                                      # DEMO_INIT_FROM, DEMO_BATCH and DEMO_LR vary it
 #   bash bench/gpu_check.sh tests roofline   # several stages in one call
 #
 # The GPU machine has torch, transformers and numpy 2 but no internet. What it lacks travels
@@ -278,16 +279,19 @@ draft-vocab)
   ;;
 demo-target)
   step demo-target 560 python3 bench/train_demo.py target .gpu/demo --steps "${DEMO_STEPS:-3000}" --max-seconds 480
-  mkdir -p "$OUT/demo" && cp -r .gpu/demo/target "$OUT/demo/"
+  tar -C .gpu/demo -cf "$OUT/demo_target.tar" target  # one file: the device tool returns few
   ;;
 demo-drafter)
   step plugins 300 python3 -c 'from dflash_trt import plugins; print(plugins.load())'
   step demo-drafter 585 dflash-trt train --target .gpu/demo/target --data .gpu/demo/drafter_prompts.jsonl \
     -o .gpu/demo/drafter --block-size 16 --draft-layers "${DEMO_DRAFT_LAYERS:-2}" --target-layer-ids "${DEMO_TAPS:-1,3,5}" \
-    ${DEMO_DRAFT_WIDTH:+--intermediate-size "$DEMO_DRAFT_WIDTH"} --steps "${DEMO_DRAFTER_STEPS:-18000}" \
-    --batch-size 32 --max-length 512 --num-anchors 32 --lr 1.5e-3 --response-tokens 256 --generate-batch 256 --log-every 1000 \
-    --checkpoint-every 3000 --eval-temperature 0 --eval-temperature 0.7
-  mkdir -p "$OUT/demo" && cp -r .gpu/demo/drafter "$OUT/demo/"
+    ${DEMO_DRAFT_WIDTH:+--intermediate-size "$DEMO_DRAFT_WIDTH"} ${DEMO_EXTRA_BLOCK:+--extra-block-size "$DEMO_EXTRA_BLOCK"} \
+    ${DEMO_INIT_FROM:+--init-from "$DEMO_INIT_FROM"} --steps "${DEMO_DRAFTER_STEPS:-18000}" \
+    --batch-size "${DEMO_BATCH:-32}" --max-length 512 --num-anchors 32 --lr "${DEMO_LR:-1.5e-3}" --response-tokens 256 \
+    --generate-batch 256 --log-every 1000 --checkpoint-every 3000 --eval-temperature 0 --eval-temperature 0.7
+  # the drafter and its log and evaluation (not the token data or the checkpoint), as one file
+  tar -C .gpu/demo -cf "$OUT/demo_drafter.tar" drafter/config.json drafter/model.safetensors drafter/train_log.jsonl \
+    drafter/eval.json
   ;;
 demo-eval)
   # the shipped pair (dflash_trt/fixtures/demo): real τ per dataset and block size, DFlash == AR

@@ -176,6 +176,9 @@ def _ints(ctx, param, value):
 @click.option("-o", "--output", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="The drafter directory to write (z-lab layout; also its checkpoint, log and evaluation).")
 @click.option("--block-size", type=click.IntRange(min=2), default=16, show_default=True)
+@click.option("--extra-block-size", "extra_block_sizes", type=click.IntRange(min=2), multiple=True,
+              help="A smaller block size the drafter also learns to serve (each block draws its size among these "
+                   "and --block-size); repeat for several. A drafter trained at one size drafts worse at another.")
 @click.option("--draft-layers", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--target-layer-ids", callback=_ints,
               help="Tapped target layers, e.g. 1,9,17 [default: z-lab's formula].")
@@ -220,7 +223,7 @@ def _ints(ctx, param, value):
 @click.option("--num-prompts", type=click.IntRange(min=1), help="Use at most this many prompts.")
 @click.option("--generate-batch", type=click.IntRange(min=1), default=32, show_default=True,
               help="Responses the target writes at once.")
-def train(target, source, output, block_size, draft_layers, target_layer_ids, mask_token_id, sliding_layers,
+def train(target, source, output, block_size, extra_block_sizes, draft_layers, target_layer_ids, mask_token_id, sliding_layers,
           sliding_window, intermediate_size, steps, batch_size, max_length, num_anchors, lr, warmup, decay,
           checkpoint_every, log_every, eval_prompts, eval_max_tokens, eval_temperature, init_from, resume, nproc,
           shard_target, device, seed, chat, thinking, response_tokens, response_temperature, num_prompts,
@@ -242,7 +245,8 @@ def train(target, source, output, block_size, draft_layers, target_layer_ids, ma
         shape=DrafterShape(block_size, draft_layers, target_layer_ids, mask_token_id, sliding_window, sliding_layers,
                            intermediate_size),
         cfg=TrainConfig(steps=steps, batch_size=batch_size, max_length=max_length, num_anchors=num_anchors, lr=lr,
-                        warmup=warmup, decay=decay, checkpoint_every=checkpoint_every, log_every=log_every,
+                        warmup=warmup, decay=decay, block_sizes=tuple(sorted(set(extra_block_sizes))),
+                        checkpoint_every=checkpoint_every, log_every=log_every,
                         eval_prompts=eval_prompts, eval_max_tokens=eval_max_tokens, seed=seed),
         data_cfg=DataConfig(chat=chat, thinking=thinking, max_tokens=response_tokens,
                             temperature=response_temperature, limit=num_prompts, generate_batch=generate_batch))
@@ -250,11 +254,12 @@ def train(target, source, output, block_size, draft_layers, target_layer_ids, ma
         report = train_processes(nproc, **kwargs) if nproc > 1 else train_drafter(**kwargs)
     if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 speaks for the run
         return
-    for key, value in report.items():
-        if key.startswith("temperature_"):
-            click.echo(f"held-out prompts ({report['prompts']}), {key.replace('_', ' ')}: mean acceptance length "
-                       f"{value['tau']:.2f} over {value['verify_steps']} verify steps; "
-                       f"histogram {value['acceptance_histogram']}")
+    for measured in [report, *(v for k, v in report.items() if k.startswith("block_") and isinstance(v, dict))]:
+        for key, value in measured.items():
+            if key.startswith("temperature_"):
+                click.echo(f"held-out prompts ({report['prompts']}), block {measured['block_size']}, "
+                           f"{key.replace('_', ' ')}: mean acceptance length {value['tau']:.2f} over "
+                           f"{value['verify_steps']} verify steps; histogram {value['acceptance_histogram']}")
     click.echo(f"drafter: {output}")
 
 

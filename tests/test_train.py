@@ -40,8 +40,10 @@ def tapped(target, ids):
         return target(ids, Batch.make([0], [0], [S], S, "cpu"), target.new_cache(1, S), (0, 2))[1]
 
 
+@pytest.mark.parametrize("lengths", [None, [4, 2, 3, 4]], ids=["whole", "shorter"])
 @pytest.mark.parametrize("spec", [{}, SLIDING], ids=["full", "sliding"])
-def test_the_training_forward_computes_the_inference_drafters_block_logits(make_pair, no_tokenizer, spec):
+def test_the_training_forward_computes_the_inference_drafters_block_logits(make_pair, no_tokenizer, spec, lengths):
+    """Also for blocks shorter than the drafter's: their rows are what a drafter run at that block size computes."""
     pair = make_pair(block_size=4, **spec, **no_tokenizer)
     target = load_target(pair.target)
     drafter = load_drafter(pair.drafter, target)
@@ -49,21 +51,23 @@ def test_the_training_forward_computes_the_inference_drafters_block_logits(make_
     ids = torch.randint(0, 500, (1, S), generator=torch.Generator().manual_seed(0))
     taps = tapped(target, ids)
     anchors = [0, 5, 13, 18]  # no context; some; a block running past the end
-    blocks = Blocks(anchors=torch.tensor([anchors]), valid=torch.ones(1, len(anchors), dtype=torch.bool))
-    block_ids, positions, _ = block_inputs(ids, torch.ones_like(ids, dtype=torch.bool), blocks, B,
-                                           drafter.config.mask_token_id)
+    blocks = Blocks(anchors=torch.tensor([anchors]), valid=torch.ones(1, len(anchors), dtype=torch.bool),
+                    lengths=None if lengths is None else torch.tensor([lengths]))
+    block_ids, positions, labels = block_inputs(ids, torch.ones_like(ids, dtype=torch.bool), blocks, B,
+                                                drafter.config.mask_token_id)
     objective = DraftObjective(drafter)
     masks = {w: attention_mask(blocks, S, B, w) for w in {layer.self_attn.window for layer in drafter.layers}}
     with torch.no_grad():
         trained = drafter.logits(objective.hidden(taps, block_ids, positions, masks)).view(len(anchors), B, -1)
-    for i, anchor in enumerate(anchors):
+    for i, (anchor, rows) in enumerate(zip(anchors, lengths or [B] * len(anchors))):
         cache = drafter.new_cache(1, S + B)
         if anchor:
             drafter.append_context(taps[:, :anchor], Batch.make([0], [0], [anchor], anchor, "cpu"), cache)
         with torch.no_grad():
-            served = drafter.logits(drafter(block_ids[:, i * B:(i + 1) * B], Batch.make([0], [anchor], [B], B, "cpu"),
-                                            cache))[0]
-        torch.testing.assert_close(trained[i], served, atol=2e-4 * served.abs().max().item(), rtol=0)
+            served = drafter.logits(drafter(block_ids[:, i * B:i * B + rows],
+                                            Batch.make([0], [anchor], [rows], rows, "cpu"), cache))[0]
+        torch.testing.assert_close(trained[i, :rows], served, atol=2e-4 * served.abs().max().item(), rtol=0)
+        assert (labels.view(len(anchors), B)[i, rows:] == IGNORE).all()  # rows the block lacks learn nothing
 
 
 def test_anchors_are_distinct_sorted_and_only_on_a_supervised_token_before_another():
@@ -118,7 +122,7 @@ def trained(make_pair, tmp_path_factory):
     pair = make_pair()
     out = tmp_path_factory.mktemp("train") / "drafter"
     done = dflash_trt("train", "--target", pair.target, "--data", "gsm8k", "--num-prompts", 40, "-o", out,
-                      "--steps", 40, "--lr", 3e-3, *TRAIN)
+                      "--steps", 40, "--lr", 3e-3, "--extra-block-size", 2, *TRAIN)
     assert done.returncode == 0, done.stderr
     return pair, out, done
 
@@ -131,7 +135,10 @@ def test_a_tiny_drafter_learns_and_build_loads_it(trained, tmp_path):
     assert log[-1]["loss"] < 0.8 * log[0]["loss"], [r["loss"] for r in log]
     report = json.loads((out / "eval.json").read_text())
     assert report["prompts"] == 4 and report["temperature_0"]["verify_steps"] > 0
-    assert "mean acceptance length" in done.stdout
+    assert "block 4, temperature 0: mean acceptance length" in done.stdout
+    # trained at block 2 too, and measured there: at most one draft a step
+    assert report["block_2"]["block_size"] == 2 and len(report["block_2"]["temperature_0"]["acceptance_histogram"]) == 2
+    assert "block 2, temperature 0: mean acceptance length" in done.stdout
     built = dflash_trt("build", "--target", pair.target, "--drafter", out, "-o", tmp_path / "engine")
     assert built.returncode == 0, built.stderr
     ran = dflash_trt("run", tmp_path / "engine", "What is 2 + 3?", "--max-tokens", 8, "--stats")
@@ -174,6 +181,9 @@ def test_bad_training_input_fails_by_name_and_leaves_no_run(make_pair, tmp_path)
                       "--num-prompts", 2, "-o", tmp_path / "d2", "--response-tokens", 2)
     assert taps.returncode == 1 and "target_layer_ids = [0, 9]" in taps.stderr
     assert not (tmp_path / "d2").exists() and not (tmp_path / "d").exists()
+    block = dflash_trt("train", "--target", pair.target, "--data", "gsm8k", "--block-size", 8, "--extra-block-size", 8,
+                       "-o", tmp_path / "d10")
+    assert block.returncode == 1 and "block size 8 to train beside the drafter's 8" in block.stderr
     no_run = dflash_trt("train", "--target", pair.target, "--data", "gsm8k", "-o", tmp_path / "d3", "--resume")
     assert no_run.returncode == 1 and "no checkpoint to resume from" in no_run.stderr
     alone = dflash_trt("train", "--target", pair.target, "--data", "gsm8k", "-o", tmp_path / "d4", "--shard-target")
@@ -197,7 +207,7 @@ def test_bad_training_input_fails_by_name_and_leaves_no_run(make_pair, tmp_path)
                        "--batch-size", 2, "-o", tmp_path / "d9")
     assert short.returncode == 1
     assert "3 sequences leave 1 for training after 2 held out; one step needs 2" in short.stderr
-    assert not any((tmp_path / d).exists() for d in ("d5", "d6", "d7", "d8", "d9"))
+    assert not any((tmp_path / d).exists() for d in ("d5", "d6", "d7", "d8", "d9", "d10"))
 
 
 def test_each_rank_trains_on_its_own_gpu_and_one_named_gpu_cannot_serve_several(monkeypatch):

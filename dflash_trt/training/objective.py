@@ -8,6 +8,10 @@ yet) and its own B rows, nothing of other blocks; a sliding-window layer sees it
 causally and the context within its window. Slot j's loss weighs exp(-(j - 1) / gamma): the
 early slots decide how much of a block is accepted.
 
+A block may be shorter than the drafter's B (`draw_lengths`): its L rows see only each other, as
+at inference with block size L, where the drafter runs L rows. The rows are bidirectional, so a
+drafter trained only at B drafts worse at a smaller block; trained at both, it serves both.
+
 `DraftObjective` is the drafter's forward written for autograd (plain PyTorch on the drafter's
 own parameters; the inference forward writes caches and runs fused kernels without gradients).
 The equivalence of the two is tested (tests/test_train.py).
@@ -34,10 +38,19 @@ def default_decay(block_size: int) -> float:
 
 @dataclass(frozen=True)
 class Blocks:
-    """N blocks per sequence: anchors [bs, N] (0 where unused) and which are used [bs, N]."""
+    """N blocks per sequence: anchors [bs, N] (0 where unused), which are used [bs, N] and, where
+    blocks differ in size, each one's rows [bs, N] (None: every block has the drafter's B)."""
 
     anchors: torch.Tensor
     valid: torch.Tensor
+    lengths: torch.Tensor | None = None
+
+    def rows_used(self, block_size: int) -> torch.Tensor:
+        """[bs, N, B] bool: the rows each block has (all B unless it is shorter)."""
+        j = torch.arange(block_size, device=self.anchors.device)
+        if self.lengths is None:
+            return torch.ones(*self.anchors.shape, block_size, dtype=torch.bool, device=self.anchors.device)
+        return j < self.lengths[:, :, None]
 
 
 def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator) -> Blocks:
@@ -57,9 +70,16 @@ def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.G
     return Blocks(anchors=torch.where(valid, anchors, torch.zeros_like(anchors)), valid=valid)
 
 
+def draw_lengths(blocks: Blocks, sizes: tuple[int, ...], generator: torch.Generator) -> Blocks:
+    """Each block's size drawn uniformly among `sizes` (each at most the drafter's B)."""
+    pick = torch.randint(len(sizes), blocks.anchors.shape, generator=generator)
+    lengths = torch.tensor(sizes)[pick].to(blocks.anchors.device)
+    return Blocks(anchors=blocks.anchors, valid=blocks.valid, lengths=lengths)
+
+
 def block_inputs(ids: torch.Tensor, loss_mask: torch.Tensor, blocks: Blocks, block_size: int, mask_token_id: int):
     """-> block ids [bs, N*B], their positions [bs, N*B], labels [bs, N*B] (IGNORE where slot 0,
-    unused blocks, past the sequence or unsupervised)."""
+    unused blocks, rows a shorter block lacks, past the sequence or unsupervised)."""
     bs, S = ids.shape
     j = torch.arange(block_size, device=ids.device)
     positions = blocks.anchors[:, :, None] + j  # [bs, N, B]
@@ -67,6 +87,7 @@ def block_inputs(ids: torch.Tensor, loss_mask: torch.Tensor, blocks: Blocks, blo
     at = positions.clamp(max=S - 1)
     labels = ids.gather(1, at.flatten(1)).view_as(at)
     supervised = inside & loss_mask.gather(1, at.flatten(1)).view_as(at) & blocks.valid[:, :, None] & (j > 0)
+    supervised = supervised & blocks.rows_used(block_size)
     labels = torch.where(supervised, labels, torch.full_like(labels, IGNORE))
     block_ids = torch.full_like(labels, mask_token_id)
     block_ids[:, :, 0] = ids.gather(1, blocks.anchors)
@@ -76,7 +97,7 @@ def block_inputs(ids: torch.Tensor, loss_mask: torch.Tensor, blocks: Blocks, blo
 def attention_mask(blocks: Blocks, context_len: int, block_size: int, window: int | None = None) -> torch.Tensor:
     """Which keys each block row sees -> bool [bs, 1, N*B, S + N*B]; keys are the S context
     rows, then every block's rows. An unused block sees only itself (no row is left without a
-    key; it carries no loss)."""
+    key; it carries no loss); no row sees the rows a shorter block lacks (they carry no loss)."""
     bs, N = blocks.anchors.shape
     device = blocks.anchors.device
     j = torch.arange(block_size, device=device)
@@ -85,7 +106,7 @@ def attention_mask(blocks: Blocks, context_len: int, block_size: int, window: in
     ctx = torch.arange(context_len, device=device)
     sees_ctx = (ctx < q_anchor[:, :, None]) & blocks.valid.repeat_interleave(block_size, dim=1)[:, :, None]
     q_block = torch.arange(N, device=device).repeat_interleave(block_size)
-    sees_block = (q_block[:, None] == q_block[None, :]).expand(bs, -1, -1)
+    sees_block = (q_block[:, None] == q_block[None, :]) & blocks.rows_used(block_size).flatten(1)[:, None, :]
     if window is not None:
         sees_ctx = sees_ctx & (ctx > q_pos[:, :, None] - window)
         q_slot = j.repeat(N)

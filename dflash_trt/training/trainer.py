@@ -48,7 +48,7 @@ from dflash_trt.training.drafter_files import (
     new_drafter_config,
     write_drafter,
 )
-from dflash_trt.training.objective import DraftObjective, sample_anchors
+from dflash_trt.training.objective import DraftObjective, draw_lengths, sample_anchors
 
 CHECKPOINT, LOG, EVAL, DATA = "checkpoint.pt", "train_log.jsonl", "eval.json", "data"
 
@@ -64,6 +64,9 @@ class TrainConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     decay: float | None = None  # gamma of the slot weights; None: by block size (objective.default_decay)
+    # smaller block sizes the drafter also learns to serve: each block draws its size among these
+    # and the drafter's own (objective.draw_lengths)
+    block_sizes: tuple[int, ...] = ()
     checkpoint_every: int = 200
     log_every: int = 10
     eval_prompts: int = 16  # the token dataset's last sequences, held out of training
@@ -319,6 +322,8 @@ class Trainer:
         ids, mask = ids.to(self.device), mask.to(self.device)
         anchors_rng = torch.Generator().manual_seed(cfg.seed * 7919 + self.step * 31 + self.rank)
         blocks = sample_anchors(mask, cfg.num_anchors, anchors_rng)
+        if cfg.block_sizes:
+            blocks = draw_lengths(blocks, (*cfg.block_sizes, self.drafter.config.block_size), anchors_rng)
         taps = self.taps(ids)
         for group in self.optimizer.param_groups:
             group["lr"] = learning_rate(self.step, cfg)
@@ -365,9 +370,10 @@ class Trainer:
     # -- the closing evaluation ---------------------------------------------------------
 
     def evaluate(self, temperatures: tuple[float, ...] = (0.0,)) -> dict:
-        """Real acceptance of the written drafter on the held-out prompts, through the engine
-        (over a sharded target every rank calls this, rank 0 gets the report, and the trainer's
-        models are dropped first: training is over)."""
+        """Real acceptance of the written drafter on the held-out prompts, through the engine, at
+        its block size and at each smaller one it was trained for (`block_S` keys; over a sharded
+        target every rank calls this, rank 0 gets the report, and the trainer's models are
+        dropped first: training is over)."""
         prompts = [list(map(int, self.dataset[i][0][:self.dataset[i][1]]))
                    for i in range(self.train_size, len(self.dataset))]
         if not prompts:
@@ -379,24 +385,33 @@ class Trainer:
             self.target = self.drafter = self.objective = self.model = self.optimizer = None
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-            engine = sharded_engine(self.target_dir, self.out_dir, self.device, self.rank, self.world, **sizes)
-            if engine is None:
-                return {}
         else:  # the written drafter in the target's dtype, as `build` would pair them
-            dtype = self.target.lm_head.weight.dtype
-            engine = Engine(self.target, load_drafter(self.out_dir, self.target, self.device, dtype), **sizes)
-        report = {"prompts": len(prompts), "block_size": engine.block_size}
-        try:
-            engine.warm_up()
-            for temperature in temperatures:
-                params = [SamplingParams(max_tokens=self.cfg.eval_max_tokens, temperature=temperature, seed=i)
-                          for i in range(len(prompts))]
-                results = engine.generate(prompts, params, mode="dflash")
-                report[f"temperature_{temperature:g}"] = acceptance_summary([r.stats for r in results],
-                                                                            engine.block_size)
-        finally:
+            drafter = load_drafter(self.out_dir, self.target, self.device, self.target.lm_head.weight.dtype)
+        report = {"prompts": len(prompts)}
+        for block in (0, *self.cfg.block_sizes):  # 0: the drafter's own
             if self.mesh is not None:
-                engine.release()
+                engine = sharded_engine(self.target_dir, self.out_dir, self.device, self.rank, self.world,
+                                        block_size=block, **sizes)
+                if engine is None:  # a follower: its part of the leader's engine has run
+                    continue
+            else:
+                engine = Engine(self.target, drafter, block_size=block, **sizes)
+            try:
+                engine.warm_up()
+                measured = {"block_size": engine.block_size}
+                for temperature in temperatures:
+                    params = [SamplingParams(max_tokens=self.cfg.eval_max_tokens, temperature=temperature, seed=i)
+                              for i in range(len(prompts))]
+                    results = engine.generate(prompts, params, mode="dflash")
+                    measured[f"temperature_{temperature:g}"] = acceptance_summary([r.stats for r in results],
+                                                                                  engine.block_size)
+            finally:
+                if self.mesh is not None:
+                    engine.release()
+            if block:
+                report[f"block_{block}"] = measured
+            else:
+                report.update(measured)
         return report
 
 
@@ -427,8 +442,10 @@ def train(target_dir: Path, source: str, out_dir: Path, *, shape: DrafterShape =
             raise ConfigError(f"{source}: {len(conversations[:data_cfg.limit])} prompts are fewer than the {world} "
                               "processes that answer them")
         start_from = None if resume else initial_drafter(target_dir, shape, init_from, cfg.seed)
+        drafter_config = start_from[0] if start_from else read_json(out_dir / "config.json")
+        check_block_sizes(cfg.block_sizes, drafter_config["block_size"])
         if shard_target:  # its engine splits every layer over the ranks (sharded_engine)
-            _check_splits(target_dir, start_from[0] if start_from else read_json(out_dir / "config.json"), world)
+            _check_splits(target_dir, drafter_config, world)
         if not resume:  # a prompt makes one sequence: too few to train on fail before they are answered
             sequences = len(data.TokenDataset(given)) if given else len(conversations[:data_cfg.limit])
             check_dataset_size(sequences, cfg, world, source)
@@ -464,6 +481,13 @@ def train(target_dir: Path, source: str, out_dir: Path, *, shape: DrafterShape =
         report["peak_gpu_memory_gb"] = round(torch.cuda.max_memory_allocated(dev) / 1e9, 2)
     (out_dir / EVAL).write_text(json.dumps(report, indent=1) + "\n")
     return report
+
+
+def check_block_sizes(sizes: tuple[int, ...], block_size: int) -> None:
+    for size in sizes:
+        if not 2 <= size < block_size:
+            raise ConfigError(f"block size {size} to train beside the drafter's {block_size} must be at least 2 "
+                              f"and less than {block_size}")
 
 
 def _check_splits(target_dir: Path, drafter_config: dict, world: int) -> None:
