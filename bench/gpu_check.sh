@@ -33,8 +33,9 @@
 #   bash bench/gpu_check.sh train-ranks # (2 GPUs) train over 2 processes, the target whole and sharded
 #                                      # (FSDP in training, tensor-parallel for the data and evaluation)
 #   bash bench/gpu_check.sh demo-target demo-drafter demo-eval
-#                                      # the shipped demo pair's recipe (bench/train_demo.py; its corpus
-#                                      # stage writes .gpu/demo first, on any machine); DEMO_STEPS,
+#                                      # the demo pair's recipe (bench/train_demo.py; its corpus stage
+#                                      # writes .gpu/demo first, on any machine; the shipped drafter's
+#                                      # stages are in its docstring); DEMO_STEPS,
 #                                      # DEMO_DRAFTER_STEPS, DEMO_DRAFT_LAYERS, DEMO_DRAFT_WIDTH (its MLP),
 #                                      # DEMO_TAPS, DEMO_EXTRA_BLOCK (also train at that block size),
 #                                      # DEMO_INIT_FROM, DEMO_BATCH and DEMO_LR vary it

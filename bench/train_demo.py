@@ -4,8 +4,17 @@ trained by `dflash-trt train` on the target's own responses. Seeded; run on a GP
 
     python bench/train_demo.py corpus out/demo_train         # text -> token files and prompt sets
     python bench/train_demo.py target out/demo_train         # the target (next-token loss, packed windows)
+    # the drafter in three stages, as the shipped one was made within one session's device time: 9000 steps at 16,
+    # 9000 more from them at a lower rate, then 200 on the CPU at blocks 16 and 8 (--extra-block-size)
+    D="--block-size 16 --draft-layers 4 --intermediate-size 256 --target-layer-ids 1,2,3,4,5 --max-length 512
+       --num-anchors 32 --response-tokens 256 --generate-batch 256"
     dflash-trt train --target out/demo_train/target --data out/demo_train/drafter_prompts.jsonl \\
-        -o out/demo_train/drafter --block-size 16 --draft-layers 2 ...   (bench/gpu_check.sh demo-drafter)
+        -o out/d1 $D --steps 9000 --batch-size 64 --lr 2e-3
+    dflash-trt train --target out/demo_train/target --data out/d1/data --init-from out/d1 \\
+        -o out/d2 $D --steps 9000 --batch-size 64 --lr 1e-3 --warmup 0.02
+    dflash-trt train --target out/demo_train/target --data out/demo_train/drafter_prompts.jsonl --num-prompts 1200 \\
+        --init-from out/d2 -o out/d3 $D --steps 200 --batch-size 16 --lr 5e-4 --warmup 0.05 --extra-block-size 8 \\
+        --eval-prompts 48 --device cpu      # out/d3 is the shipped drafter
     python bench/train_demo.py eval dflash_trt/fixtures/demo --report eval.json
                                   # real τ per dataset, block 8 and 16, greedy and sampled; DFlash == AR in fp32
     python bench/train_demo.py ceiling dflash_trt/fixtures/demo --report ceiling.json

@@ -47,10 +47,9 @@ class Blocks:
 
     def rows_used(self, block_size: int) -> torch.Tensor:
         """[bs, N, B] bool: the rows each block has (all B unless it is shorter)."""
-        j = torch.arange(block_size, device=self.anchors.device)
         if self.lengths is None:
             return torch.ones(*self.anchors.shape, block_size, dtype=torch.bool, device=self.anchors.device)
-        return j < self.lengths[:, :, None]
+        return torch.arange(block_size, device=self.anchors.device) < self.lengths[:, :, None]
 
 
 def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator) -> Blocks:
