@@ -1024,20 +1024,9 @@ cudaError_t block_attention_launch(const BlockAttentionParams& p, int num_splits
     decltype(&block_attention_kernel<T, D, MT, TK>) kernel;
     cudaError_t err = prepare<T, D, MT, TK>(&kernel);
     if (err != cudaSuccess) return err;
-    cudaLaunchConfig_t config = {};
-    config.gridDim = grid;
-    config.blockDim = dim3(kThreads);
-    config.dynamicSmemBytes = smem_bytes<T, D, MT, TK>();
-    config.stream = stream;
-    cudaLaunchAttribute attrs[2];
-    attrs[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;  // pdl.h
-    attrs[0].val.programmaticStreamSerializationAllowed = 1;
-    attrs[1].id = cudaLaunchAttributeClusterDimension;
-    attrs[1].val.clusterDim.x = static_cast<unsigned>(num_splits);
-    attrs[1].val.clusterDim.y = attrs[1].val.clusterDim.z = 1;
-    config.attrs = pdl_supported() ? attrs : attrs + 1;
-    config.numAttrs = (pdl_supported() ? 1 : 0) + (cluster ? 1 : 0);
-    err = cudaLaunchKernelEx(&config, kernel, p, num_splits, o_part, lse_part, cluster);
+    err = pdl_launch_clustered(kernel, grid, dim3(kThreads), smem_bytes<T, D, MT, TK>(), stream, true,
+                               cluster ? static_cast<unsigned>(num_splits) : 0u, p, num_splits, o_part, lse_part,
+                               cluster);
     if (err != cudaSuccess) return err;
     if (num_splits > 1 && !cluster) launch_combine<T>(p, num_splits, o_part, lse_part, stream);
     return cudaGetLastError();

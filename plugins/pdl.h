@@ -42,22 +42,38 @@ __device__ __forceinline__ void prefetch_l2(const void* ptr) {
 // Whether the current device takes programmatic dependent launches (sm_90 on).
 inline bool pdl_supported() { return device_attribute(cudaDevAttrComputeCapabilityMajor) >= 9; }
 
-// kernel<<<grid, block, 0, stream>>>(args...), allowed to overlap the kernel before it where the
-// device supports that (and `overlap` asks for it: else a plain launch).
+// kernel<<<grid, block, smem, stream>>>(args...), allowed to overlap the kernel before it where
+// the device supports that (and `overlap` asks for it: else a plain launch); with cluster_x > 0
+// the CTAs along x form clusters of that many (the caller checks the device launches clusters).
 template <typename... Params, typename... Args>
-cudaError_t pdl_launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool overlap,
-                       Args... args) {
+cudaError_t pdl_launch_clustered(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                                 bool overlap, unsigned cluster_x, Args... args) {
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
   config.dynamicSmemBytes = smem;
   config.stream = stream;
-  cudaLaunchAttribute early;
-  early.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  early.val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = &early;
-  config.numAttrs = overlap && pdl_supported() ? 1 : 0;
+  cudaLaunchAttribute attrs[2];
+  unsigned n = 0;
+  if (overlap && pdl_supported()) {
+    attrs[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attrs[n++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (cluster_x > 0) {
+    attrs[n].id = cudaLaunchAttributeClusterDimension;
+    attrs[n].val.clusterDim.x = cluster_x;
+    attrs[n].val.clusterDim.y = attrs[n].val.clusterDim.z = 1;
+    ++n;
+  }
+  config.attrs = attrs;
+  config.numAttrs = n;
   return cudaLaunchKernelEx(&config, kernel, args...);
+}
+
+template <typename... Params, typename... Args>
+cudaError_t pdl_launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool overlap,
+                       Args... args) {
+  return pdl_launch_clustered(kernel, grid, block, smem, stream, overlap, 0u, args...);
 }
 
 }  // namespace dflash
