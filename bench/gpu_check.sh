@@ -34,8 +34,8 @@
 #                                      # (FSDP in training, tensor-parallel for the data and evaluation)
 #   bash bench/gpu_check.sh demo-target demo-drafter demo-eval
 #                                      # the demo pair's recipe (bench/train_demo.py; its corpus stage
-#                                      # writes .gpu/demo first, on any machine; the shipped drafter's
-#                                      # stages are in its docstring); DEMO_STEPS,
+#                                      # writes .gpu/demo first, on any machine; demo-drafter is the
+#                                      # shipped drafter's recipe); DEMO_STEPS,
 #                                      # DEMO_DRAFTER_STEPS, DEMO_DRAFT_LAYERS, DEMO_DRAFT_WIDTH (its MLP),
 #                                      # DEMO_TAPS, DEMO_EXTRA_BLOCK (also train at that block size),
 #                                      # DEMO_INIT_FROM, DEMO_BATCH and DEMO_LR vary it
@@ -284,12 +284,14 @@ demo-target)
   ;;
 demo-drafter)
   step plugins 300 python3 -c 'from dflash_trt import plugins; print(plugins.load())'
+  # the shipped drafter's recipe (bench/train_demo.py); the prompt file's last 192 are the held-out sets
   step demo-drafter 585 dflash-trt train --target .gpu/demo/target --data .gpu/demo/drafter_prompts.jsonl \
-    -o .gpu/demo/drafter --block-size 16 --draft-layers "${DEMO_DRAFT_LAYERS:-2}" --target-layer-ids "${DEMO_TAPS:-1,3,5}" \
-    ${DEMO_DRAFT_WIDTH:+--intermediate-size "$DEMO_DRAFT_WIDTH"} ${DEMO_EXTRA_BLOCK:+--extra-block-size "$DEMO_EXTRA_BLOCK"} \
-    ${DEMO_INIT_FROM:+--init-from "$DEMO_INIT_FROM"} --steps "${DEMO_DRAFTER_STEPS:-18000}" \
-    --batch-size "${DEMO_BATCH:-32}" --max-length 512 --num-anchors 32 --lr "${DEMO_LR:-1.5e-3}" --response-tokens 256 \
-    --generate-batch 256 --log-every 1000 --checkpoint-every 3000 --eval-temperature 0 --eval-temperature 0.7
+    -o .gpu/demo/drafter --block-size 16 --draft-layers "${DEMO_DRAFT_LAYERS:-6}" --target-layer-ids "${DEMO_TAPS:-1,2,3,4,5}" \
+    --intermediate-size "${DEMO_DRAFT_WIDTH:-128}" --extra-block-size "${DEMO_EXTRA_BLOCK:-8}" \
+    ${DEMO_INIT_FROM:+--init-from "$DEMO_INIT_FROM"} --steps "${DEMO_DRAFTER_STEPS:-8000}" \
+    --batch-size "${DEMO_BATCH:-64}" --max-length 512 --num-anchors 32 --lr "${DEMO_LR:-2e-3}" --response-tokens 256 \
+    --generate-batch 256 --log-every 500 --checkpoint-every 2000 --eval-prompts 192 --eval-max-tokens 256 \
+    --eval-temperature 0 --eval-temperature 0.7
   # the drafter and its log and evaluation (not the token data or the checkpoint), as one file
   tar -C .gpu/demo -cf "$OUT/demo_drafter.tar" drafter/config.json drafter/model.safetensors drafter/train_log.jsonl \
     drafter/eval.json

@@ -1,20 +1,16 @@
 """The recipe of the shipped demo pair (dflash_trt/fixtures/demo): a small Qwen3 target trained
 on the Python standard library's source and GSM8K / HumanEval solutions, and its DFlash drafter
-trained by `dflash-trt train` on the target's own responses. Seeded; run on a GPU:
+trained by `dflash-trt train` on the target's own responses. Seeded; run on a GPU (the times
+each took: BENCHMARKS.md, "Trained demo pair"):
 
     python bench/train_demo.py corpus out/demo_train         # text -> token files and prompt sets
     python bench/train_demo.py target out/demo_train         # the target (next-token loss, packed windows)
-    # the drafter in three stages, as the shipped one was made within one session's device time: 9000 steps at 16,
-    # 9000 more from them at a lower rate, then 200 on the CPU at blocks 16 and 8 (--extra-block-size)
-    D="--block-size 16 --draft-layers 4 --intermediate-size 256 --target-layer-ids 1,2,3,4,5 --max-length 512
-       --num-anchors 32 --response-tokens 256 --generate-batch 256"
-    dflash-trt train --target out/demo_train/target --data out/demo_train/drafter_prompts.jsonl \\
-        -o out/d1 $D --steps 9000 --batch-size 64 --lr 2e-3
-    dflash-trt train --target out/demo_train/target --data out/d1/data --init-from out/d1 \\
-        -o out/d2 $D --steps 9000 --batch-size 64 --lr 1e-3 --warmup 0.02
-    dflash-trt train --target out/demo_train/target --data out/demo_train/drafter_prompts.jsonl --num-prompts 1200 \\
-        --init-from out/d2 -o out/d3 $D --steps 200 --batch-size 16 --lr 5e-4 --warmup 0.05 --extra-block-size 8 \\
-        --eval-prompts 48 --device cpu      # out/d3 is the shipped drafter
+    dflash-trt train --target out/demo_train/target --data out/demo_train/drafter_prompts.jsonl -o out/drafter \\
+        --block-size 16 --extra-block-size 8 --draft-layers 6 --intermediate-size 128 --target-layer-ids 1,2,3,4,5 \\
+        --max-length 512 --num-anchors 32 --response-tokens 256 --generate-batch 256 --steps 8000 \\
+        --batch-size 64 --lr 2e-3 --eval-prompts 192 --eval-max-tokens 256 --eval-temperature 0 --eval-temperature 0.7
+                                  # out/drafter is the shipped drafter (the prompt file's last 192 lines are the
+                                  # held-out sets: the closing evaluation's τ is theirs, mixed)
     python bench/train_demo.py eval dflash_trt/fixtures/demo --report eval.json
                                   # real τ per dataset, block 8 and 16, greedy and sampled; DFlash == AR in fp32
     python bench/train_demo.py ceiling dflash_trt/fixtures/demo --report ceiling.json
@@ -115,15 +111,17 @@ def corpus(out: Path) -> None:
     stream = torch.tensor([t for d in docs for t in d], dtype=torch.int16)  # vocabulary < 2^15
     torch.save({"tokens": stream, "vocab": spec.vocab_size, "eos": spec.eos_token_id}, out / "target_tokens.pt")
     # the drafter's prompts: chunk openings and the training questions, never the shipped sets
-    # (every def line, methods' included, opens a prompt: the target continues from its signature)
+    # (every def line, methods' included, opens a prompt: the target continues from its signature),
+    # then the shipped sets last, for `train --eval-prompts 192` to hold out and measure on
     openings = sorted({line.strip() for c in chunks for line in c.splitlines()
                        if line.lstrip().startswith(("def ", "class ")) and line.rstrip().endswith(":")})
     prompts = openings + [r["question"] + GSM8K_SUFFIX for r in gsm8k] + \
         [HUMANEVAL_WRAP.format(r["prompt"].strip("\n")) for r in humaneval]
     rng.shuffle(prompts)
-    (out / "drafter_prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    held_out = load_prompts("gsm8k") + load_prompts("humaneval")
+    (out / "drafter_prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts + held_out))
     print(f"{sys.version.split()[0]} stdlib: {len(chunks)} chunks; {len(docs)} documents, {len(stream)} tokens; "
-          f"{len(prompts)} drafter prompts")
+          f"{len(prompts)} drafter prompts, then the {len(held_out)} held-out ones")
 
 
 def target(out: Path, steps: int, batch: int, length: int, lr: float, max_seconds: float) -> None:
