@@ -269,6 +269,10 @@ moe-staged)
     DFLASH_TRT_MOE_STAGED_DOWN=$staged step "ar35b-$staged" 150 python3 bench/profile_step.py \
       --preset qwen3.6-35b-a3b --batch 1 --json "$OUT/staged_ar35b_$staged.json"
   done
+  # each kernel alone (ncu serialises them: the overlap the staging is for does not show here)
+  DFLASH_TRT_MOE_STAGED_DOWN=1 step ncu-staged 120 ncu --kernel-name regex:moe_token --launch-skip 8 --launch-count 4 \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+    python3 bench/moe_kernels.py --shared --tokens 1 --profile-calls 12 > "$OUT/ncu_staged.txt"
   ;;
 moe-split)
   step plugins 300 python3 -c 'from dflash_trt import plugins; print(plugins.load())'

@@ -18,6 +18,8 @@ must read at least; GB/s = bytes / time, next to a device-to-device copy measure
     python bench/moe_kernels.py --out $OUT/moe.json
     python bench/moe_kernels.py --shape 397b-a17b --tokens 1,16,512
     python bench/moe_kernels.py --shared --tokens 16,128,512   # the engine's call on Qwen3.5/3.6 MoE
+    ncu --kernel-name regex:moe_token --launch-skip 8 --launch-count 4 --section SpeedOfLight \\
+        python bench/moe_kernels.py --shared --tokens 1 --profile-calls 12   # one token's two kernels
 
 --ranks R compares the two ways to split the experts over R tensor-parallel ranks, per rank, on
 this one GPU (ops.moe_experts, the same routing): tensor-parallel experts (every expert, I / R
@@ -108,15 +110,22 @@ def cublas_loop(x, gate_up, down, weights, ids):
     return run
 
 
-def measure(shape: str, n: int, dtype: torch.dtype, gate_up, down, shared: bool = False) -> dict:
+def routed_inputs(shape: str, n: int, dtype: torch.dtype, shared: bool, seed: int):
+    """x [n, H], weights and ids [n, k (+1)]: k distinct experts a token, uniformly at random."""
     E, k, H, I = SHAPES[shape]
-    g = torch.Generator(device="cuda").manual_seed(n)
+    g = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(n, H, generator=g, device="cuda").to(dtype)
     ids = torch.rand(n, E, generator=g, device="cuda").topk(k, dim=-1).indices.int()
     weights = torch.softmax(torch.randn(n, k, generator=g, device="cuda"), dim=-1)
     if shared:  # every token's last pick is expert E, as the engine packs a shared expert (models/moe.py)
         ids = torch.cat([ids, torch.full_like(ids[:, :1], E)], dim=1)
         weights = torch.cat([weights, torch.sigmoid(torch.randn(n, 1, generator=g, device="cuda"))], dim=1)
+    return x, weights, ids
+
+
+def measure(shape: str, n: int, dtype: torch.dtype, gate_up, down, shared: bool = False) -> dict:
+    E, k, H, I = SHAPES[shape]
+    x, weights, ids = routed_inputs(shape, n, dtype, shared, seed=n)
     args = (x, gate_up, down, weights, ids)
     distinct = int(ids.unique().numel())
     nbytes = distinct * 3 * I * H * gate_up.element_size() + x.numel() * x.element_size()
@@ -203,6 +212,8 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=0, help="compare tensor- and expert-parallel experts per rank")
     parser.add_argument("--shared", action="store_true",
                         help="a shared expert packed as one expert more that every token picks (Qwen3.5/3.6 MoE)")
+    parser.add_argument("--profile-calls", type=int, default=0,
+                        help="call the op this many times per N, eagerly, new routing each time, and time nothing")
     args = parser.parse_args()
     if not torch.cuda.is_available() or plugins.load() is None:
         sys.exit("needs a CUDA GPU and the plugins")
@@ -218,6 +229,13 @@ def main() -> None:
     E, k, H, I = SHAPES[args.shape]
     gate_up = (torch.randn(E + args.shared, 2 * I, H, device="cuda") * H ** -0.5).to(dtype)
     down = (torch.randn(E + args.shared, H, I, device="cuda") * I ** -0.5).to(dtype)
+    if args.profile_calls:  # for a kernel profiler: the op's launches alone, nothing timed
+        for n in map(int, args.tokens.split(",")):
+            for call in range(args.profile_calls):
+                x, weights, ids = routed_inputs(args.shape, n, dtype, args.shared, seed=call)
+                ops.moe_experts(x, gate_up, down, weights, ids, shared_last=args.shared)
+        torch.cuda.synchronize()
+        return
     rows = [measure(args.shape, int(n), dtype, gate_up, down, args.shared) for n in args.tokens.split(",")]
     copy = copy_gbps()
     shared = " + a shared expert" if args.shared else ""
