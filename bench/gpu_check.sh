@@ -39,7 +39,7 @@
 #                                      # shipped drafter's recipe); DEMO_STEPS,
 #                                      # DEMO_DRAFTER_STEPS, DEMO_DRAFT_LAYERS, DEMO_DRAFT_WIDTH (its MLP),
 #                                      # DEMO_TAPS, DEMO_EXTRA_BLOCK (also train at that block size),
-#                                      # DEMO_INIT_FROM, DEMO_BATCH and DEMO_LR vary it
+#                                      # DEMO_INIT_FROM, DEMO_BATCH, DEMO_LR and DEMO_DISTILL vary it
 #   bash bench/gpu_check.sh tests roofline   # several stages in one call
 #
 # The GPU machine has torch, transformers and numpy 2 but no internet. What it lacks travels
@@ -310,7 +310,7 @@ demo-drafter)
   # the shipped drafter's recipe (bench/train_demo.py); the prompt file's last 192 are the held-out sets
   step demo-drafter 585 dflash-trt train --target .gpu/demo/target --data .gpu/demo/drafter_prompts.jsonl \
     -o .gpu/demo/drafter --block-size 16 --draft-layers "${DEMO_DRAFT_LAYERS:-6}" --target-layer-ids "${DEMO_TAPS:-1,2,3,4,5}" \
-    --intermediate-size "${DEMO_DRAFT_WIDTH:-128}" --extra-block-size "${DEMO_EXTRA_BLOCK:-8}" \
+    --intermediate-size "${DEMO_DRAFT_WIDTH:-128}" --extra-block-size "${DEMO_EXTRA_BLOCK:-8}" ${DEMO_DISTILL:+--distill} \
     ${DEMO_INIT_FROM:+--init-from "$DEMO_INIT_FROM"} --steps "${DEMO_DRAFTER_STEPS:-8000}" \
     --batch-size "${DEMO_BATCH:-64}" --max-length 512 --num-anchors 32 --lr "${DEMO_LR:-2e-3}" --response-tokens 256 \
     --generate-batch 256 --log-every 500 --checkpoint-every 2000 --eval-prompts 192 --eval-max-tokens 256 \

@@ -198,6 +198,9 @@ def _ints(ctx, param, value):
 @click.option("--warmup", type=click.FloatRange(0, 1), default=0.04, show_default=True, help="Share of the steps.")
 @click.option("--decay", type=click.FloatRange(min=0, min_open=True),
               help="Gamma of the per-slot loss weights exp(-(j-1)/gamma) [default: 7 at block 16, 4 at 8].")
+@click.option("--distill/--no-distill", default=False, show_default=True,
+              help="Learn the target's whole next-token distribution at every block row (its KL divergence to the "
+                   "drafter's) instead of only the token it wrote; costs vocabulary-sized rows of memory.")
 @click.option("--checkpoint-every", type=click.IntRange(min=1), default=200, show_default=True)
 @click.option("--log-every", type=click.IntRange(min=1), default=10, show_default=True)
 @click.option("--eval-prompts", type=click.IntRange(min=0), default=16, show_default=True,
@@ -225,7 +228,7 @@ def _ints(ctx, param, value):
               help="Responses the target writes at once.")
 def train(target, source, output, block_size, extra_block_sizes, draft_layers, target_layer_ids, mask_token_id,
           sliding_layers, sliding_window, intermediate_size, steps, batch_size, max_length, num_anchors, lr, warmup,
-          decay, checkpoint_every, log_every, eval_prompts, eval_max_tokens, eval_temperature, init_from, resume, nproc,
+          decay, distill, checkpoint_every, log_every, eval_prompts, eval_max_tokens, eval_temperature, init_from, resume, nproc,
           shard_target, device, seed, chat, thinking, response_tokens, response_temperature, num_prompts,
           generate_batch):
     """Train a DFlash drafter for a target on responses the target writes itself.
@@ -246,7 +249,7 @@ def train(target, source, output, block_size, extra_block_sizes, draft_layers, t
                            intermediate_size),
         cfg=TrainConfig(steps=steps, batch_size=batch_size, max_length=max_length, num_anchors=num_anchors, lr=lr,
                         warmup=warmup, decay=decay, block_sizes=tuple(sorted(set(extra_block_sizes))),
-                        checkpoint_every=checkpoint_every, log_every=log_every,
+                        distill=distill, checkpoint_every=checkpoint_every, log_every=log_every,
                         eval_prompts=eval_prompts, eval_max_tokens=eval_max_tokens, seed=seed),
         data_cfg=DataConfig(chat=chat, thinking=thinking, max_tokens=response_tokens,
                             temperature=response_temperature, limit=num_prompts, generate_batch=generate_batch))

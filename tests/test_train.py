@@ -70,6 +70,39 @@ def test_the_training_forward_computes_the_inference_drafters_block_logits(make_
         assert (labels.view(len(anchors), B)[i, rows:] == IGNORE).all()  # rows the block lacks learn nothing
 
 
+def test_distillation_learns_the_distribution_the_target_gave_each_rows_token(make_pair, no_tokenizer):
+    pair = make_pair(block_size=4, **no_tokenizer)
+    target = load_target(pair.target)
+    drafter = load_drafter(pair.drafter, target)
+    taps_ids = drafter.config.target_layer_ids
+
+    def target_pass(ids):
+        S = ids.shape[1]
+        with torch.no_grad():
+            return target(ids, Batch.make([0], [0], [S], S, "cpu"), target.new_cache(1, S), taps_ids)
+
+    ids = torch.randint(0, 500, (1, 6), generator=torch.Generator().manual_seed(1))
+    for _ in range(18):  # the target's own greedy text, as training data is
+        ids = torch.cat([ids, target.logits(target_pass(ids)[0])[:, -1:].argmax(-1)], dim=1)
+    mask = torch.arange(ids.shape[1])[None] >= 6
+    hidden, taps = target_pass(ids)
+    blocks = sample_anchors(mask, 4, torch.Generator().manual_seed(0))
+    _, positions, labels = block_inputs(ids, mask, blocks, 4, drafter.config.mask_token_id)
+    rows = labels.flatten() != IGNORE
+    every = target.logits(hidden)[0]
+    at = positions.flatten()[rows]
+    assert (every[at - 1].argmax(-1) == labels.flatten()[rows]).all()  # row p - 1 picked the token at p
+    objective = DraftObjective(drafter)
+    with torch.no_grad():
+        assert objective.distillation(every[at - 1], hidden, positions, rows).abs().max() < 1e-5  # that very one
+        assert objective.distillation(every[at.clamp(max=ids.shape[1] - 1)], hidden, positions, rows).max() > 1e-2
+        distilled, per_slot, counts = objective(ids, mask, taps, blocks, hidden)
+        plain = objective(ids, mask, taps, blocks)
+    # the per-slot log stays the cross-entropy, so runs of either loss compare; the loss is not it
+    assert torch.equal(per_slot, plain[1]) and torch.equal(counts, plain[2])
+    assert distilled > 0 and not torch.isclose(distilled, plain[0])
+
+
 def test_anchors_are_distinct_sorted_and_only_on_a_supervised_token_before_another():
     mask = torch.zeros(3, 40, dtype=torch.bool)
     mask[0, 10:30] = True  # 19 candidates (10..28)
@@ -143,6 +176,19 @@ def test_a_tiny_drafter_learns_and_build_loads_it(trained, tmp_path):
     assert built.returncode == 0, built.stderr
     ran = dflash_trt("run", tmp_path / "engine", "What is 2 + 3?", "--max-tokens", 8, "--stats")
     assert ran.returncode == 0 and "mean acceptance length" in ran.stderr, ran.stderr
+
+
+@pytest.mark.slow
+def test_a_drafter_distilled_from_the_targets_distributions_learns_its_tokens(trained, tmp_path):
+    pair, first, _ = trained
+    out = tmp_path / "distilled"
+    done = dflash_trt("train", "--target", pair.target, "--data", first / "data", "-o", out, "--steps", 20,
+                      "--lr", 3e-3, "--distill", *TRAIN[:-6], "--eval-max-tokens", 4)
+    assert done.returncode == 0, done.stderr
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert log[-1]["loss"] < 0.8 * log[0]["loss"], [r["loss"] for r in log]  # the divergence it trains on
+    assert log[-1]["slot_loss"][0] < log[0]["slot_loss"][0]  # and the cross-entropy of the target's tokens
+    assert torch.load(out / "checkpoint.pt", weights_only=True)["train_config"]["distill"] is True
 
 
 @pytest.mark.slow

@@ -160,8 +160,11 @@ class DraftObjective(nn.Module):
             x = x + F.linear(F.silu(gate) * up, layer.mlp.down_proj.weight).float()
         return _rms_norm(x, dr.norm.weight, d.rms_norm_eps)
 
-    def forward(self, ids: torch.Tensor, loss_mask: torch.Tensor, taps: torch.Tensor, blocks: Blocks):
-        """-> (loss, per-slot loss sums [B], per-slot label counts [B]) over the batch."""
+    def forward(self, ids: torch.Tensor, loss_mask: torch.Tensor, taps: torch.Tensor, blocks: Blocks,
+                target_hidden: torch.Tensor | None = None):
+        """-> (loss, per-slot cross-entropy sums [B], per-slot label counts [B]) over the batch. The
+        loss is each row's cross-entropy of the target's token; given the target's final hidden
+        states [bs, S, H], it is instead each row's distillation loss (distillation())."""
         cfg = self.drafter.config
         B = cfg.block_size
         block_ids, positions, labels = block_inputs(ids, loss_mask, blocks, B, cfg.mask_token_id)
@@ -173,9 +176,24 @@ class DraftObjective(nn.Module):
         weight = torch.exp(-(slot - 1).clamp(min=0).float() / self.decay)
         logits = F.linear(hidden.flatten(0, 1)[rows].to(self.drafter.lm_head.weight.dtype),
                           self.drafter.lm_head.weight).float()
-        loss = F.cross_entropy(logits, labels.flatten()[rows], reduction="none")
+        ce = F.cross_entropy(logits, labels.flatten()[rows], reduction="none")
+        loss = ce if target_hidden is None else self.distillation(logits, target_hidden, positions, rows)
         total = (loss * weight).sum() / weight.sum().clamp(min=1e-6)
-        per_slot = torch.zeros(B, device=ids.device).index_add_(0, slot, loss.detach())
-        counts = torch.zeros(B, device=ids.device).index_add_(0, slot, torch.ones_like(loss))
+        per_slot = torch.zeros(B, device=ids.device).index_add_(0, slot, ce.detach())
+        counts = torch.zeros(B, device=ids.device).index_add_(0, slot, torch.ones_like(ce))
         return total, per_slot, counts
+
+    def distillation(self, logits: torch.Tensor, target_hidden: torch.Tensor, positions: torch.Tensor,
+                     rows: torch.Tensor) -> torch.Tensor:
+        """KL(target || drafter) of each supervised row's next-token distributions [rows]. The
+        target's for the token at position p is its LM head (the drafter's, shared) at its row
+        p - 1, before the token: the whole distribution, not only its greedy pick, a fuller signal
+        where the target hesitates, which is where a small drafter errs most (BENCHMARKS.md, the
+        demo pair's ceiling)."""
+        lm_head = self.drafter.lm_head.weight
+        row_of = torch.arange(positions.shape[0], device=positions.device)[:, None].expand_as(positions)
+        before = target_hidden[row_of.flatten()[rows], positions.flatten()[rows] - 1]  # p > anchor >= 0
+        with torch.no_grad():
+            target_logp = F.log_softmax(F.linear(before.to(lm_head.dtype), lm_head).float(), dim=-1)
+        return F.kl_div(F.log_softmax(logits, dim=-1), target_logp, log_target=True, reduction="none").sum(-1)
 

@@ -67,6 +67,7 @@ class TrainConfig:
     # smaller block sizes the drafter also learns to serve: each block draws its size among these
     # and the drafter's own (objective.draw_lengths)
     block_sizes: tuple[int, ...] = ()
+    distill: bool = False  # learn the target's whole next-token distribution (DraftObjective.distillation)
     checkpoint_every: int = 200
     log_every: int = 10
     eval_prompts: int = 16  # the token dataset's last sequences, held out of training
@@ -309,13 +310,13 @@ class Trainer:
 
     # -- the loop -----------------------------------------------------------------------
 
-    def taps(self, ids: torch.Tensor) -> torch.Tensor:
-        """The frozen target's tapped hidden states of every position [bs, S, K*H]."""
+    def target_pass(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The frozen target over every position -> (final hidden [bs, S, H], taps [bs, S, K*H])."""
         bs, S = ids.shape
         batch = Batch.make(list(range(bs)), [0] * bs, [S] * bs, S, self.device)
         cache = self.target.new_cache(bs, S)
         with torch.no_grad():
-            return self.target(ids, batch, cache, self.drafter.config.target_layer_ids)[1]
+            return self.target(ids, batch, cache, self.drafter.config.target_layer_ids)
 
     def train_step(self, ids: torch.Tensor, mask: torch.Tensor):
         cfg = self.cfg
@@ -324,11 +325,11 @@ class Trainer:
         blocks = sample_anchors(mask, cfg.num_anchors, anchors_rng)
         if cfg.block_sizes:
             blocks = draw_lengths(blocks, (*cfg.block_sizes, self.drafter.config.block_size), anchors_rng)
-        taps = self.taps(ids)
+        hidden, taps = self.target_pass(ids)
         for group in self.optimizer.param_groups:
             group["lr"] = learning_rate(self.step, cfg)
         with torch.autocast(self.device.type, torch.bfloat16, enabled=self.device.type == "cuda"):
-            loss, per_slot, counts = self.model(ids, mask, taps, blocks)
+            loss, per_slot, counts = self.model(ids, mask, taps, blocks, hidden if cfg.distill else None)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip)
