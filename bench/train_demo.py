@@ -4,6 +4,8 @@ trained by `dflash-trt train` on the target's own responses. Seeded; run on a GP
 each took: BENCHMARKS.md, "Trained demo pair"):
 
     python bench/train_demo.py corpus out/demo_train         # text -> token files and prompt sets
+                                  # (--function-prompts: 2,221 more, the stdlib's functions posed HumanEval's
+                                  # way; not in the shipped drafter's data, BENCHMARKS.md says what they gave)
     python bench/train_demo.py target out/demo_train         # the target (next-token loss, packed windows)
     dflash-trt train --target out/demo_train/target --data out/demo_train/drafter_prompts.jsonl -o out/drafter \\
         --block-size 16 --extra-block-size 8 --draft-layers 6 --intermediate-size 128 --target-layer-ids 1,2,3,4,5 \\
@@ -30,6 +32,7 @@ HumanEval 0..63) are held out of both trainings: they are what `eval` measures o
 from __future__ import annotations
 
 import argparse
+import ast
 import gzip
 import json
 import random
@@ -78,6 +81,24 @@ def stdlib_chunks() -> list[str]:
     return chunks
 
 
+def function_prompts(chunks: list[str]) -> list[str]:
+    """HumanEval's format from the standard library: every top-level function with a docstring,
+    its signature and docstring posed as a problem (HUMANEVAL_WRAP), as HumanEval poses its own."""
+    prompts = []
+    for chunk in chunks:
+        try:
+            tree = ast.parse(chunk)
+        except SyntaxError:
+            continue
+        f = tree.body[0] if tree.body else None
+        if not isinstance(f, ast.FunctionDef) or ast.get_docstring(f) is None:
+            continue
+        head = "\n".join(chunk.splitlines()[:f.body[0].end_lineno])  # through the docstring's last line
+        if len(head) <= 1500:
+            prompts.append(HUMANEVAL_WRAP.format(head.strip("\n")))
+    return prompts
+
+
 def chat_prompt(tok: Tokenizer, user: str) -> str:
     """A user turn in the target's chat template, ready for the answer (thinking off)."""
     return tok.apply_chat_template([{"role": "user", "content": user}], enable_thinking=False)
@@ -87,7 +108,7 @@ def chat(tok: Tokenizer, user: str, answer: str) -> list[int]:
     return tok.encode(chat_prompt(tok, user) + answer + "<|im_end|>\n")
 
 
-def corpus(out: Path) -> None:
+def corpus(out: Path, with_functions: bool = False) -> None:
     out.mkdir(parents=True, exist_ok=True)
     spec = write_qwen_tokenizer(out / "tokenizer", num_regular_tokens=TOKENS)
     tok = Tokenizer.from_dir(out / "tokenizer")
@@ -118,6 +139,10 @@ def corpus(out: Path) -> None:
     prompts = openings + [r["question"] + GSM8K_SUFFIX for r in gsm8k] + \
         [HUMANEVAL_WRAP.format(r["prompt"].strip("\n")) for r in humaneval]
     rng.shuffle(prompts)
+    if with_functions:  # (not the shipped drafter's) HumanEval's format, which its corpus has 100 of
+        functions = function_prompts(chunks)
+        prompts += functions
+        random.Random(SEED + 1).shuffle(prompts)
     held_out = load_prompts("gsm8k") + load_prompts("humaneval")
     (out / "drafter_prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts + held_out))
     print(f"{sys.version.split()[0]} stdlib: {len(chunks)} chunks; {len(docs)} documents, {len(stream)} tokens; "
@@ -295,13 +320,16 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=512)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--max-seconds", type=float, default=1e9)
+    parser.add_argument("--function-prompts", action="store_true",
+                        help="corpus: also pose the standard library's documented functions as HumanEval problems "
+                             "to the drafter")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--report", type=Path, default=Path("demo_eval.json"), help="eval, ceiling: where the JSON goes")
     parser.add_argument("--prompts", type=int, help="ceiling: the first N prompts of each set (default: all)")
     args = parser.parse_args()
     if args.stage == "corpus":
-        corpus(args.out)
+        corpus(args.out, args.function_prompts)
     elif args.stage == "target":
         target(args.out, args.steps, args.batch, args.length, args.lr, args.max_seconds)
     elif args.stage == "ceiling":
