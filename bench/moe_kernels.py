@@ -124,7 +124,7 @@ def routed_inputs(shape: str, n: int, dtype: torch.dtype, shared: bool, seed: in
 
 
 def measure(shape: str, n: int, dtype: torch.dtype, gate_up, down, shared: bool = False) -> dict:
-    E, k, H, I = SHAPES[shape]
+    H, I = SHAPES[shape][2:]
     x, weights, ids = routed_inputs(shape, n, dtype, shared, seed=n)
     args = (x, gate_up, down, weights, ids)
     distinct = int(ids.unique().numel())
@@ -154,10 +154,7 @@ def measure(shape: str, n: int, dtype: torch.dtype, gate_up, down, shared: bool 
 def measure_split(shape: str, n: int, ranks: int, dtype: torch.dtype) -> dict:
     """Per-rank expert time of N tokens at `ranks` ranks: tensor- vs expert-parallel experts."""
     E, k, H, I = SHAPES[shape]
-    g = torch.Generator(device="cuda").manual_seed(n)
-    x = torch.randn(n, H, generator=g, device="cuda").to(dtype)
-    ids = torch.rand(n, E, generator=g, device="cuda").topk(k, dim=-1).indices.int()
-    weights = torch.softmax(torch.randn(n, k, generator=g, device="cuda"), dim=-1)
+    x, weights, ids = routed_inputs(shape, n, dtype, False, seed=n)
     tp_gate_up = (torch.randn(E, 2 * I // ranks, H, device="cuda") * H ** -0.5).to(dtype)
     tp_down = (torch.randn(E, H, I // ranks, device="cuda") * I ** -0.5).to(dtype)
     ep_gate_up, ep_down = tp_gate_up.new_empty(E // ranks, 2 * I, H), tp_down.new_empty(E // ranks, H, I)

@@ -228,8 +228,8 @@ def _ints(ctx, param, value):
               help="Responses the target writes at once.")
 def train(target, source, output, block_size, extra_block_sizes, draft_layers, target_layer_ids, mask_token_id,
           sliding_layers, sliding_window, intermediate_size, steps, batch_size, max_length, num_anchors, lr, warmup,
-          decay, distill, checkpoint_every, log_every, eval_prompts, eval_max_tokens, eval_temperature, init_from, resume, nproc,
-          shard_target, device, seed, chat, thinking, response_tokens, response_temperature, num_prompts,
+          decay, distill, checkpoint_every, log_every, eval_prompts, eval_max_tokens, eval_temperature, init_from,
+          resume, nproc, shard_target, device, seed, chat, thinking, response_tokens, response_temperature, num_prompts,
           generate_batch):
     """Train a DFlash drafter for a target on responses the target writes itself.
 

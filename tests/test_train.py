@@ -95,7 +95,7 @@ def test_distillation_learns_the_distribution_the_target_gave_each_rows_token(ma
     objective = DraftObjective(drafter)
     with torch.no_grad():
         assert objective.distillation(every[at - 1], hidden, positions, rows).abs().max() < 1e-5  # that very one
-        assert objective.distillation(every[at.clamp(max=ids.shape[1] - 1)], hidden, positions, rows).max() > 1e-2
+        assert objective.distillation(every[at], hidden, positions, rows).max() > 1e-2
         distilled, per_slot, counts = objective(ids, mask, taps, blocks, hidden)
         plain = objective(ids, mask, taps, blocks)
     # the per-slot log stays the cross-entropy, so runs of either loss compare; the loss is not it
