@@ -47,7 +47,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <type_traits>
 
 namespace dflash {
@@ -716,118 +715,13 @@ __global__ void __launch_bounds__(kTokenThreads) moe_token_down_kernel(MoeParams
   else static_cast<T*>(p.out)[h] = to_dtype<T>(out);
 }
 
-// The same output rows with the picks' down rows staged in shared memory, for shapes where one
-// CTA per SM can hold ceil(H / SMs) rows of every pick (staged_rows). A CTA copies its rows with
-// cp.async as soon as it is resident, which under the programmatic launch is while gate_up still
-// runs: the copies hold no registers, so every down byte is in flight beside gate_up's instead
-// of after it (the kernel above can only pull its rows into L2, and its loads wait for gate_up).
-// After the wait only the activations (k x I, in L2) remain to read. The ids are read before the
-// wait, past L1 (the routing ran before gate_up, which waited for it), and again after it: a pick
-// staged from other ids than the wait leaves is staged again, so they only decide the timing.
-// Sums: per pick and row one warp, a lane per 16 bytes of I in turn, then the warp's butterfly.
-// Off unless DFLASH_TRT_MOE_STAGED_DOWN=1 until `gpu_check.sh moe-staged` has measured it against
-// the kernel above.
-constexpr size_t kStagedSmemBytes = 200 * 1024;  // of the 227 KB a CTA may have, what staging may take
-
-// Rows of H a staged CTA takes (each CTA on an SM of its own), or 0 where they do not fit.
-int staged_rows(const MoeParams& p) {
-  const int sms = device_sms();
-  if (sms <= 0 || p.top_k > kTokenMaxPicks) return 0;
-  const int rows = static_cast<int>(ceil_div(p.hidden, sms));
-  const size_t per_row = static_cast<size_t>(p.top_k) * p.inter * 2;  // 16-bit weights
-  return (static_cast<size_t>(rows) + 1) * per_row <= kStagedSmemBytes ? rows : 0;  // + 1: the activations
-}
-
-bool staged_down_enabled() {
-  const char* flag = std::getenv("DFLASH_TRT_MOE_STAGED_DOWN");
-  return flag != nullptr && flag[0] == '1';
-}
-
-template <typename T>
-__global__ void __launch_bounds__(kTokenThreads) moe_token_down_staged_kernel(MoeParams p, int rows_per_cta) {
-  extern __shared__ uint4 staged[];  // [k][rows_per_cta][I / 8] weights, then [k][I / 8] activations
-  __shared__ int staged_ids[kTokenMaxPicks];
-  __shared__ float pick_weights[kTokenMaxPicks];
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, k = p.top_k;  // k <= kTokenMaxPicks < threads
-  const int64_t chunks = p.inter / 8, h0 = static_cast<int64_t>(blockIdx.x) * rows_per_cta;
-  const int rows = static_cast<int>(min(static_cast<int64_t>(rows_per_cta), p.hidden - h0));
-  uint4* act = staged + static_cast<int64_t>(k) * rows_per_cta * chunks;
-  const auto stage_all = [&]() {  // every valid pick's rows h0 .. h0 + rows (contiguous in down)
-    for (int j = 0; j < k; ++j) {
-      const int e = staged_ids[j];
-      if (e < 0 || e >= p.experts) continue;
-      const uint4* src = static_cast<const uint4*>(p.down) + (static_cast<int64_t>(e) * p.hidden + h0) * chunks;
-      uint4* dst = staged + static_cast<int64_t>(j) * rows_per_cta * chunks;
-      for (int64_t c = threadIdx.x; c < rows * chunks; c += blockDim.x) cp_async_16(dst + c, src + c, 16);
-    }
-    cp_async_commit();
-  };
-  if (threadIdx.x < k) staged_ids[threadIdx.x] = __ldcg(p.ids + threadIdx.x);  // one round trip for all
-  __syncthreads();
-  stage_all();
-  pdl_wait();
-  for (int64_t c = threadIdx.x; c < k * chunks; c += blockDim.x)
-    cp_async_16(act + c, static_cast<const uint4*>(p.act) + c, 16);
-  cp_async_commit();
-  int id = 0;
-  if (threadIdx.x < k) {
-    id = __ldcg(p.ids + threadIdx.x);
-    pick_weights[threadIdx.x] = __ldcg(p.weights + threadIdx.x);
-  }
-  if (__syncthreads_or(threadIdx.x < k && id != staged_ids[threadIdx.x])) {  // staged from other ids: again
-    cp_async_wait<0>();
-    __syncthreads();  // every copy of the first ids has landed before its place is written again
-    if (threadIdx.x < k) staged_ids[threadIdx.x] = id;
-    __syncthreads();
-    stage_all();
-  }
-  cp_async_wait<0>();
-  __syncthreads();
-  for (int r = warp; r < rows; r += kTokenWarps) {
-    float out = 0.0f;
-    for (int j = 0; j < k; ++j) {
-      const int e = staged_ids[j];
-      if (e < 0 || e >= p.experts) continue;
-      const uint4* w = staged + (static_cast<int64_t>(j) * rows_per_cta + r) * chunks;
-      const uint4* a = act + static_cast<int64_t>(j) * chunks;
-      float dot = 0.0f;
-      for (int64_t c = lane; c < chunks; c += 32) {
-        float wf[8], af[8];
-        unpack8<T>(w[c], wf);
-        unpack8<T>(a[c], af);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) dot = fmaf(af[i], wf[i], dot);
-      }
-      out = __fadd_rn(out, __fmul_rn(pick_weights[j], rounded<T>(warp_sum(dot))));
-    }
-    if (lane != 0) continue;
-    if (p.out_dtype == DType::kFloat32) static_cast<float*>(p.out)[h0 + r] = out;
-    else static_cast<T*>(p.out)[h0 + r] = to_dtype<T>(out);
-  }
-}
-
 template <typename T>
 cudaError_t project_token(const MoeParams& p, cudaStream_t stream) {
   const int64_t warps = static_cast<int64_t>(p.top_k) * p.inter;
   const dim3 block(kTokenThreads);
-  const int rows = staged_down_enabled() ? staged_rows(p) : 0;
-  cudaError_t err = cudaSuccess;
-  if (rows > 0)  // a staged down CTA joins SMs that gate_up's CTAs hold: their split of L1 and shared
-                 // memory must leave it room (gate_up uses no shared memory; only its small x is read again)
-    err = cudaFuncSetAttribute(moe_token_gate_up_kernel<T>, cudaFuncAttributePreferredSharedMemoryCarveout,
-                               cudaSharedmemCarveoutMaxShared);
+  const cudaError_t err = pdl_launch(moe_token_gate_up_kernel<T>,
+                                     dim3(static_cast<unsigned>(ceil_div(warps, kTokenWarps))), block, 0, stream, true, p);
   if (err != cudaSuccess) return err;
-  err = pdl_launch(moe_token_gate_up_kernel<T>, dim3(static_cast<unsigned>(ceil_div(warps, kTokenWarps))), block, 0,
-                   stream, true, p);
-  if (err != cudaSuccess) return err;
-  if (rows > 0) {
-    const size_t bytes = (static_cast<size_t>(rows) + 1) * p.top_k * p.inter * 2;
-    const auto kernel = moe_token_down_staged_kernel<T>;
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
-    if (err != cudaSuccess) return err;
-    return pdl_launch(kernel, dim3(static_cast<unsigned>(ceil_div(p.hidden, rows))), block, bytes, stream, true, p,
-                      rows);
-  }
   const unsigned down_ctas = static_cast<unsigned>(ceil_div(p.hidden, kTokenWarps / kTokenDownSlices));
   return pdl_launch(moe_token_down_kernel<T>, dim3(down_ctas), block, 0, stream, true, p);
 }
