@@ -34,8 +34,8 @@
 #                                      # (FSDP in training, tensor-parallel for the data and evaluation)
 #   bash bench/gpu_check.sh demo-target demo-drafter demo-eval
 #                                      # the demo pair's recipe (bench/train_demo.py; its corpus stage
-#                                      # writes .gpu/demo first, on any machine; demo-drafter is the
-#                                      # shipped drafter's recipe); DEMO_STEPS,
+#                                      # writes .gpu/demo first, on any machine, with --function-prompts
+#                                      # for demo-drafter, the shipped drafter's recipe); DEMO_STEPS,
 #                                      # DEMO_DRAFTER_STEPS, DEMO_DRAFT_LAYERS, DEMO_DRAFT_WIDTH (its MLP),
 #                                      # DEMO_TAPS, DEMO_EXTRA_BLOCK (also train at that block size),
 #                                      # DEMO_INIT_FROM, DEMO_BATCH, DEMO_LR and DEMO_DISTILL vary it

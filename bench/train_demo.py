@@ -3,9 +3,9 @@ on the Python standard library's source and GSM8K / HumanEval solutions, and its
 trained by `dflash-trt train` on the target's own responses. Seeded; run on a GPU (the times
 each took: BENCHMARKS.md, "Trained demo pair"):
 
-    python bench/train_demo.py corpus out/demo_train         # text -> token files and prompt sets
-                                  # (--function-prompts: 2,221 more, the stdlib's functions posed HumanEval's
-                                  # way; not in the shipped drafter's data, BENCHMARKS.md says what they gave)
+    python bench/train_demo.py corpus out/demo_train --function-prompts  # text -> token files and prompt sets
+                                  # (--function-prompts: 2,221 more drafter prompts with Python 3.11's library,
+                                  # its documented functions posed HumanEval's way; the target's data is the same)
     python bench/train_demo.py target out/demo_train         # the target (next-token loss, packed windows)
     dflash-trt train --target out/demo_train/target --data out/demo_train/drafter_prompts.jsonl -o out/drafter \\
         --block-size 16 --extra-block-size 8 --draft-layers 6 --intermediate-size 128 --target-layer-ids 1,2,3,4,5 \\
