@@ -35,7 +35,6 @@
 
 #include "moe.h"
 
-#include "bulk_copy.h"
 #include "cp_async.h"
 #include "float_convert.h"
 #include "lanes.h"
@@ -48,7 +47,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <type_traits>
 
 namespace dflash {
@@ -717,122 +715,13 @@ __global__ void __launch_bounds__(kTokenThreads) moe_token_down_kernel(MoeParams
   else static_cast<T*>(p.out)[h] = to_dtype<T>(out);
 }
 
-// The same output rows from rows copied into shared memory by the copy engine (bulk_copy.h): a
-// CTA of four warps takes bulk_rows(p) rows of H, and one thread starts, for every pick, one copy
-// of those rows (contiguous in down) as soon as the CTA is resident, which under the programmatic
-// launch is while gate_up still runs; after the wait only the activations (k x I, from L2) are
-// read. Per-thread copies (cp.async, 16 bytes each) of the same rows, one CTA an SM, kept too few
-// bytes in flight (BENCHMARKS.md, "Mixture of experts"). The ids are read before the wait past
-// L1 (the routing ran before gate_up, which waited for it) and again after it: a pick copied
-// from another id than the wait leaves is read again, so they only decide the timing. Sums: per
-// row and pick one warp, a lane per 16 bytes of I in turn, then the warp's butterfly.
-// DFLASH_TRT_MOE_BULK_DOWN=1 (2: also gate_up's carveout at the most shared memory, so that
-// these CTAs fit beside it) until `gpu_check.sh moe-bulk` has measured it.
-constexpr int kBulkThreads = 128;
-constexpr int kBulkWarps = kBulkThreads / 32;
-constexpr size_t kBulkSmemBytes = 100 * 1024;  // two CTAs an SM, each with its rows of every pick
-
-// Rows of H a bulk CTA takes (8, 4, 2 or 1: the most that fit kBulkSmemBytes), 0 where none fit.
-int bulk_rows(const MoeParams& p) {
-  const size_t row_bytes = static_cast<size_t>(p.inter) * 2;  // 16-bit weights
-  for (int rows = 8; rows >= 1; rows /= 2)
-    if (static_cast<size_t>(rows + 1) * p.top_k * row_bytes <= kBulkSmemBytes) return rows;  // + 1: activations
-  return 0;
-}
-
-int bulk_down_mode() {
-  const char* flag = std::getenv("DFLASH_TRT_MOE_BULK_DOWN");
-  return flag == nullptr ? 0 : std::atoi(flag);
-}
-
-template <typename T>
-__global__ void __launch_bounds__(kBulkThreads) moe_token_down_bulk_kernel(MoeParams p, int rows_per_cta) {
-  extern __shared__ uint4 held[];  // [k][rows_per_cta][I / 8] weights, then [k][I / 8] activations
-  __shared__ uint64_t landed;
-  __shared__ int ids[kTokenMaxPicks];
-  __shared__ float pick_weights[kTokenMaxPicks];
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, k = p.top_k;  // k <= kTokenMaxPicks
-  const int64_t chunks = p.inter / 8, h0 = static_cast<int64_t>(blockIdx.x) * rows_per_cta;
-  const int rows = static_cast<int>(min(static_cast<int64_t>(rows_per_cta), p.hidden - h0));
-  const int64_t pick_chunks = static_cast<int64_t>(rows_per_cta) * chunks;
-  uint4* act = held + k * pick_chunks;
-  const uint4* down = static_cast<const uint4*>(p.down) + h0 * chunks;  // + e H I / 8: rows h0 .. of expert e
-  const int64_t expert_chunks = static_cast<int64_t>(p.hidden) * chunks;
-  if (threadIdx.x == 0) mbarrier_init(&landed);
-  if (threadIdx.x < k) ids[threadIdx.x] = __ldcg(p.ids + threadIdx.x);
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const uint32_t bytes = static_cast<uint32_t>(rows * chunks * 16);
-    int valid = 0;
-    for (int j = 0; j < k; ++j) valid += ids[j] >= 0 && ids[j] < p.experts;
-    mbarrier_expect_bytes(&landed, bytes * valid);
-    for (int j = 0; j < k; ++j)
-      if (ids[j] >= 0 && ids[j] < p.experts)
-        bulk_copy_to_shared(held + j * pick_chunks, down + ids[j] * expert_chunks, bytes, &landed);
-  }
-  pdl_wait();
-  for (int64_t c = threadIdx.x; c < k * chunks; c += kBulkThreads)
-    act[c] = __ldcg(static_cast<const uint4*>(p.act) + c);
-  int id = 0;
-  if (threadIdx.x < k) {
-    id = __ldcg(p.ids + threadIdx.x);
-    pick_weights[threadIdx.x] = __ldcg(p.weights + threadIdx.x);
-  }
-  mbarrier_wait(&landed, 0);
-  if (__syncthreads_or(threadIdx.x < k && id != ids[threadIdx.x])) {  // copied from other ids: read again
-    if (threadIdx.x < k) ids[threadIdx.x] = id;
-    __syncthreads();
-    for (int j = 0; j < k; ++j) {
-      if (ids[j] < 0 || ids[j] >= p.experts) continue;
-      for (int64_t c = threadIdx.x; c < rows * chunks; c += kBulkThreads)
-        held[j * pick_chunks + c] = down[ids[j] * expert_chunks + c];
-    }
-  }
-  __syncthreads();
-  for (int r = warp; r < rows; r += kBulkWarps) {
-    float out = 0.0f;
-    for (int j = 0; j < k; ++j) {
-      const int e = ids[j];
-      if (e < 0 || e >= p.experts) continue;
-      const uint4* w = held + j * pick_chunks + static_cast<int64_t>(r) * chunks;
-      const uint4* a = act + j * chunks;
-      float dot = 0.0f;
-      for (int64_t c = lane; c < chunks; c += 32) {
-        float wf[8], af[8];
-        unpack8<T>(w[c], wf);
-        unpack8<T>(a[c], af);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) dot = fmaf(af[i], wf[i], dot);
-      }
-      out = __fadd_rn(out, __fmul_rn(pick_weights[j], rounded<T>(warp_sum(dot))));
-    }
-    if (lane != 0) continue;
-    if (p.out_dtype == DType::kFloat32) static_cast<float*>(p.out)[h0 + r] = out;
-    else static_cast<T*>(p.out)[h0 + r] = to_dtype<T>(out);
-  }
-}
-
 template <typename T>
 cudaError_t project_token(const MoeParams& p, cudaStream_t stream) {
   const int64_t warps = static_cast<int64_t>(p.top_k) * p.inter;
   const dim3 block(kTokenThreads);
-  const int mode = bulk_down_mode(), rows = mode > 0 && bulk_copy_supported() ? bulk_rows(p) : 0;
-  cudaError_t err = cudaSuccess;
-  if (rows > 0)
-    err = cudaFuncSetAttribute(moe_token_gate_up_kernel<T>, cudaFuncAttributePreferredSharedMemoryCarveout,
-                               mode == 2 ? cudaSharedmemCarveoutMaxShared : cudaSharedmemCarveoutDefault);
+  const cudaError_t err = pdl_launch(moe_token_gate_up_kernel<T>,
+                                     dim3(static_cast<unsigned>(ceil_div(warps, kTokenWarps))), block, 0, stream, true, p);
   if (err != cudaSuccess) return err;
-  err = pdl_launch(moe_token_gate_up_kernel<T>, dim3(static_cast<unsigned>(ceil_div(warps, kTokenWarps))), block, 0,
-                   stream, true, p);
-  if (err != cudaSuccess) return err;
-  if (rows > 0) {
-    const size_t bytes = static_cast<size_t>(rows + 1) * p.top_k * p.inter * 2;
-    const auto kernel = moe_token_down_bulk_kernel<T>;
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
-    if (err != cudaSuccess) return err;
-    return pdl_launch(kernel, dim3(static_cast<unsigned>(ceil_div(p.hidden, rows))), dim3(kBulkThreads), bytes, stream,
-                      true, p, rows);
-  }
   const unsigned down_ctas = static_cast<unsigned>(ceil_div(p.hidden, kTokenWarps / kTokenDownSlices));
   return pdl_launch(moe_token_down_kernel<T>, dim3(down_ctas), block, 0, stream, true, p);
 }
