@@ -419,10 +419,23 @@ def broadcast(message):
 TIMEOUT = timedelta(minutes=10)  # a collective that waits longer than this fails instead of hanging
 
 
+def share_cpu_threads(size: int) -> None:
+    """Give this CPU rank its share of the cores for its intra-op threads (torchrun gives each rank
+    one), unless OMP_NUM_THREADS says how many: `size` ranks that each take every core only
+    contend, and a collective waits for the slowest of them."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    torch.set_num_threads(max(1, cores // size))
+
+
 def init(rank: int, size: int, rendezvous: str, device: str) -> None:
-    """Join the group: NCCL on GPUs (rank r on cuda:r), gloo on the CPU."""
+    """Join the group: NCCL on GPUs (rank r on cuda:r), gloo on the CPU (each rank its share of
+    the cores)."""
     if device == "cuda":
         torch.cuda.set_device(rank)
+    else:
+        share_cpu_threads(size)
     dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{rendezvous}", rank=rank,
                             world_size=size, timeout=TIMEOUT)
 

@@ -24,7 +24,7 @@ from dflash_trt.errors import ConfigError
 from dflash_trt.kv_cache import Batch
 from dflash_trt.loading import load_drafter, load_target
 from dflash_trt.models.layers import LMHead
-from dflash_trt.parallel import Group, _plan_lm_head, check_supported, leave
+from dflash_trt.parallel import Group, _plan_lm_head, check_supported, leave, share_cpu_threads
 from dflash_trt.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -63,6 +63,7 @@ def run_pair(pair, world: int = 1) -> dict:
 def _rank(rank: int, world: int, init: str, out: str, compute, *args) -> None:
     """One gloo rank: compute(*args); rank 0 saves every rank's result to `out`. A rank that
     got this far leaves without the interpreter's teardown (parallel.leave)."""
+    share_cpu_threads(world)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     try:
         result = compute(*args)
@@ -73,6 +74,24 @@ def _rank(rank: int, world: int, init: str, out: str, compute, *args) -> None:
     finally:
         dist.destroy_process_group()
     leave()
+
+
+def test_a_cpu_rank_takes_its_share_of_the_cores_unless_omp_num_threads_says(monkeypatch):
+    before = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0))
+    try:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        torch.set_num_threads(cores)
+        share_cpu_threads(2)
+        assert torch.get_num_threads() == max(1, cores // 2)
+        share_cpu_threads(4 * cores)  # more ranks than cores: one thread each, not none
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(cores)
+        monkeypatch.setenv("OMP_NUM_THREADS", str(cores))
+        share_cpu_threads(2)
+        assert torch.get_num_threads() == cores
+    finally:
+        torch.set_num_threads(before)
 
 
 HYBRID = dict(target_type="qwen3_5", head_dim=16, rope_theta=1e7, draft_rope_theta=1e7, linear_heads=(2, 4),

@@ -507,8 +507,10 @@ def _rank_main(rank: int, world: int, folder: str, kwargs: dict) -> None:
     """One rank of train_processes; `folder` holds the group's rendezvous, rank 0's report and
     a rank's domain error, for the parent to raise as itself."""
     os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
-    dist.init_process_group(_backend(kwargs.get("device")), init_method=f"file://{folder}/rendezvous", rank=rank,
-                            world_size=world)
+    backend = _backend(kwargs.get("device"))
+    if backend == "gloo":
+        parallel.share_cpu_threads(world)
+    dist.init_process_group(backend, init_method=f"file://{folder}/rendezvous", rank=rank, world_size=world)
     try:
         report = train(**kwargs)
         if rank == 0:
