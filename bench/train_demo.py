@@ -139,7 +139,7 @@ def corpus(out: Path, with_functions: bool = False) -> None:
     prompts = openings + [r["question"] + GSM8K_SUFFIX for r in gsm8k] + \
         [HUMANEVAL_WRAP.format(r["prompt"].strip("\n")) for r in humaneval]
     rng.shuffle(prompts)
-    if with_functions:  # (not the shipped drafter's) HumanEval's format, which its corpus has 100 of
+    if with_functions:  # HumanEval's format, of which the rest has only its 100 training problems (shipped drafter)
         functions = function_prompts(chunks)
         prompts += functions
         random.Random(SEED + 1).shuffle(prompts)
