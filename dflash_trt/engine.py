@@ -441,7 +441,7 @@ def check_verify_width(verify_width: str, graphed: bool | None = None, one_rank:
 # prompt to its longest. Up to a few hundred tokens the weight read, not the tokens' compute,
 # sets a pass's time, so this is what one more pass costs in padded tokens: prompts of very
 # different lengths admitted together prefill in several passes only where the padding they
-# save is worth more (BENCHMARKS.md, "Prefill of a burst").
+# save is worth more (BENCHMARKS.md, "Prefill", a burst).
 PREFILL_PASS_TOKENS = 256
 
 
