@@ -25,7 +25,6 @@
 #   bash bench/gpu_check.sh moe-models # MoE: lossless on the GPU, the Qwen3.6-35B-A3B step profile (H200)
 #   bash bench/gpu_check.sh moe-bench  # MoE: Qwen3.6-35B-A3B AR vs DFlash, the 397B-A17B at 4 and 8 layers
 #   bash bench/gpu_check.sh moe-split  # MoE experts at TP2 per rank: tensor- vs expert-parallel
-#   bash bench/gpu_check.sh moe-down   # MoE: one token's down projection, its activations in shared memory
 #   bash bench/gpu_check.sh moe-flashinfer # MoE: the experts against FlashInfer's fused MoE (carry .fi)
 #   bash bench/gpu_check.sh tp         # (2 GPUs) a two-rank run exits; one rank vs two, Qwen3-1.7B pair
 #   bash bench/gpu_check.sh draft-vocab # Qwen3-8B's draft pass with the whole vocabulary and with 32k tokens
@@ -60,7 +59,7 @@
 # The machine has no `unzip`: zips are opened with `python3 -m zipfile`, which drops the
 # executable bits, so they are set again.
 set -u
-usage="usage: gpu_check.sh STAGE... (tests hybrid benches roofline bench8b goals overlap identity triton window flashinfer splits moe moe-models moe-bench moe-split moe-down moe-flashinfer tp draft-vocab prefill stall fa3 fa3-engine burst train-ranks demo-target demo-drafter demo-eval)"
+usage="usage: gpu_check.sh STAGE... (tests hybrid benches roofline bench8b goals overlap identity triton window flashinfer splits moe moe-models moe-bench moe-split moe-flashinfer tp draft-vocab prefill stall fa3 fa3-engine burst train-ranks demo-target demo-drafter demo-eval)"
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
@@ -267,24 +266,6 @@ moe-flashinfer)
   step plugins 300 python3 -c 'from dflash_trt import plugins; print(plugins.load())'
   PYTHONPATH=/tmp/fi:/tmp/site MAX_JOBS=16 step moe-flashinfer 560 python3 bench/moe_kernels.py --shared \
     --tokens 1,16,128,512,2048 --out "$OUT/moe_flashinfer_h200.json"
-  ;;
-moe-down)
-  # the one-token down projection reading its activations from shared memory, 3 or 9 picks a
-  # round (DFLASH_TRT_MOE_DOWN_VARIANT=shared / wide, moe.cu) against the kernel as it is: its GPU
-  # tests, the experts alone and the 35B-A3B's AR step at batch 1 (H200), alternating
-  step plugins 300 python3 -c 'from dflash_trt import plugins; print(plugins.load())'
-  DFLASH_TEST_DEVICE=cuda step tests-down 240 python3 -m pytest -q -p no:cacheprovider tests/test_moe_ops.py \
-    -k "one_token or graph_replays or shared_last or outside_the_experts or skewed"
-  for variant in none shared wide; do
-    DFLASH_TRT_MOE_DOWN_VARIANT=$variant step "experts-$variant" 60 python3 bench/moe_kernels.py --shared \
-      --tokens 1 --out "$OUT/down_experts_$variant.json"
-  done
-  for round in 1 2; do
-    for variant in none shared wide; do
-      DFLASH_TRT_MOE_DOWN_VARIANT=$variant step "ar35b-$variant-$round" 150 python3 bench/profile_step.py \
-        --preset qwen3.6-35b-a3b --batch 1 --json "$OUT/down_ar35b_${variant}_$round.json"
-    done
-  done
   ;;
 moe-split)
   step plugins 300 python3 -c 'from dflash_trt import plugins; print(plugins.load())'

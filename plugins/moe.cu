@@ -47,8 +47,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <type_traits>
 
 namespace dflash {
@@ -604,7 +602,6 @@ constexpr int kTokenWarps = kTokenThreads / 32;
 constexpr int kTokenGateUpLoads = 2;  // per row (gate, up) and lane in flight: more CTAs resident beat more loads
 constexpr int kTokenDownPicks = 3, kTokenDownSlices = 2;  // picks at a time; warps a row, each a slice of I
 constexpr int kTokenMaxPicks = 32;  // k of the one-token kernels (their shared memory); more take the tiles
-constexpr size_t kActSharedMaxBytes = 48 * 1024;  // a kActShared down CTA's activations, without opting in
 
 // act[j, r] for intermediate row r of pick j (warp w: j = w / I, r = w % I): gate row r and up
 // row I + r of expert ids[j], silu(gate) * up rounded as the tile kernel rounds it.
@@ -640,24 +637,15 @@ __global__ void __launch_bounds__(kTokenThreads) moe_token_gate_up_kernel(MoePar
 
 // out[h] for output row h: each pick's down row h applied to its act row, rounded, then
 // weighted and summed in pick order (sum_picks' arithmetic). A row is two warps, each the dot
-// products over half of I (G = kTokenDownPicks picks at a time, a chunk a lane and pick), the
+// products over half of I (kTokenDownPicks picks at a time, a chunk a lane and pick), the
 // halves added in shared memory before the rounding: twice the warps of one a row, each with a
 // shorter loop, stream the rows nearer copy bandwidth (BENCHMARKS.md, "Mixture of experts").
 // A round's activation chunks load with its weight chunks, before any is used: loaded inside
 // the sum, each pick's waited out its own round trip. Fewer or more picks a round were slower.
 // While gate_up runs, each warp pulls its half rows of every pick into L2.
-//
-// kActShared (DFLASH_TRT_MOE_DOWN_VARIANT=shared, with G = 9 picks a round: =wide): the CTA copies
-// the k activation rows into shared memory once after the wait, and the rounds read them there
-// instead of every warp loading them beside its weights, so a round's registers hold only weight
-// chunks and nine fit (one round for the 35B-A3B's eight picks and shared expert, not three);
-// its launch bounds hold it to three CTAs an SM (80 registers, a few spilled), not two (the
-// others' 0: no minimum, the kernel's registers as before the variants).
-// Off until `gpu_check.sh moe-down` has measured both against the kernel as it is.
-template <typename T, int G, bool kActShared>
-__global__ void __launch_bounds__(kTokenThreads, G > kTokenDownPicks ? 3 : 0) moe_token_down_kernel(MoeParams p) {
-  constexpr int S = kTokenDownSlices, kRows = kTokenWarps / S;
-  extern __shared__ uint4 act_held[];  // kActShared: [k][I / 8]
+template <typename T>
+__global__ void __launch_bounds__(kTokenThreads) moe_token_down_kernel(MoeParams p) {
+  constexpr int G = kTokenDownPicks, S = kTokenDownSlices, kRows = kTokenWarps / S;
   __shared__ float part[kRows][S][kTokenMaxPicks];
   const int lane = threadIdx.x % 32, row = threadIdx.x / 32 / S, slice = threadIdx.x / 32 % S;
   const int64_t h = static_cast<int64_t>(blockIdx.x) * kRows + row;
@@ -676,12 +664,6 @@ __global__ void __launch_bounds__(kTokenThreads, G > kTokenDownPicks ? 3 : 0) mo
   pdl_wait();
   const uint4* down = static_cast<const uint4*>(p.down) + begin;
   const uint4* act = static_cast<const uint4*>(p.act) + begin;
-  if constexpr (kActShared) {
-    for (int64_t c = threadIdx.x; c < p.top_k * chunks; c += kTokenThreads)
-      act_held[c] = __ldg(static_cast<const uint4*>(p.act) + c);
-    __syncthreads();
-    act = act_held + begin;
-  }
   const int64_t hr = live ? h : p.hidden - 1;  // a row past H reads the last one, stores nothing
 #pragma unroll 1
   for (int j0 = 0; j0 < p.top_k; j0 += G) {
@@ -699,15 +681,14 @@ __global__ void __launch_bounds__(kTokenThreads, G > kTokenDownPicks ? 3 : 0) mo
       for (int g = 0; g < G; ++g) {
         if (g < picks) {
           wv[g] = __ldcs(rows[g] + c);
-          if constexpr (!kActShared) av[g] = __ldg(act + (j0 + g) * chunks + c);
+          av[g] = __ldg(act + (j0 + g) * chunks + c);
         }
       }
 #pragma unroll
       for (int g = 0; g < G; ++g) {
         if (g >= picks) continue;
         float af[8], wf[8];
-        if constexpr (kActShared) unpack8<T>(act[(j0 + g) * chunks + c], af);
-        else unpack8<T>(av[g], af);
+        unpack8<T>(av[g], af);
         unpack8<T>(wv[g], wf);
 #pragma unroll
         for (int i = 0; i < 8; ++i) dot[g] = fmaf(af[i], wf[i], dot[g]);
@@ -738,20 +719,11 @@ template <typename T>
 cudaError_t project_token(const MoeParams& p, cudaStream_t stream) {
   const int64_t warps = static_cast<int64_t>(p.top_k) * p.inter;
   const dim3 block(kTokenThreads);
-  const dim3 gate_up_grid(static_cast<unsigned>(ceil_div(warps, kTokenWarps)));
-  const cudaError_t err = pdl_launch(moe_token_gate_up_kernel<T>, gate_up_grid, block, 0, stream, true, p);
+  const cudaError_t err = pdl_launch(moe_token_gate_up_kernel<T>,
+                                     dim3(static_cast<unsigned>(ceil_div(warps, kTokenWarps))), block, 0, stream, true, p);
   if (err != cudaSuccess) return err;
   const unsigned down_ctas = static_cast<unsigned>(ceil_div(p.hidden, kTokenWarps / kTokenDownSlices));
-  const char* variant = std::getenv("DFLASH_TRT_MOE_DOWN_VARIANT");
-  const size_t act_bytes = static_cast<size_t>(p.top_k) * p.inter * 2;  // 16-bit activations
-  if (variant != nullptr && act_bytes <= kActSharedMaxBytes) {
-    if (std::strcmp(variant, "wide") == 0)
-      return pdl_launch(moe_token_down_kernel<T, 9, true>, dim3(down_ctas), block, act_bytes, stream, true, p);
-    if (std::strcmp(variant, "shared") == 0)
-      return pdl_launch(moe_token_down_kernel<T, kTokenDownPicks, true>, dim3(down_ctas), block, act_bytes, stream,
-                        true, p);
-  }
-  return pdl_launch(moe_token_down_kernel<T, kTokenDownPicks, false>, dim3(down_ctas), block, 0, stream, true, p);
+  return pdl_launch(moe_token_down_kernel<T>, dim3(down_ctas), block, 0, stream, true, p);
 }
 
 // --------------------------------------------------------------------------------------------
