@@ -591,8 +591,8 @@ cudaError_t launch_stream(const MoeParams& p, const Layout& l, dim3 grid, cudaSt
 // --------------------------------------------------------------------------------------------
 // One token in 16-bit weights (an AR step at batch 1), on CUDA cores: the picks' weight rows
 // stream like a dense matrix through the one-row matmul's pattern (gemv.cu), a warp (gate_up)
-// or two (down) per output and small CTAs, so that many are resident and every SM has loads in
-// flight to the end of the kernel. The tensor-core tiles above spend a CTA on 16 rows of one
+// or a group of lanes (down) per output and pick and small CTAs, so that many are resident and
+// every SM has loads in flight to the end of the kernel. The tensor-core tiles above spend a CTA on 16 rows of one
 // pick and ran these two projections slower (BENCHMARKS.md, "Mixture of experts"). The sums
 // run in another order than the tiles': a token alone is not bit-identical to the same token
 // in a larger pass (fp32 keeps the tiles, and that identity).
@@ -600,7 +600,6 @@ cudaError_t launch_stream(const MoeParams& p, const Layout& l, dim3 grid, cudaSt
 constexpr int kTokenThreads = 256;
 constexpr int kTokenWarps = kTokenThreads / 32;
 constexpr int kTokenGateUpLoads = 2;  // per row (gate, up) and lane in flight: more CTAs resident beat more loads
-constexpr int kTokenDownPicks = 3, kTokenDownSlices = 2;  // picks at a time; warps a row, each a slice of I
 constexpr int kTokenMaxPicks = 32;  // k of the one-token kernels (their shared memory); more take the tiles
 
 // act[j, r] for intermediate row r of pick j (warp w: j = w / I, r = w % I): gate row r and up
@@ -636,83 +635,90 @@ __global__ void __launch_bounds__(kTokenThreads) moe_token_gate_up_kernel(MoePar
 }
 
 // out[h] for output row h: each pick's down row h applied to its act row, rounded, then
-// weighted and summed in pick order (sum_picks' arithmetic). A row is two warps, each the dot
-// products over half of I (kTokenDownPicks picks at a time, a chunk a lane and pick), the
-// halves added in shared memory before the rounding: twice the warps of one a row, each with a
-// shorter loop, stream the rows nearer copy bandwidth (BENCHMARKS.md, "Mixture of experts").
-// A round's activation chunks load with its weight chunks, before any is used: loaded inside
-// the sum, each pick's waited out its own round trip. Fewer or more picks a round were slower.
-// While gate_up runs, each warp pulls its half rows of every pick into L2.
+// weighted and summed in pick order (sum_picks' arithmetic). A group of kDownLanes lanes takes
+// one (row, pick) dot over the whole of I, a CTA the dots of its rows (row r, pick j: group
+// r k + j), so that a lane has kDownLoads weight chunks in flight and a dot costs three shuffles.
+// Two warps a row, a chunk a lane and pick, spent most of their issue slots beside the loads
+// (addresses, a 32-lane butterfly per pick, the activations unpacked again by every warp): ncu
+// found them issue-bound, not waiting on memory (BENCHMARKS.md, "Mixture of experts"). The ids
+// were written two kernels back (routing; gate_up lets this kernel start only after its own
+// wait), so the first weight chunks load into registers before the wait, while gate_up runs;
+// the ids are read again after it.
+constexpr int kDownLanes = 8, kDownLoads = 8;  // lanes a dot; chunks a lane in flight
+constexpr int kDownGroups = 36;                // dots a CTA at most: 4 rows of the 35B-A3B's 9 picks
+constexpr int kDownThreads = kDownGroups * kDownLanes;
+constexpr int kDownMinCtas = 4;  // an SM: with 9 picks every CTA of H 2048 is resident at once
+
+// Rows a CTA for k picks (every one of its groups busy where k divides kDownGroups).
+inline int down_rows_per_cta(int top_k) { return std::max(1, kDownGroups / top_k); }
+
+__device__ __forceinline__ void load_down_chunks(const uint4* row, int64_t c0, int64_t chunks, bool valid,
+                                                 uint4 (&wv)[kDownLoads]) {
+#pragma unroll
+  for (int u = 0; u < kDownLoads; ++u) {
+    const int64_t c = c0 + kDownLanes * u;
+    wv[u] = valid && c < chunks ? __ldcs(row + c) : make_uint4(0, 0, 0, 0);
+  }
+}
+
 template <typename T>
-__global__ void __launch_bounds__(kTokenThreads) moe_token_down_kernel(MoeParams p) {
-  constexpr int G = kTokenDownPicks, S = kTokenDownSlices, kRows = kTokenWarps / S;
-  __shared__ float part[kRows][S][kTokenMaxPicks];
-  const int lane = threadIdx.x % 32, row = threadIdx.x / 32 / S, slice = threadIdx.x / 32 % S;
-  const int64_t h = static_cast<int64_t>(blockIdx.x) * kRows + row;
-  const bool live = h < p.hidden;
-  const int64_t chunks = p.inter / 8, per = ceil_div(chunks, S), begin = min(slice * per, chunks);
-  const int64_t count = min(per, chunks - begin);
-  if (live) {
-    for (int j = 0; j < p.top_k; ++j) {
-      const int e = p.ids[j];
-      if (e < 0 || e >= p.experts) continue;
-      const char* half = reinterpret_cast<const char*>(static_cast<const uint4*>(p.down) +
-                                                       (static_cast<int64_t>(e) * p.hidden + h) * chunks + begin);
-      for (int64_t b = 128 * lane; b < count * 16; b += 128 * 32) prefetch_l2(half + b);
-    }
-  }
+__global__ void __launch_bounds__(kDownThreads, kDownMinCtas) moe_token_down_kernel(MoeParams p, int rows_per_cta) {
+  __shared__ float part[kDownGroups];
+  const int k = p.top_k, group = threadIdx.x / kDownLanes, gl = threadIdx.x % kDownLanes;
+  const int r = group / k, j = group % k;
+  const int64_t h = static_cast<int64_t>(blockIdx.x) * rows_per_cta + r;
+  const bool live = r < rows_per_cta && h < p.hidden;
+  const int64_t chunks = p.inter / 8;
+  const uint4* down = static_cast<const uint4*>(p.down);
+  auto row_of = [&](int e) { return down + (static_cast<int64_t>(e) * p.hidden + h) * chunks; };
+  int e = live ? p.ids[j] : -1;
+  bool valid = e >= 0 && e < p.experts;
+  uint4 wv[kDownLoads];
+  load_down_chunks(row_of(valid ? e : 0), gl, chunks, valid, wv);
   pdl_wait();
-  const uint4* down = static_cast<const uint4*>(p.down) + begin;
-  const uint4* act = static_cast<const uint4*>(p.act) + begin;
-  const int64_t hr = live ? h : p.hidden - 1;  // a row past H reads the last one, stores nothing
-#pragma unroll 1
-  for (int j0 = 0; j0 < p.top_k; j0 += G) {
-    const uint4* rows[G];
-    float dot[G] = {};
+  if (live && p.ids[j] != e) {  // never expected (see above); correct if it happens
+    e = p.ids[j];
+    valid = e >= 0 && e < p.experts;
+    load_down_chunks(row_of(valid ? e : 0), gl, chunks, valid, wv);
+  }
+  const uint4* act = static_cast<const uint4*>(p.act) + j * chunks;
+  float dot = 0.0f;
+  for (int64_t c0 = gl; valid && c0 < chunks;) {
 #pragma unroll
-    for (int g = 0; g < G; ++g) {  // outside the experts: expert 0's row, not added
-      const int e = p.ids[j0 + g < p.top_k ? j0 + g : 0];
-      rows[g] = down + ((e >= 0 && e < p.experts ? e : 0) * static_cast<int64_t>(p.hidden) + hr) * chunks;
-    }
-    const int picks = min(G, p.top_k - j0);  // past the picks: no load
-    for (int64_t c = lane; c < count; c += 32) {
-      uint4 wv[G], av[G];
+    for (int half = 0; half < 2; ++half) {  // half the activation chunks at once: registers
+      constexpr int U = kDownLoads / 2;
+      uint4 av[U];
 #pragma unroll
-      for (int g = 0; g < G; ++g) {
-        if (g < picks) {
-          wv[g] = __ldcs(rows[g] + c);
-          av[g] = __ldg(act + (j0 + g) * chunks + c);
-        }
+      for (int u = 0; u < U; ++u) {
+        const int64_t c = c0 + kDownLanes * (half * U + u);
+        av[u] = c < chunks ? __ldg(act + c) : make_uint4(0, 0, 0, 0);
       }
 #pragma unroll
-      for (int g = 0; g < G; ++g) {
-        if (g >= picks) continue;
+      for (int u = 0; u < U; ++u) {
         float af[8], wf[8];
-        unpack8<T>(av[g], af);
-        unpack8<T>(wv[g], wf);
+        unpack8<T>(av[u], af);
+        unpack8<T>(wv[half * U + u], wf);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) dot[g] = fmaf(af[i], wf[i], dot[g]);
+        for (int i = 0; i < 8; ++i) dot = fmaf(af[i], wf[i], dot);
       }
     }
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-      const float sum = warp_sum(dot[g]);
-      if (lane == 0 && j0 + g < p.top_k) part[row][slice][j0 + g] = sum;
-    }
+    c0 += kDownLanes * kDownLoads;
+    if (c0 < chunks) load_down_chunks(row_of(e), c0, chunks, true, wv);
   }
-  __syncthreads();  // every warp gets here: none returns early
-  if (!live || slice != 0 || lane != 0) return;
+#pragma unroll
+  for (int o = kDownLanes / 2; o > 0; o >>= 1) dot = __fadd_rn(dot, __shfl_xor_sync(0xffffffffu, dot, o));
+  if (live && gl == 0) part[group] = dot;
+  __syncthreads();
+  const int64_t hr = static_cast<int64_t>(blockIdx.x) * rows_per_cta + threadIdx.x;
+  if (static_cast<int>(threadIdx.x) >= rows_per_cta || hr >= p.hidden) return;
   float out = 0.0f;
-  for (int j = 0; j < p.top_k; ++j) {
-    const int e = p.ids[j];
-    if (e < 0 || e >= p.experts) continue;
-    float y = 0.0f;
-#pragma unroll
-    for (int s = 0; s < S; ++s) y += part[row][s][j];
-    out = __fadd_rn(out, __fmul_rn(p.weights[j], rounded<T>(y)));
+  for (int jj = 0; jj < k; ++jj) {
+    const int ej = p.ids[jj];
+    if (ej < 0 || ej >= p.experts) continue;
+    out = __fadd_rn(out, __fmul_rn(p.weights[jj], rounded<T>(part[threadIdx.x * k + jj])));
   }
-  if (p.out_dtype == DType::kFloat32) static_cast<float*>(p.out)[h] = out;
-  else static_cast<T*>(p.out)[h] = to_dtype<T>(out);
+  if (p.out_dtype == DType::kFloat32) static_cast<float*>(p.out)[hr] = out;
+  else static_cast<T*>(p.out)[hr] = to_dtype<T>(out);
 }
 
 template <typename T>
@@ -722,8 +728,10 @@ cudaError_t project_token(const MoeParams& p, cudaStream_t stream) {
   const cudaError_t err = pdl_launch(moe_token_gate_up_kernel<T>,
                                      dim3(static_cast<unsigned>(ceil_div(warps, kTokenWarps))), block, 0, stream, true, p);
   if (err != cudaSuccess) return err;
-  const unsigned down_ctas = static_cast<unsigned>(ceil_div(p.hidden, kTokenWarps / kTokenDownSlices));
-  return pdl_launch(moe_token_down_kernel<T>, dim3(down_ctas), block, 0, stream, true, p);
+  const int rows = down_rows_per_cta(p.top_k);
+  const int threads = static_cast<int>(ceil_div(static_cast<int64_t>(rows) * p.top_k * kDownLanes, 32)) * 32;
+  return pdl_launch(moe_token_down_kernel<T>, dim3(static_cast<unsigned>(ceil_div(p.hidden, rows))), dim3(threads), 0,
+                    stream, true, p, rows);
 }
 
 // --------------------------------------------------------------------------------------------

@@ -257,9 +257,11 @@ def test_cuda_skewed_routing_matches_the_reference(exact_cublas, dtype, N, skew)
 
 
 @pytest.mark.cuda
-# I / 8 odd: the one-token down kernel's two slices of I are 2 and 1 chunks (I 24), 1 and none
-# (I 8); k 40 is past its shared memory, so that token takes the tiles
-@pytest.mark.parametrize("E, k, H, I", [(16, 9, 64, 24), (16, 3, 32, 8), (64, 40, 64, 32)])
+# The one-token down kernel's groups of 8 lanes a dot: I / 8 odd and below the group (I 24, I 8),
+# two rounds of loads (I 1024), a CTA's rows not dividing H (k 11: 3 rows, k 1: 36), one row a
+# CTA (k 32); k 40 is past its shared memory, so that token takes the tiles
+@pytest.mark.parametrize("E, k, H, I", [(16, 9, 64, 24), (16, 3, 32, 8), (24, 11, 40, 1024), (16, 1, 80, 24),
+                                        (48, 32, 64, 16), (64, 40, 64, 32)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_cuda_one_token_matches_the_reference_at_any_width_and_pick_count(exact_cublas, dtype, E, k, H, I):
     assert plugins.load() is not None
