@@ -3,7 +3,10 @@
 // has finished and its writes are visible. Before the wait a kernel may only read what no
 // earlier kernel of the pass writes (weights) and write nothing; a matmul uses the time to pull
 // its first weight lines into L2, so that its loads are in flight when the input is ready
-// instead of starting from nothing after every small kernel.
+// instead of starting from nothing after every small kernel. One exception: where the kernel
+// before allows dependents only after its own wait, what the kernel two back wrote is complete
+// before this one starts (the one-token MoE down projection reads its ids so, after the
+// one-token gate_up, and checks them again after its wait).
 //
 // The kernel before it decides how early that can be: pdl_allow_dependents lets the next
 // kernel's CTAs be scheduled on whatever the SMs have free from then on (without it, when this
