@@ -416,8 +416,7 @@ def linear_add_rms_norm(x, weight, bias, residual, norm_weight, eps: float, zero
     it zero, and launches that may run at the same time need their own. Elsewhere the two ops."""
     H = weight.shape[0]
     if ticket is not None and _linear_norm_fits(x, weight, bias, residual, norm_weight):
-        assert ticket.dtype == torch.int32 and ticket.numel() == 1 and ticket.device == x.device, \
-            f"ticket must be one int32 on x's {x.device}, got {ticket.dtype} {tuple(ticket.shape)} on {ticket.device}"
+        _check_ticket(ticket, x.device)
         return torch.ops.dflash.linear_add_rms_norm(x.reshape(1, -1), weight, bias, residual, norm_weight, float(eps),
                                                     zero_centered, ticket)
     assert residual.shape[-1] == H, f"residual must be [..., {H}], got {tuple(residual.shape)}"
@@ -428,11 +427,21 @@ def _linear_norm_fits(x, weight, bias, residual, norm_weight) -> bool:
     H = weight.shape[0]
     if not (x.dtype == weight.dtype and x.is_contiguous() and x.numel() == x.shape[-1]):
         return False
-    return (_gemv_kernel_fits(x.reshape(1, -1), weight, bias) and H % 8 == 0 and H <= GEMV_NORM_MAX_FEATURES
-            and residual.dtype == torch.float32 and residual.numel() == H and residual.is_contiguous()
+    return (_gemv_kernel_fits(x.reshape(1, -1), weight, bias) and H <= GEMV_NORM_MAX_FEATURES
+            and _row_norm_fits(x, H, residual, norm_weight))
+
+
+def _row_norm_fits(x, H: int, residual, norm_weight) -> bool:
+    """Whether the add + norm a launch runs after its own output takes these arguments."""
+    return (H % 8 == 0 and residual.dtype == torch.float32 and residual.numel() == H and residual.is_contiguous()
             and residual.device == x.device and residual.data_ptr() % 16 == 0
             and norm_weight.dtype == x.dtype and norm_weight.shape == (H,) and norm_weight.is_contiguous()
             and norm_weight.device == x.device and norm_weight.data_ptr() % 16 == 0)
+
+
+def _check_ticket(ticket, device) -> None:
+    assert ticket.dtype == torch.int32 and ticket.numel() == 1 and ticket.device == device, \
+        f"ticket must be one int32 on {device}, got {ticket.dtype} {tuple(ticket.shape)} on {ticket.device}"
 
 
 def silu_mul(gate_up):
@@ -591,6 +600,32 @@ def moe_experts(x, gate_up, down, weights, ids, out_dtype=torch.float32, shared_
     if _moe_grouped_fits(x, ids.numel(), E):
         return _moe_experts_grouped(x, gate_up, down, weights, ids, out_dtype)
     return torch.ops.dflash.moe_experts(x, gate_up, down, weights, ids, out_dtype == torch.float32, shared_last)
+
+
+MOE_NORM_MAX_HIDDEN = 4096  # plugins/moe.h kMoeNormMaxHidden
+MOE_TOKEN_MAX_PICKS = 32  # plugins/moe.cu kTokenMaxPicks: more picks take the tiles
+
+
+def moe_experts_add_rms_norm(x, gate_up, down, weights, ids, residual, norm_weight, eps: float,
+                             zero_centered: bool = False, ticket: torch.Tensor | None = None,
+                             shared_last: bool = False):
+    """add_rms_norm(residual, moe_experts(x, ..., out_dtype=x.dtype), norm_weight, eps,
+    zero_centered) -> (s, y): an MoE block's experts and the residual add + norm after them.
+
+    One token in bf16 or fp16 on CUDA with `ticket` given (an AR step at batch 1): one launch
+    pair, the one-token down kernel's last CTA running the add + norm (plugins/moe.h,
+    MoeParams::norm) with add_rms_norm's bits; `ticket` as for linear_add_rms_norm. Elsewhere the
+    two ops."""
+    H = x.shape[-1]
+    if (ticket is not None and x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)
+            and ids.dim() == 2 and ids.shape[1] <= MOE_TOKEN_MAX_PICKS and H <= MOE_NORM_MAX_HIDDEN
+            and x.is_contiguous() and _moe_kernel_fits(x, gate_up, down) and _row_norm_fits(x, H, residual, norm_weight)):
+        _check_ticket(ticket, x.device)
+        return torch.ops.dflash.moe_experts_add_rms_norm(x, gate_up, down, weights.contiguous(), ids.contiguous(),
+                                                         shared_last, residual, norm_weight, float(eps), zero_centered,
+                                                         ticket)
+    out = moe_experts(x, gate_up, down, weights, ids, x.dtype, shared_last)
+    return add_rms_norm(residual, out.reshape(residual.shape), norm_weight, eps, zero_centered)
 
 
 def _moe_kernel_fits(x, gate_up, down) -> bool:

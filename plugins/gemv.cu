@@ -48,25 +48,6 @@ constexpr int kThreads = 256;  // 8 warps
 constexpr int kWarps = kThreads / 32;
 constexpr int kLoadsInFlight = 8;  // 16-byte weight loads per lane per iteration
 
-// The add + norm after the matmul (kNormPlays > 0): every CTA's y before its ticket; the CTA that
-// takes the last one sees all of y and runs the add + norm, each thread over kNormPlays vectors,
-// then zeroes the ticket for the next launch.
-template <typename T, int kNormPlays>
-__device__ void add_rms_norm_if_last(const GemvParams& p, const GemvNorm& n) {
-  __shared__ bool last;
-  __threadfence();  // this CTA's y before its ticket
-  __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(n.ticket, 1) == static_cast<int>(gridDim.x) - 1;
-  __syncthreads();
-  if (!last) return;
-  pdl_allow_dependents();  // the next kernel may start fetching its weights while this CTA norms
-  __threadfence();
-  cta_add_rms_norm<T, kThreads, kNormPlays>(n.residual, static_cast<const T*>(p.y), static_cast<const T*>(n.weight),
-                                            static_cast<int>(p.out_features), n.eps, n.zero_centered, n.sum,
-                                            static_cast<T*>(n.out));
-  if (threadIdx.x == 0) *n.ticket = 0;
-}
-
 // A CTA's 8 warps are 8 / S groups of S: a group owns R consecutive output features, its S
 // warps each a contiguous 1/S of K; the S sums meet in shared memory, added in slice order.
 // kPipelined: each warp's loop is lane_dots_pipelined. kNormPlays > 0: a norm follows (which
@@ -131,7 +112,7 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(GemvParams p) {
 template <typename T, int R, int S, bool kPipelined, int kNormPlays>
 __global__ void __launch_bounds__(kThreads) gemv_norm_kernel(GemvParams p, GemvNorm n) {
   gemv_row<T, R, S, kPipelined, kNormPlays>(p);
-  add_rms_norm_if_last<T, kNormPlays>(p, n);
+  add_rms_norm_if_last<T, kThreads, kNormPlays>(static_cast<const T*>(p.y), static_cast<int>(p.out_features), n);
 }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }

@@ -40,6 +40,7 @@
 #include "lanes.h"
 #include "mma_tile.h"
 #include "pdl.h"
+#include "row_norm.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -648,6 +649,7 @@ constexpr int kDownLanes = 8, kDownLoads = 8;  // lanes a dot; chunks a lane in 
 constexpr int kDownGroups = 36;                // dots a CTA at most: 4 rows of the 35B-A3B's 9 picks
 constexpr int kDownThreads = kDownGroups * kDownLanes;
 constexpr int kDownMinCtas = 4;  // an SM: with 9 picks every CTA of H 2048 is resident at once
+static_assert(2 * kDownThreads * 8 >= kMoeNormMaxHidden, "the add + norm's row in two vectors a thread");
 
 // Rows a CTA for k picks (every one of its groups busy where k divides kDownGroups).
 inline int down_rows_per_cta(int top_k) { return std::max(1, kDownGroups / top_k); }
@@ -661,7 +663,9 @@ __device__ __forceinline__ void load_down_chunks(const uint4* row, int64_t c0, i
   }
 }
 
-template <typename T>
+// kNormPlays > 0: launched with kDownThreads threads, the add + norm after it (MoeParams::norm)
+// by its last CTA, each thread over kNormPlays vectors of the row.
+template <typename T, int kNormPlays>
 __global__ void __launch_bounds__(kDownThreads, kDownMinCtas) moe_token_down_kernel(MoeParams p, int rows_per_cta) {
   __shared__ float part[kDownGroups];
   const int k = p.top_k, group = threadIdx.x / kDownLanes, gl = threadIdx.x % kDownLanes;
@@ -670,7 +674,8 @@ __global__ void __launch_bounds__(kDownThreads, kDownMinCtas) moe_token_down_ker
   const bool live = r < rows_per_cta && h < p.hidden;
   const int64_t chunks = p.inter / 8;
   const uint4* down = static_cast<const uint4*>(p.down);
-  auto row_of = [&](int e) { return down + (static_cast<int64_t>(e) * p.hidden + h) * chunks; };
+  const int64_t hidden = p.hidden;  // not p in the lambda: taking a parameter's address copies it to local memory
+  auto row_of = [=](int e) { return down + (static_cast<int64_t>(e) * hidden + h) * chunks; };
   int e = live ? p.ids[j] : -1;
   bool valid = e >= 0 && e < p.experts;
   uint4 wv[kDownLoads];
@@ -710,15 +715,22 @@ __global__ void __launch_bounds__(kDownThreads, kDownMinCtas) moe_token_down_ker
   if (live && gl == 0) part[group] = dot;
   __syncthreads();
   const int64_t hr = static_cast<int64_t>(blockIdx.x) * rows_per_cta + threadIdx.x;
-  if (static_cast<int>(threadIdx.x) >= rows_per_cta || hr >= p.hidden) return;
-  float out = 0.0f;
-  for (int jj = 0; jj < k; ++jj) {
-    const int ej = p.ids[jj];
-    if (ej < 0 || ej >= p.experts) continue;
-    out = __fadd_rn(out, __fmul_rn(p.weights[jj], rounded<T>(part[threadIdx.x * k + jj])));
+  const bool writes = static_cast<int>(threadIdx.x) < rows_per_cta && hr < p.hidden;
+  if constexpr (kNormPlays == 0) {
+    if (!writes) return;
   }
-  if (p.out_dtype == DType::kFloat32) static_cast<float*>(p.out)[hr] = out;
-  else static_cast<T*>(p.out)[hr] = to_dtype<T>(out);
+  if (writes) {
+    float out = 0.0f;
+    for (int jj = 0; jj < k; ++jj) {
+      const int ej = p.ids[jj];
+      if (ej < 0 || ej >= p.experts) continue;
+      out = __fadd_rn(out, __fmul_rn(p.weights[jj], rounded<T>(part[threadIdx.x * k + jj])));
+    }
+    if (p.out_dtype == DType::kFloat32) static_cast<float*>(p.out)[hr] = out;
+    else static_cast<T*>(p.out)[hr] = to_dtype<T>(out);
+  }
+  if constexpr (kNormPlays > 0) add_rms_norm_if_last<T, kDownThreads, kNormPlays>(static_cast<const T*>(p.out), p.hidden,
+                                                                                  p.norm);
 }
 
 template <typename T>
@@ -729,9 +741,13 @@ cudaError_t project_token(const MoeParams& p, cudaStream_t stream) {
                                      dim3(static_cast<unsigned>(ceil_div(warps, kTokenWarps))), block, 0, stream, true, p);
   if (err != cudaSuccess) return err;
   const int rows = down_rows_per_cta(p.top_k);
+  const dim3 grid(static_cast<unsigned>(ceil_div(p.hidden, rows)));
+  if (p.norm.ticket != nullptr) {
+    const auto kernel = p.hidden / 8 <= kDownThreads ? moe_token_down_kernel<T, 1> : moe_token_down_kernel<T, 2>;
+    return pdl_launch(kernel, grid, dim3(kDownThreads), 0, stream, true, p, rows);
+  }
   const int threads = static_cast<int>(ceil_div(static_cast<int64_t>(rows) * p.top_k * kDownLanes, 32)) * 32;
-  return pdl_launch(moe_token_down_kernel<T>, dim3(static_cast<unsigned>(ceil_div(p.hidden, rows))), dim3(threads), 0,
-                    stream, true, p, rows);
+  return pdl_launch(moe_token_down_kernel<T, 0>, grid, dim3(threads), 0, stream, true, p, rows);
 }
 
 // --------------------------------------------------------------------------------------------
@@ -856,6 +872,14 @@ const char* moe_check(const MoeParams& p) {
   const int64_t slots = static_cast<int64_t>(p.tokens) * p.top_k;
   if (slots > (int64_t{1} << 30)) return "too many slots (tokens * top_k)";
   if (launch_chunks(p) > kMaxGridY) return "too many slots for one launch";
+  if (p.norm.ticket != nullptr) {
+    if (p.tokens != 1 || p.top_k > kTokenMaxPicks || (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16))
+      return "the add + norm after the experts takes one token in bf16 or fp16 with at most 32 picks";
+    if (p.out_dtype != p.dtype || p.hidden > kMoeNormMaxHidden) return "the add + norm needs out in the dtype, H <= 4096";
+    if (!p.norm.residual || !p.norm.weight || !p.norm.sum || !p.norm.out) return "null norm pointer";
+    if (!aligned16(p.norm.residual) || !aligned16(p.norm.weight) || !aligned16(p.norm.sum) || !aligned16(p.norm.out))
+      return "the norm's residual, weight, sum and out must be 16-byte aligned";
+  }
   if (p.tokens == 0) return nullptr;
   if (!p.out || !aligned16(p.out)) return "out must be 16-byte aligned";
   if (slots == 0) return nullptr;

@@ -33,6 +33,7 @@
 #include <cuda_runtime_api.h>
 
 #include "block_attention.h"  // dflash::DType
+#include "gemv.h"             // dflash::GemvNorm
 
 namespace dflash {
 
@@ -40,6 +41,8 @@ constexpr int kMoeMaxExperts = 2048;  // the sort keeps three ints per expert in
 // Up to this many tokens the weighted sum runs in the down kernel: its serial tail on one CTA
 // per row tile is then shorter than a kernel of its own.
 constexpr int kMoeFusedCombineTokens = 16;
+// One token's experts with the residual add + norm after them (MoeParams::norm): H at most this.
+constexpr int kMoeNormMaxHidden = 4096;
 
 struct MoeParams {
   DType dtype = DType::kBFloat16;  // of x, gate_up, down, act and y
@@ -62,6 +65,10 @@ struct MoeParams {
   // the one-token gate_up pulls its rows into L2 before the ids are ready. A hint: the ids
   // decide what is computed.
   bool shared_last = false;
+  // With norm.ticket set (one token in bf16 or fp16, out in the dtype, H <= kMoeNormMaxHidden):
+  // the residual add + RMSNorm after the experts, norm.sum = norm.residual + out and norm.out
+  // its norm, run by the down kernel's last CTA (gemv.h's GemvNorm, with add_rms_norm's bits).
+  GemvNorm norm;
 };
 
 // Scratch ints of a launch (the sort's outputs and the chunk list).

@@ -438,6 +438,34 @@ at::Tensor gemv_cuda(const at::Tensor& x, const at::Tensor& weight, const std::o
   return y;
 }
 
+// The residual add + norm that a launch runs after its own output (GemvNorm: one row of N
+// features in x's dtype): the arguments checked, sum and out allocated in residual's shape.
+struct RowNorm {
+  at::Tensor sum, out;
+  dflash::GemvNorm params;
+  RowNorm(const at::Tensor& x, int64_t N, const at::Tensor& residual, const at::Tensor& norm_weight, double eps,
+          bool zero_centered, const at::Tensor& ticket, const char* op) {
+    DFLASH_CHECK(residual.device() == x.device() && residual.scalar_type() == at::kFloat && residual.is_contiguous() &&
+                     residual.dim() >= 1 && residual.size(-1) == N && residual.numel() == N,
+                 op, ": residual must be a contiguous fp32 [..., N] tensor of one row on x's device, N = ", N, ", got ",
+                 residual.sizes(), " ", residual.scalar_type());
+    DFLASH_CHECK(norm_weight.device() == x.device() && norm_weight.scalar_type() == x.scalar_type() &&
+                     norm_weight.dim() == 1 && norm_weight.size(0) == N && norm_weight.is_contiguous(),
+                 op, ": norm_weight must be a contiguous [N] tensor of x's dtype on x's device, N = ", N);
+    DFLASH_CHECK(ticket.device() == x.device() && ticket.scalar_type() == at::kInt && ticket.numel() == 1,
+                 op, ": ticket must be one int32 on x's device");
+    sum = at::empty(residual.sizes(), residual.options());
+    out = at::empty(residual.sizes(), x.options());
+    params.residual = residual.data_ptr<float>();
+    params.weight = norm_weight.data_ptr();
+    params.eps = static_cast<float>(eps);
+    params.zero_centered = zero_centered;
+    params.sum = sum.data_ptr<float>();
+    params.out = out.data_ptr();
+    params.ticket = ticket.data_ptr<int>();
+  }
+};
+
 // x [1, K], weight [N, K], bias [N] or None as for gemv; residual [..., N] fp32 and norm_weight [N]
 // in x's dtype, contiguous; ticket one int32, zero (the launch leaves it zero). Returns (sum, out)
 // of add_rms_norm(residual, x W^T (+ bias), norm_weight), in residual's shape.
@@ -446,31 +474,12 @@ std::tuple<at::Tensor, at::Tensor> linear_add_rms_norm_cuda(const at::Tensor& x,
                                                             const at::Tensor& residual, const at::Tensor& norm_weight,
                                                             double eps, bool zero_centered, const at::Tensor& ticket) {
   check_gemv_args(x, weight, bias);
-  const int64_t N = weight.size(0);
   DFLASH_CHECK(x.size(0) == 1, "linear_add_rms_norm takes one row of x, got ", x.size(0));
-  DFLASH_CHECK(residual.device() == x.device() && residual.scalar_type() == at::kFloat && residual.is_contiguous() &&
-                   residual.dim() >= 1 && residual.size(-1) == N && residual.numel() == N,
-               "residual must be a contiguous fp32 [..., N] tensor of one row on x's device, N = ", N, ", got ",
-               residual.sizes(), " ", residual.scalar_type());
-  DFLASH_CHECK(norm_weight.device() == x.device() && norm_weight.scalar_type() == x.scalar_type() &&
-                   norm_weight.dim() == 1 && norm_weight.size(0) == N && norm_weight.is_contiguous(),
-               "norm_weight must be a contiguous [N] tensor of x's dtype on x's device, N = ", N);
-  DFLASH_CHECK(ticket.device() == x.device() && ticket.scalar_type() == at::kInt && ticket.numel() == 1,
-               "ticket must be one int32 on x's device");
   const c10::cuda::CUDAGuard guard(x.device());
-  auto y = at::empty({1, N}, x.options());
-  auto sum = at::empty(residual.sizes(), residual.options());
-  auto out = at::empty(residual.sizes(), x.options());
-  dflash::GemvNorm norm;
-  norm.residual = residual.data_ptr<float>();
-  norm.weight = norm_weight.data_ptr();
-  norm.eps = static_cast<float>(eps);
-  norm.zero_centered = zero_centered;
-  norm.sum = sum.data_ptr<float>();
-  norm.out = out.data_ptr();
-  norm.ticket = ticket.data_ptr<int>();
-  gemv_run(gemv_params(x, weight, bias, y), "linear_add_rms_norm", &norm);
-  return {sum, out};
+  auto y = at::empty({1, weight.size(0)}, x.options());
+  RowNorm norm(x, weight.size(0), residual, norm_weight, eps, zero_centered, ticket, "linear_add_rms_norm");
+  gemv_run(gemv_params(x, weight, bias, y), "linear_add_rms_norm", &norm.params);
+  return {norm.sum, norm.out};
 }
 
 // Shape-only versions for tracing (torch.compile, fake tensors).
@@ -821,8 +830,10 @@ at::Tensor gated_delta_recurrent_meta(const at::Tensor& q, const at::Tensor&, co
 // x [N, H] bf16, fp16 or fp32; gate_up [E, 2I, H], down [E, H, I] in x's dtype; weights [N, k]
 // fp32; ids [N, k] int32; all contiguous. Returns [N, H] in fp32, or in x's dtype with fp32_out false.
 // shared_last: a hint (moe.h) that every token's last pick is expert E - 1.
-at::Tensor moe_experts_cuda(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down,
-                            const at::Tensor& weights, const at::Tensor& ids, bool fp32_out, bool shared_last) {
+// norm: the residual add + norm after it (MoeParams::norm), or null.
+at::Tensor moe_experts_run(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down,
+                           const at::Tensor& weights, const at::Tensor& ids, bool fp32_out, bool shared_last,
+                           const dflash::GemvNorm* norm, const char* op) {
   DFLASH_CHECK(x.is_cuda(), "x must be a CUDA tensor");
   const std::optional<dflash::DType> dtype = attention_dtype(x.scalar_type());
   DFLASH_CHECK(dtype.has_value(), "x must be bf16, fp16 or fp32, got ", x.scalar_type());
@@ -868,9 +879,32 @@ at::Tensor moe_experts_cuda(const at::Tensor& x, const at::Tensor& gate_up, cons
   p.y = y.data_ptr();
   p.out = out.data_ptr();
   p.shared_last = shared_last;
-  if (const char* why = dflash::moe_check(p)) DFLASH_CHECK(false, "moe_experts: ", why);
-  check_launch(dflash::moe_launch(p, c10::cuda::getCurrentCUDAStream().stream()), "moe_experts");
+  if (norm != nullptr) p.norm = *norm;
+  if (const char* why = dflash::moe_check(p)) DFLASH_CHECK(false, op, ": ", why);
+  check_launch(dflash::moe_launch(p, c10::cuda::getCurrentCUDAStream().stream()), op);
   return out;
+}
+
+at::Tensor moe_experts_cuda(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down,
+                            const at::Tensor& weights, const at::Tensor& ids, bool fp32_out, bool shared_last) {
+  return moe_experts_run(x, gate_up, down, weights, ids, fp32_out, shared_last, nullptr, "moe_experts");
+}
+
+// moe_experts of one token (x [1, H], bf16 or fp16) with the output in x's dtype, then the
+// residual add + norm after it in the same launch, as linear_add_rms_norm after its matmul:
+// residual [..., H] fp32, norm_weight [H], ticket one int32 zero. Returns (sum, out).
+std::tuple<at::Tensor, at::Tensor> moe_experts_add_rms_norm_cuda(const at::Tensor& x, const at::Tensor& gate_up,
+                                                                 const at::Tensor& down, const at::Tensor& weights,
+                                                                 const at::Tensor& ids, bool shared_last,
+                                                                 const at::Tensor& residual,
+                                                                 const at::Tensor& norm_weight, double eps,
+                                                                 bool zero_centered, const at::Tensor& ticket) {
+  DFLASH_CHECK(x.is_cuda() && x.dim() == 2 && x.size(0) == 1, "moe_experts_add_rms_norm takes one token, x [1, H], got ",
+               x.sizes());
+  const c10::cuda::CUDAGuard guard(x.device());
+  RowNorm norm(x, x.size(1), residual, norm_weight, eps, zero_centered, ticket, "moe_experts_add_rms_norm");
+  moe_experts_run(x, gate_up, down, weights, ids, false, shared_last, &norm.params, "moe_experts_add_rms_norm");
+  return {norm.sum, norm.out};
 }
 
 // ids [N, k] int32 contiguous -> (order [N k]: the slots grouped by expert, then those with an
@@ -976,6 +1010,13 @@ at::Tensor moe_experts_meta(const at::Tensor& x, const at::Tensor&, const at::Te
   return at::empty(x.sizes(), fp32_out ? x.options().dtype(at::kFloat) : x.options());
 }
 
+std::tuple<at::Tensor, at::Tensor> moe_experts_add_rms_norm_meta(const at::Tensor& x, const at::Tensor&,
+                                                                 const at::Tensor&, const at::Tensor&,
+                                                                 const at::Tensor&, bool, const at::Tensor& residual,
+                                                                 const at::Tensor&, double, bool, const at::Tensor&) {
+  return {at::empty(residual.sizes(), residual.options()), at::empty(residual.sizes(), x.options())};
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_sort_meta(const at::Tensor& ids, int64_t num_experts) {
   return {at::empty({ids.numel()}, ids.options()), at::empty({ids.numel()}, ids.options()),
           at::empty({num_experts}, ids.options())};
@@ -1029,6 +1070,9 @@ TORCH_LIBRARY(dflash, m) {
   m.def(
       "moe_experts(Tensor x, Tensor gate_up, Tensor down, Tensor weights, Tensor ids, bool fp32_out=True, "
       "bool shared_last=False) -> Tensor");
+  m.def(
+      "moe_experts_add_rms_norm(Tensor x, Tensor gate_up, Tensor down, Tensor weights, Tensor ids, bool shared_last, "
+      "Tensor residual, Tensor norm_weight, float eps, bool zero_centered, Tensor(a!) ticket) -> (Tensor, Tensor)");
   m.def("moe_sort(Tensor ids, int num_experts) -> (Tensor, Tensor, Tensor)");
   m.def(
       "moe_combine(Tensor y, Tensor weights, Tensor ids, Tensor? rows, int num_experts, bool fp32_out=True) "
@@ -1052,6 +1096,7 @@ TORCH_LIBRARY_IMPL(dflash, CUDA, m) {
   m.impl("gated_delta_prepare_into", &gated_delta_prepare_into);
   m.impl("moe_route", &moe_route_cuda);
   m.impl("moe_experts", &moe_experts_cuda);
+  m.impl("moe_experts_add_rms_norm", &moe_experts_add_rms_norm_cuda);
   m.impl("moe_sort", &moe_sort_cuda);
   m.impl("moe_combine", &moe_combine_cuda);
 }
@@ -1072,6 +1117,7 @@ TORCH_LIBRARY_IMPL(dflash, Meta, m) {
   m.impl("gated_delta_step", &gated_delta_step_meta);
   m.impl("moe_route", &moe_route_meta);
   m.impl("moe_experts", &moe_experts_meta);
+  m.impl("moe_experts_add_rms_norm", &moe_experts_add_rms_norm_meta);
   m.impl("moe_sort", &moe_sort_meta);
   m.impl("moe_combine", &moe_combine_meta);
 }

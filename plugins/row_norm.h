@@ -12,7 +12,9 @@
 #include <cstdint>
 
 #include "float_convert.h"
+#include "gemv.h"
 #include "lanes.h"
+#include "pdl.h"
 
 namespace dflash {
 
@@ -98,6 +100,25 @@ __device__ void cta_add_rms_norm(const float* residual, const T* delta, const T*
     for (int k = 0; k < 8; ++k) y[k] = rms_scaled<T>(s[j][k], inv, wf[k], zero_centered);
     reinterpret_cast<uint4*>(out)[v] = pack8<T>(y);
   }
+}
+
+// The add + norm after a launch whose CTAs each wrote part of delta (H elements, in T): every CTA
+// calls it after its writes. The CTA that takes the last ticket sees all of delta; it lets the
+// next kernel start (whose CTAs may fetch their weights while it norms), runs cta_add_rms_norm
+// (each of its kThreads threads over kPlays vectors) and zeroes the ticket for the next launch.
+template <typename T, int kThreads, int kPlays>
+__device__ void add_rms_norm_if_last(const T* delta, int H, const GemvNorm& n) {
+  __shared__ bool last;
+  __threadfence();  // this CTA's part of delta before its ticket
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(n.ticket, 1) == static_cast<int>(gridDim.x) - 1;
+  __syncthreads();
+  if (!last) return;
+  pdl_allow_dependents();
+  __threadfence();
+  cta_add_rms_norm<T, kThreads, kPlays>(n.residual, delta, static_cast<const T*>(n.weight), H, n.eps, n.zero_centered,
+                                        n.sum, static_cast<T*>(n.out));
+  if (threadIdx.x == 0) *n.ticket = 0;
 }
 
 }  // namespace dflash

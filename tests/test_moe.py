@@ -12,8 +12,10 @@ from test_qwen3_5_parity import forward
 
 from dflash_trt.build import _save_model
 from dflash_trt.errors import CheckpointError, ConfigError
+from dflash_trt.kv_cache import Batch
 from dflash_trt.loading import load_pair, load_target
 from dflash_trt.models import load_target_config
+from dflash_trt.models import moe as moe_module
 from dflash_trt.models.moe import SparseMoeBlock
 from dflash_trt.sampling import SamplingParams
 
@@ -63,6 +65,58 @@ def test_prefill_decode_and_verify_passes_match_transformers(make_pair, name):
         assert (step[0] - expected[pos]).abs().max() <= ATOL, pos
     block, _ = forward(target, cache, slot=1, ids=ids[16:], start=16)
     assert (block - expected[16:]).abs().max() <= ATOL
+
+
+@pytest.mark.parametrize("name", ["qwen3-moe-per-expert-dense-layer", "qwen3.5-moe-multimodal-packed",
+                                  "qwen3.5-moe-wider-shared-expert"])
+def test_one_token_experts_left_for_the_norm_after_them_change_no_result(make_pair, name, monkeypatch):
+    # SparseMoeBlock.output_norm_in_experts: a decode step's experts come out not run
+    # (ExpertsOut) and the next layer's input norm, a tap or the final norm runs them
+    # (ops.moe_experts_add_rms_norm); where a dense shared expert adds to them, they run at once
+    fields, class_name = CONFIGS[name]
+    pair = make_pair(**fields)
+    target = load_target(pair.target)
+    ids = torch.randint(0, 500, (16,), generator=torch.Generator().manual_seed(2)).tolist()
+    with torch.no_grad():
+        expected = hf_model(pair.target, class_name)(torch.tensor([ids])).logits[0]
+    monkeypatch.setattr(SparseMoeBlock, "output_norm_in_experts", True)
+    taken = []
+    monkeypatch.setattr(moe_module.ExpertsOut, "add_rms_norm",
+                        lambda self, *a, _f=moe_module.ExpertsOut.add_rms_norm: taken.append(1) or _f(self, *a))
+    cache = target.new_cache(num_slots=1, capacity=16)
+    forward(target, cache, slot=0, ids=ids[:12], start=0)
+    for pos in range(12, 16):
+        step, tapped = forward(target, cache, slot=0, ids=[ids[pos]], start=pos, taps=(0,))
+        assert (step[0] - expected[pos]).abs().max() <= ATOL, pos
+    sparse = sum(isinstance(layer.mlp, SparseMoeBlock) for layer in target.model.layers)
+    assert len(taken) == (0 if "wider" in name else 4 * sparse - (0 in target.config.moe.sparse_layers) * 4)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["qwen3-moe-per-expert-dense-layer", "qwen3.5-moe-multimodal-packed"])
+def test_cuda_bf16_decode_steps_are_the_same_bits_with_the_norm_in_the_experts(make_pair, name, monkeypatch):
+    # on the GPU in bf16 a decode step's experts and the norm after them are one launch pair
+    # (ops.moe_experts_add_rms_norm): the logits and taps keep their bits
+    pair = make_pair(**CONFIGS[name][0])
+    target = load_target(pair.target, device="cuda", dtype=torch.bfloat16)
+    ids = torch.randint(0, 500, (16,), generator=torch.Generator().manual_seed(3)).tolist()
+
+    def steps(on: bool):
+        monkeypatch.setattr(SparseMoeBlock, "output_norm_in_experts", on)
+        cache = target.new_cache(num_slots=1, capacity=16)
+        cuda_forward(target, cache, ids[:12], 0)
+        return [cuda_forward(target, cache, [ids[pos]], pos, taps=(1,)) for pos in range(12, 16)]
+
+    for (logits, tapped), (want_logits, want_tapped) in zip(steps(True), steps(False)):
+        assert torch.equal(logits, want_logits) and torch.equal(tapped, want_tapped)
+
+
+def cuda_forward(target, cache, ids, start, taps=()):
+    batch = Batch.make([0], [start], [len(ids)], len(ids), "cuda")
+    with torch.no_grad():
+        hidden, tapped = target(torch.tensor([ids], device="cuda"), batch, cache, taps)
+        target.commit(cache, batch, batch.num_tokens)
+        return target.logits(hidden)[0], tapped
 
 
 @pytest.mark.parametrize("name", ["qwen3-moe-per-expert-dense-layer", "qwen3.5-moe-multimodal-packed"])

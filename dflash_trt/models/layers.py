@@ -22,17 +22,26 @@ from dflash_trt.sampling import Distribution, SamplingParams
 class Projected(NamedTuple):
     """A layer part's output that ends in a projection (o_proj, out_proj, down_proj), not applied
     yet: so that the residual add + norm after it can run in the matmul's kernel
-    (RMSNorm.add_and_norm). `value()` applies it."""
+    (RMSNorm.add_and_norm). `value()` applies it. (moe.ExpertsOut is the MoE block's kind.)"""
     x: torch.Tensor
     linear: Linear
 
     def value(self) -> torch.Tensor:
         return self.linear(self.x)
 
+    def add_rms_norm(self, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """norm.add_and_norm(residual, self.value()), in one launch for one row on CUDA unless the
+        Linear has hooks (tensor parallelism's all-reduce, parallel.py): those need it called."""
+        linear = self.linear
+        if linear._forward_hooks or linear._forward_pre_hooks:
+            return norm.add_and_norm(residual, self.value())
+        return ops.linear_add_rms_norm(self.x, linear.weight, linear.bias, residual, norm.weight, norm.eps,
+                                       norm.zero_centered, norm.ticket_on(residual.device))
 
-def value(out: torch.Tensor | Projected) -> torch.Tensor:
-    """A layer part's output as a tensor."""
-    return out.value() if isinstance(out, Projected) else out
+
+def value(out) -> torch.Tensor:
+    """A layer part's output as a tensor (a Projected or moe.ExpertsOut applied)."""
+    return out if isinstance(out, torch.Tensor) else out.value()
 
 
 class RMSNorm(nn.Module):
@@ -49,17 +58,15 @@ class RMSNorm(nn.Module):
         # The input may be the fp32 residual stream; the output is always in the model dtype.
         return ops.rms_norm(x.contiguous(), self.weight, self.eps, self.zero_centered)
 
-    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor | Projected) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_and_norm(self, x: torch.Tensor, delta) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + delta in fp32, its norm): a residual add fused into the norm that follows it. A
-        Projected delta's matmul joins them (one launch for one row on CUDA) unless its Linear
-        has hooks (tensor parallelism's all-reduce, parallel.py): those need the module called."""
-        linear = delta.linear if isinstance(delta, Projected) else None
-        if linear is None or linear._forward_hooks or linear._forward_pre_hooks:
-            return ops.add_rms_norm(x, value(delta), self.weight, self.eps, self.zero_centered)
-        return ops.linear_add_rms_norm(delta.x, linear.weight, linear.bias, x, self.weight, self.eps,
-                                       self.zero_centered, self._ticket_on(x.device))
+        delta not applied yet (Projected, moe.ExpertsOut) runs the add + norm with its own last
+        kernel where it can."""
+        if isinstance(delta, torch.Tensor):
+            return ops.add_rms_norm(x, delta, self.weight, self.eps, self.zero_centered)
+        return delta.add_rms_norm(x, self)
 
-    def _ticket_on(self, device: torch.device) -> torch.Tensor:
+    def ticket_on(self, device: torch.device) -> torch.Tensor:
         # the int the fused launch counts its CTAs in: this norm's own, so no two launches share one
         if self._ticket is None or self._ticket.device != device:
             self._ticket = torch.zeros(1, dtype=torch.int32, device=device)

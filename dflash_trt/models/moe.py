@@ -18,12 +18,14 @@ and the scaling and adding around them (a dozen small kernels per layer of a dec
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
 from dflash_trt import ops
 from dflash_trt.config import LayerDims, MoEDims
-from dflash_trt.models.layers import MLP, Linear, PackedLinear, value
+from dflash_trt.models.layers import MLP, Linear, PackedLinear, RMSNorm, value
 
 
 class Experts(nn.Module):
@@ -38,11 +40,35 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(n, hidden_size, expert_size))
 
 
+class ExpertsOut(NamedTuple):
+    """A block's experts (a packed shared expert among them) of one token, not run yet: so that
+    the residual add + norm after them can run in the experts' last kernel
+    (RMSNorm.add_and_norm, as layers.Projected for a matmul). `value()` runs them alone."""
+    h: torch.Tensor  # [bs, T, H], the block's normed input
+    weights: torch.Tensor
+    ids: torch.Tensor
+    experts: Experts
+
+    def value(self) -> torch.Tensor:
+        out = ops.moe_experts(self.h.flatten(0, 1), self.experts.gate_up_proj, self.experts.down_proj, self.weights,
+                              self.ids, self.h.dtype, shared_last=self.experts.shared)
+        return out.unflatten(0, self.h.shape[:2])
+
+    def add_rms_norm(self, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        return ops.moe_experts_add_rms_norm(self.h.flatten(0, 1), self.experts.gate_up_proj, self.experts.down_proj,
+                                            self.weights, self.ids, residual, norm.weight, norm.eps,
+                                            norm.zero_centered, norm.ticket_on(residual.device),
+                                            shared_last=self.experts.shared)
+
+
 class SparseMoeBlock(nn.Module):
     # The norm before this block runs as its own kernel, not in the projection before it: with
     # the norm in the projection the 35B-A3B's AR step measured slower (its MoE kernels took
     # longer), the dense models' faster (BENCHMARKS.md, "GEMV").
     input_norm_in_projection = False
+    # One token's norm after the block in the experts' down kernel (ExpertsOut): off until an
+    # A/B on the GPU shows it wins (bench/gpu_check.sh moe-norm).
+    output_norm_in_experts = False
 
     def __init__(self, dims: LayerDims, moe: MoEDims):
         super().__init__()
@@ -59,13 +85,16 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = MLP(dims, moe.shared_expert_size)
             self.shared_expert_gate = Linear(H, 1, bias=False)
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        """h [bs, T, H] (normed, model dtype) -> [bs, T, H] in the model dtype."""
+    def forward(self, h: torch.Tensor) -> torch.Tensor | ExpertsOut:
+        """h [bs, T, H] (normed, model dtype) -> [bs, T, H] in the model dtype (one token with
+        output_norm_in_experts: an ExpertsOut)."""
         x = h.flatten(0, 1)
         logits = ops.router_logits(x, (self.router if self.packed_shared else self.gate).weight)
         weights, ids = ops.moe_route(logits, self.moe.top_k, self.moe.norm_topk_prob, shared=self.packed_shared)
-        # the sum in fp32, rounded once: by the kernel unless a separate shared expert adds to it
         separate_shared = self.moe.shared_expert_size and not self.packed_shared
+        if self.output_norm_in_experts and not separate_shared and x.shape[0] == 1 and not self._forward_hooks:
+            return ExpertsOut(h, weights, ids, self.experts)  # no hooks: tensor parallelism sums a tensor
+        # the sum in fp32, rounded once: by the kernel unless a separate shared expert adds to it
         out = ops.moe_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids,
                               torch.float32 if separate_shared else h.dtype, shared_last=self.packed_shared)
         if separate_shared:
