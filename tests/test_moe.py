@@ -48,15 +48,19 @@ def hf_model(path, class_name):
     return getattr(transformers, class_name).from_pretrained(path, dtype=torch.float32).eval()
 
 
-@pytest.mark.parametrize("name", CONFIGS)
-def test_prefill_decode_and_verify_passes_match_transformers(make_pair, name):
+def target_and_logits(make_pair, name, n, seed):
+    """The target of CONFIGS[name], n random ids and transformers' logits for them."""
     fields, class_name = CONFIGS[name]
     pair = make_pair(**fields)
-    target = load_target(pair.target)
-    ids = torch.randint(0, 500, (20,), generator=torch.Generator().manual_seed(1)).tolist()
+    ids = torch.randint(0, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
     with torch.no_grad():
         expected = hf_model(pair.target, class_name)(torch.tensor([ids])).logits[0]
+    return load_target(pair.target), ids, expected
 
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_prefill_decode_and_verify_passes_match_transformers(make_pair, name):
+    target, ids, expected = target_and_logits(make_pair, name, 20, seed=1)
     cache = target.new_cache(num_slots=2, capacity=32)
     prefill, _ = forward(target, cache, slot=1, ids=ids[:12], start=0)
     assert (prefill - expected[:12]).abs().max() <= ATOL
@@ -73,12 +77,7 @@ def test_one_token_experts_left_for_the_norm_after_them_change_no_result(make_pa
     # SparseMoeBlock.output_norm_in_experts: a decode step's experts come out not run
     # (ExpertsOut) and the next layer's input norm, a tap or the final norm runs them
     # (ops.moe_experts_add_rms_norm); where a dense shared expert adds to them, they run at once
-    fields, class_name = CONFIGS[name]
-    pair = make_pair(**fields)
-    target = load_target(pair.target)
-    ids = torch.randint(0, 500, (16,), generator=torch.Generator().manual_seed(2)).tolist()
-    with torch.no_grad():
-        expected = hf_model(pair.target, class_name)(torch.tensor([ids])).logits[0]
+    target, ids, expected = target_and_logits(make_pair, name, 16, seed=2)
     monkeypatch.setattr(SparseMoeBlock, "output_norm_in_experts", True)
     taken = []
     monkeypatch.setattr(moe_module.ExpertsOut, "add_rms_norm",
