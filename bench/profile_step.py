@@ -423,6 +423,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="qwen3-8b")
     ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--max-seq-len", type=int,
+                    help="the engine's (default: the context or longest prefill + 512); a served engine's is larger, "
+                         "and attention's split count in a graph follows the cache's capacity")
     ap.add_argument("--batch", default="1,32")
     ap.add_argument("--json")
     ap.add_argument("--layers", type=int, help="a reduced-depth copy of the preset (one too large for the GPU)")
@@ -457,7 +460,7 @@ def main(argv=None) -> int:
     burst_dataset, _, burst_n = args.prefill_burst.partition(":")
     burst_n = int(burst_n or 32) if burst_dataset else 0
     loaded = random_engine(args.preset, max_batch_size=max(*batches, burst_n),
-                           max_seq_len=max([args.context, *prefills]) + 512,
+                           max_seq_len=args.max_seq_len or max([args.context, *prefills]) + 512,
                            num_layers=args.layers, draft_window=args.draft_window_size)
     engine, passes = loaded.engine, loaded.engine.passes
     if args.draft_vocab_size:  # before the first pass: graphs are captured on first use
@@ -469,6 +472,7 @@ def main(argv=None) -> int:
     result = {"gpu": torch.cuda.get_device_name(), "preset": args.preset,
               "fa3_shapes": sorted([s.rows, s.tokens, s.causal] for s in fa3.chosen()),
               "recurrent_prefill_tokens": qwen3_5.RECURRENT_PREFILL_TOKENS, "layers": args.layers, "context": args.context,
+              "max_seq_len": engine.max_seq_len,
               "passes": type(passes).__name__, "blas": str(torch.backends.cuda.preferred_blas_library()),
               "draft_window": engine.draft_window, "draft_vocab_size": args.draft_vocab_size,
               "draft_cache_gb": cache_bytes(engine.draft_cache) / 1e9, "target_cache_gb": cache_bytes(engine.target_cache) / 1e9}
