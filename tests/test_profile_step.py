@@ -10,8 +10,10 @@ from unittest import mock
 import pytest
 import torch
 
+from dflash_trt import ops
 from dflash_trt.benchmark import random_weights as rw
 from dflash_trt.graphs import DecodePasses
+from dflash_trt.models.moe import SparseMoeBlock
 
 spec = importlib.util.spec_from_file_location("profile_step", Path(__file__).parents[1] / "bench" / "profile_step.py")
 profile_step = importlib.util.module_from_spec(spec)
@@ -47,10 +49,23 @@ def repeatable_ar_step(engine):
     return ar_step
 
 
-@pytest.mark.parametrize("name", TINY)
-def test_every_ablation_changes_the_ar_step(monkeypatch, name):
+def experts_and_norm_as_one_kernel(x, gate_up, down, weights, ids, residual, norm_weight, eps, zero_centered=False,
+                                   ticket=None, shared_last=False):
+    """ops.moe_experts_add_rms_norm as the GPU runs it: one launch that calls no other op, so an
+    ablation that patches only moe_experts or add_rms_norm leaves it whole (on the CPU the op
+    falls back to those two)."""
+    out = ops.moe_experts_reference(x, gate_up, down, weights, ids, x.dtype).reshape(residual.shape)
+    return ops.add_rms_norm_reference(residual, out, norm_weight, eps, zero_centered)
+
+
+@pytest.mark.parametrize("name, experts_norm", [(name, False) for name in TINY] + [("moe hybrid", True)],
+                         ids=[*TINY, "moe hybrid, the norm after the experts in their kernel"])
+def test_every_ablation_changes_the_ar_step(monkeypatch, name, experts_norm):
     spec, parts = TINY[name]
     monkeypatch.setitem(rw.PRESETS, "tiny", spec)
+    if experts_norm:
+        monkeypatch.setattr(SparseMoeBlock, "output_norm_in_experts", True)
+        monkeypatch.setattr(ops, "moe_experts_add_rms_norm", experts_and_norm_as_one_kernel)
     engine = rw.random_engine("tiny", device="cpu", dtype=torch.float32, max_batch_size=1, max_seq_len=128).engine
     step = repeatable_ar_step(engine)
 
