@@ -91,14 +91,14 @@ class SparseMoeBlock(nn.Module):
         x = h.flatten(0, 1)
         logits = ops.router_logits(x, (self.router if self.packed_shared else self.gate).weight)
         weights, ids = ops.moe_route(logits, self.moe.top_k, self.moe.norm_topk_prob, shared=self.packed_shared)
-        separate_shared = self.moe.shared_expert_size and not self.packed_shared
-        if self.output_norm_in_experts and not separate_shared and x.shape[0] == 1 and not self._forward_hooks:
-            return ExpertsOut(h, weights, ids, self.experts)  # no hooks: tensor parallelism sums a tensor
-        # the sum in fp32, rounded once: by the kernel unless a separate shared expert adds to it
-        out = ops.moe_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids,
-                              torch.float32 if separate_shared else h.dtype, shared_last=self.packed_shared)
-        if separate_shared:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)).float() * value(self.shared_expert(x)).float()
+        if not (self.moe.shared_expert_size and not self.packed_shared):  # the sum rounded once, by the kernel
+            experts = ExpertsOut(h, weights, ids, self.experts)
+            # not run yet only without hooks: tensor parallelism sums a tensor
+            return experts if self.output_norm_in_experts and x.shape[0] == 1 and not self._forward_hooks \
+                else experts.value()
+        # a separate shared expert adds to the routed ones' fp32 sum, rounded once after it
+        out = ops.moe_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, torch.float32)
+        out = out + torch.sigmoid(self.shared_expert_gate(x)).float() * value(self.shared_expert(x)).float()
         return out.to(h.dtype).unflatten(0, h.shape[:2])
 
 
