@@ -26,7 +26,6 @@
 #   bash bench/gpu_check.sh moe-bench  # MoE: Qwen3.6-35B-A3B AR vs DFlash, the 397B-A17B at 4 and 8 layers
 #   bash bench/gpu_check.sh moe-split  # MoE experts at TP2 per rank: tensor- vs expert-parallel
 #   bash bench/gpu_check.sh moe-norm   # MoE: the norms around an MoE block in its kernels (GPU tests, AR A/B)
-#   bash bench/gpu_check.sh attn-trim  # attention's combine skipping the o rows of empty splits (tests, AR A/B)
 #   bash bench/gpu_check.sh moe-flashinfer # MoE: the experts against FlashInfer's fused MoE (carry .fi)
 #   bash bench/gpu_check.sh tp         # (2 GPUs) a two-rank run exits; one rank vs two, Qwen3-1.7B pair
 #   bash bench/gpu_check.sh draft-vocab # Qwen3-8B's draft pass with the whole vocabulary and with 32k tokens
@@ -61,7 +60,7 @@
 # The machine has no `unzip`: zips are opened with `python3 -m zipfile`, which drops the
 # executable bits, so they are set again.
 set -u
-usage="usage: gpu_check.sh STAGE... (tests hybrid benches roofline bench8b goals overlap identity triton window flashinfer splits moe moe-models moe-bench moe-split moe-norm attn-trim moe-flashinfer tp draft-vocab prefill stall fa3 fa3-engine burst train-ranks demo-target demo-drafter demo-eval)"
+usage="usage: gpu_check.sh STAGE... (tests hybrid benches roofline bench8b goals overlap identity triton window flashinfer splits moe moe-models moe-bench moe-split moe-norm moe-flashinfer tp draft-vocab prefill stall fa3 fa3-engine burst train-ranks demo-target demo-drafter demo-eval)"
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
@@ -274,23 +273,6 @@ from dflash_trt.models.moe import SparseMoeBlock
 SparseMoeBlock.output_norm_in_experts, SparseMoeBlock.input_norm_in_projection = '$flags'[0] == '1', '$flags'[1] == '1'
 sys.argv = ['profile_step.py', '--preset', 'qwen3.6-35b-a3b', '--batch', '1', '--json', '$OUT/norm_ar35b_${flags}_$round.json']
 runpy.run_path('bench/profile_step.py', run_name='__main__')"
-    done
-  done
-  ;;
-attn-trim)
-  # the combine kernel not reading the o rows past a row's last split with a key
-  # (DFLASH_TRT_COMBINE_TRIM=1; off: every split's, as before): the attention GPU tests with it, then
-  # the AR step at batch 1 at context 512 in an engine of max_seq_len 4096 (a served engine's split
-  # count), alternating
-  step plugins 300 python3 -c 'from dflash_trt import plugins; print(plugins.load())'
-  DFLASH_TRT_COMBINE_TRIM=1 DFLASH_TEST_DEVICE=cuda step tests-attn-trim 300 python3 -m pytest -q \
-    -p no:cacheprovider tests/test_ops.py -k "split or cluster or masked or combine"
-  for round in 1 2; do
-    for preset in qwen3-8b qwen3.6-35b-a3b; do
-      for trim in 0 1; do
-        DFLASH_TRT_COMBINE_TRIM=$trim step "ar-$preset-$trim-$round" 150 python3 bench/profile_step.py \
-          --preset $preset --batch 1 --max-seq-len 4096 --json "$OUT/trim_${preset}_${trim}_$round.json"
-      done
     done
   done
   ;;

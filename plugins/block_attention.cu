@@ -48,7 +48,6 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <type_traits>
 
 namespace dflash {
@@ -204,15 +203,16 @@ __device__ __forceinline__ RowKeys row_keys(const BlockAttentionParams& p, int c
 // s waits out two memory latencies per split, so no load here waits on another: the lanes
 // read 32 splits' lse at once (row max and weights), and the weighted sum, branch-free, is
 // unrolled so that the o rows of 8 splits are in flight, each weight broadcast from the lane
-// that computed it. kTrim: the o rows past the last split with a key are not read; they would
-// add exact zeros, and a graph's split count follows the cache's capacity, not the context, so
-// an AR step early in a long-capacity engine's sequence has most splits empty.
+// that computed it. The o rows past the last split with a key are not read: they would add
+// exact zeros, and a graph's split count follows the cache's capacity, not the context, so an
+// AR step early in a long-capacity engine's sequence has most splits empty (BENCHMARKS.md,
+// "Attention").
 // Lane l holds columns 4 l .. 4 l + 3 of each 128-column group (NC groups: d <= 128 NC).
 
 // One row's merge, by one warp: lse_at(s) is split s's log-sum-exp, o_at(s) its D floats.
 // The combine kernel reads them from the global partials; a cluster's first CTA from its
 // CTAs' shared memory (below), with the same arithmetic in the same order.
-template <typename T, int NC, bool kTrim = false, typename Lse, typename Part>
+template <typename T, int NC, typename Lse, typename Part>
 __device__ __forceinline__ void combine_row(int num_splits, int head_dim, int lane, Lse lse_at, Part o_at,
                                             T* __restrict__ out) {
   float mx = -INFINITY;
@@ -232,8 +232,7 @@ __device__ __forceinline__ void combine_row(int num_splits, int head_dim, int la
     const float lse = s0 + lane < num_splits ? lse_at(s0 + lane) : -INFINITY;
     const float w_lane = lse == -INFINITY ? 0.f : exp2f(lse - m_use);
     wsum += w_lane;
-    int n = min(32, num_splits - s0);
-    if constexpr (kTrim) n = 32 - __clz(__ballot_sync(0xffffffffu, lse != -INFINITY));  // past num_splits: -inf
+    const int n = 32 - __clz(__ballot_sync(0xffffffffu, lse != -INFINITY));  // past num_splits: -inf
 #pragma unroll 8
     for (int j = 0; j < n; ++j) {
       const float w = __shfl_sync(0xffffffffu, w_lane, j);
@@ -590,7 +589,7 @@ __global__ void __launch_bounds__(kThreads, 2)
 }
 
 // ---------------------------------------------------------------------------------------------
-template <typename T, int NC, bool kTrim>
+template <typename T, int NC>
 __global__ void __launch_bounds__(kThreads)
     block_attention_combine_kernel(int64_t num_rows, int head_dim, int num_splits, const float* __restrict__ o_part,
                                    const float* __restrict__ lse_part, T* __restrict__ out) {
@@ -599,7 +598,7 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= num_rows) return;  // whole warps: the shuffles below see all 32 lanes
-  combine_row<T, NC, kTrim>(
+  combine_row<T, NC>(
       num_splits, head_dim, lane, [&](int s) { return lse_part[s * num_rows + row]; },
       [&](int s) { return o_part + (s * num_rows + row) * head_dim; }, out + row * head_dim);
 }
@@ -939,13 +938,7 @@ void launch_combine(const BlockAttentionParams& p, int num_splits, const float* 
   const int64_t num_rows = static_cast<int64_t>(p.batch) * p.num_tokens * p.num_q_heads;
   const unsigned ctas = static_cast<unsigned>((num_rows + kWarps - 1) / kWarps);
   T* out = static_cast<T*>(p.out);
-  // Off until gpu_check.sh attn-trim has run its tests and A/B on a GPU
-  const char* trim_env = std::getenv("DFLASH_TRT_COMBINE_TRIM");
-  const bool trim = trim_env != nullptr && trim_env[0] == '1';
-  const auto kernel = p.head_dim <= 128 ? (trim ? block_attention_combine_kernel<T, 1, true>
-                                                : block_attention_combine_kernel<T, 1, false>)
-                                        : (trim ? block_attention_combine_kernel<T, 2, true>
-                                                : block_attention_combine_kernel<T, 2, false>);
+  const auto kernel = p.head_dim <= 128 ? block_attention_combine_kernel<T, 1> : block_attention_combine_kernel<T, 2>;
   pdl_launch(kernel, dim3(ctas), dim3(kThreads), 0, stream, true, num_rows, p.head_dim, num_splits, o_part, lse_part,
              out);
 }
