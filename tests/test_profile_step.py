@@ -63,8 +63,8 @@ def experts_and_norm_as_one_kernel(x, gate_up, down, weights, ids, residual, nor
 def test_every_ablation_changes_the_ar_step(monkeypatch, name, experts_norm):
     spec, parts = TINY[name]
     monkeypatch.setitem(rw.PRESETS, "tiny", spec)
+    monkeypatch.setattr(SparseMoeBlock, "output_norm_in_experts", experts_norm)
     if experts_norm:
-        monkeypatch.setattr(SparseMoeBlock, "output_norm_in_experts", True)
         monkeypatch.setattr(ops, "moe_experts_add_rms_norm", experts_and_norm_as_one_kernel)
     engine = rw.random_engine("tiny", device="cpu", dtype=torch.float32, max_batch_size=1, max_seq_len=128).engine
     step = repeatable_ar_step(engine)

@@ -62,13 +62,14 @@ class ExpertsOut(NamedTuple):
 
 
 class SparseMoeBlock(nn.Module):
-    # The norm before this block runs as its own kernel, not in the projection before it: with
-    # the norm in the projection the 35B-A3B's AR step measured slower (its MoE kernels took
-    # longer), the dense models' faster (BENCHMARKS.md, "GEMV").
+    # The norm before this block runs as its own kernel, not in the projection before it: its
+    # consumer is the small router, and with the norm in the projection the 35B-A3B's AR step
+    # measured slower, the dense models' faster (BENCHMARKS.md, "GEMV" and "Mixture of experts").
     input_norm_in_projection = False
-    # One token's norm after the block in the experts' down kernel (ExpertsOut): off until an
-    # A/B on the GPU shows it wins (bench/gpu_check.sh moe-norm).
-    output_norm_in_experts = False
+    # One token's norm after the block (the next layer's input norm) runs in the experts' down
+    # kernel (ExpertsOut): its consumer is a large projection that loads its weights while the
+    # last CTA norms; measured faster (bench/gpu_check.sh moe-norm, BENCHMARKS.md).
+    output_norm_in_experts = True
 
     def __init__(self, dims: LayerDims, moe: MoEDims):
         super().__init__()
