@@ -323,25 +323,32 @@ def replay_timeline(kernels: list[tuple[str, float, float]], steps: int) -> dict
     first) and, per kernel name,
     calls and ms per replay from its start to the next kernel's start in the same replay (a
     replay's last kernel: to its own end, so the host's gap before the next replay counts for
-    nobody). With programmatic dependents a kernel's duration includes its wait for the one
-    before, so durations add up to more than the replay, while these add up to its span."""
+    nobody), and `end_ms`: from the latest end before its end (the replay's first start for
+    the first) to its own, the time by which it pushed the replay's end out. With programmatic
+    dependents a kernel's duration includes its wait for the one before, so durations add up
+    to more than the replay, while both of these add up to its span; a kernel that starts
+    early and waits shows in end_ms by what it adds after its wait."""
     per_replay = len(kernels) // steps if steps and len(kernels) % steps == 0 else len(kernels)
     replays = [kernels[i:i + per_replay] for i in range(0, len(kernels), per_replay)] if kernels else []
     # under torch.profiler the first replay's first kernel waits ~1 ms for the next (the profiler
     # starting up): the first replay does not count where there are others
     replays = replays[1:] if len(replays) > 1 else replays
-    per = defaultdict(lambda: [0, 0.0, 0.0])  # calls, start-to-next-start us, duration us
+    per = defaultdict(lambda: [0, 0.0, 0.0, 0.0])  # calls, start-to-next-start us, duration us, end us
     for replay in replays:
+        latest = replay[0][1]
         for (name, start, end), after in zip(replay, replay[1:] + [None]):
             row = per[kernel_name(name)]
             row[0] += 1
             row[1] += (after[1] if after else end) - start
             row[2] += end - start
+            row[3] += max(end - latest, 0.0)
+            latest = max(latest, end)
     n = max(len(replays), 1)
     span_us = sum(max(end for _, _, end in r) - r[0][1] for r in replays) / n
     return {"kernels_per_step": per_replay, "gpu_span_ms_per_step": span_us / 1e3,
-            "by_kernel": [dict(kernel=name, calls=calls / n, ms=until_next / n / 1e3, mean_us=duration / calls)
-                          for name, (calls, until_next, duration) in sorted(per.items(), key=lambda kv: -kv[1][1])]}
+            "by_kernel": [dict(kernel=name, calls=calls / n, ms=until_next / n / 1e3, end_ms=ends / n / 1e3,
+                               mean_us=duration / calls)
+                          for name, (calls, until_next, duration, ends) in sorted(per.items(), key=lambda kv: -kv[1][1])]}
 
 
 def trace_graph_replays(fn, path: str, steps: int = 5) -> dict:

@@ -102,7 +102,7 @@ def test_a_traced_kernel_is_named_by_its_function_and_template_arguments(name, s
 def test_a_replays_timeline_adds_up_to_its_span_and_leaves_the_gaps_between_replays_out():
     """Three replays of [a, b, c] where b starts (as a programmatic dependent) before a ends,
     with host gaps between the replays: each kernel holds the stream from its start to the
-    next one's, c to its own end. The first replay, whose b the profiler's start-up delays
+    next one's, c to its own end; by ends, each from the end before it to its own. The first replay, whose b the profiler's start-up delays
     here, does not count."""
     replay = [("void ns::a<1>(P)", 0.0, 10.0), ("void ns::b(P)", 4.0, 20.0), ("void ns::c(P)", 20.0, 23.0)]
     first = [replay[0]] + [(name, start + 1000.0, end + 1000.0) for name, start, end in replay[1:]]
@@ -113,4 +113,6 @@ def test_a_replays_timeline_adds_up_to_its_span_and_leaves_the_gaps_between_repl
     assert timeline["kernels_per_step"] == 3 and timeline["gpu_span_ms_per_step"] == pytest.approx(0.023)
     assert {name: rows[name]["ms"] * 1e3 for name in rows} == pytest.approx({"a<1>": 4.0, "b": 16.0, "c": 3.0})
     assert sum(k["ms"] for k in timeline["by_kernel"]) == pytest.approx(timeline["gpu_span_ms_per_step"])
+    # by their ends: a to its end, b from a's end to its own, c likewise
+    assert {name: rows[name]["end_ms"] * 1e3 for name in rows} == pytest.approx({"a<1>": 10.0, "b": 10.0, "c": 3.0})
     assert rows["b"]["mean_us"] == pytest.approx(16.0) and rows["a<1>"]["calls"] == 1
