@@ -26,6 +26,7 @@
 #   bash bench/gpu_check.sh moe-bench  # MoE: Qwen3.6-35B-A3B AR vs DFlash, the 397B-A17B at 4 and 8 layers
 #   bash bench/gpu_check.sh moe-split  # MoE experts at TP2 per rank: tensor- vs expert-parallel
 #   bash bench/gpu_check.sh moe-norm   # MoE: the norms around an MoE block in its kernels (GPU tests, AR A/B)
+#   bash bench/gpu_check.sh trace      # the 35B-A3B's AR step as a trace: each kernel's share by starts and ends
 #   bash bench/gpu_check.sh moe-flashinfer # MoE: the experts against FlashInfer's fused MoE (carry .fi)
 #   bash bench/gpu_check.sh tp         # (2 GPUs) a two-rank run exits; one rank vs two, Qwen3-1.7B pair
 #   bash bench/gpu_check.sh draft-vocab # Qwen3-8B's draft pass with the whole vocabulary and with 32k tokens
@@ -60,7 +61,7 @@
 # The machine has no `unzip`: zips are opened with `python3 -m zipfile`, which drops the
 # executable bits, so they are set again.
 set -u
-usage="usage: gpu_check.sh STAGE... (tests hybrid benches roofline bench8b goals overlap identity triton window flashinfer splits moe moe-models moe-bench moe-split moe-norm moe-flashinfer tp draft-vocab prefill stall fa3 fa3-engine burst train-ranks demo-target demo-drafter demo-eval)"
+usage="usage: gpu_check.sh STAGE... (tests hybrid benches roofline bench8b goals overlap identity triton window flashinfer splits moe moe-models moe-bench moe-split moe-norm trace moe-flashinfer tp draft-vocab prefill stall fa3 fa3-engine burst train-ranks demo-target demo-drafter demo-eval)"
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
@@ -262,12 +263,14 @@ moe)
 moe-norm)
   # the norm after an MoE block in its down kernel (SparseMoeBlock.output_norm_in_experts) and the
   # norm before it in the projection before it (input_norm_in_projection): their GPU tests, then
-  # the 35B-A3B's AR step at batch 1 with neither, each and both, alternating twice
+  # the 35B-A3B's AR step at batch 1 with neither, each and both (FLAGS, default all four: output
+  # then input, 1 on), alternating twice. With output_norm_in_experts the routing runs in the
+  # experts' kernels too
   step plugins 300 python3 -c 'from dflash_trt import plugins; print(plugins.load())'
   DFLASH_TEST_DEVICE=cuda step tests-norm 300 python3 -m pytest -q -p no:cacheprovider tests/test_moe_ops.py \
-    tests/test_moe.py tests/test_gemv.py -k "norm or one_token or graph_replays"
+    tests/test_moe.py tests/test_gemv.py -k "norm or one_token or graph_replays or route"
   for round in 1 2; do
-    for flags in 00 10 01 11; do
+    for flags in ${FLAGS:-00 10 01 11}; do
       step "ar35b-$flags-$round" 150 python3 -c "import runpy, sys
 from dflash_trt.models.moe import SparseMoeBlock
 SparseMoeBlock.output_norm_in_experts, SparseMoeBlock.input_norm_in_projection = '$flags'[0] == '1', '$flags'[1] == '1'
@@ -275,6 +278,16 @@ sys.argv = ['profile_step.py', '--preset', 'qwen3.6-35b-a3b', '--batch', '1', '-
 runpy.run_path('bench/profile_step.py', run_name='__main__')"
     done
   done
+  ;;
+trace)
+  # where the 35B-A3B's AR step at batch 1 goes: a Chrome trace of its graph replays, each kernel's
+  # share by starts and by ends (profile_step.replay_timeline), and the attention tests of the trim
+  step plugins 300 python3 -c 'from dflash_trt import plugins; print(plugins.load())'
+  DFLASH_TEST_DEVICE=cuda step tests-attn 300 python3 -m pytest -q -p no:cacheprovider tests/test_ops.py \
+    -k "split or cluster or masked or combine"
+  step trace-35b 200 python3 bench/profile_step.py --preset qwen3.6-35b-a3b --batch 1 --top-kernels 40 \
+    --trace "$OUT/trace_35b.json" --json "$OUT/trace_35b_profile.json"
+  gzip -f "$OUT/trace_35b.json"
   ;;
 moe-flashinfer)
   # the experts against FlashInfer's fused MoE (carry .fi). Its JIT builds the SM90 MoE

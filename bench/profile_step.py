@@ -179,16 +179,17 @@ def _no_experts(x, gate_up, down, weights, ids, out_dtype=torch.float32, shared_
     return torch.zeros(x.shape, dtype=out_dtype, device=x.device)
 
 
-def _no_experts_before_norm(x, gate_up, down, weights, ids, residual, norm_weight, eps, zero_centered=False,
-                            ticket=None, shared_last=False):
-    # moe_experts_add_rms_norm with the experts left out, the add + norm after them kept
+def _no_experts_before_norm(x, gate_up, down, logits, top_k, renormalize, shared, residual, norm_weight, eps,
+                            zero_centered=False, ticket=None):
+    # moe_experts_add_rms_norm with the routing and experts left out, the add + norm after them kept
     zeros = torch.zeros(residual.shape, dtype=x.dtype, device=x.device)
     return ops.add_rms_norm(residual, zeros, norm_weight, eps, zero_centered)
 
 
-def _no_norm_after_experts(x, gate_up, down, weights, ids, residual, *args, shared_last=False, **kwargs):
-    # moe_experts_add_rms_norm with the experts kept, the add + norm after them left out
-    return residual, ops.moe_experts(x, gate_up, down, weights, ids, x.dtype, shared_last).reshape(residual.shape)
+def _no_norm_after_experts(x, gate_up, down, logits, top_k, renormalize, shared, residual, *args, **kwargs):
+    # moe_experts_add_rms_norm with the routing and experts kept, the add + norm after them left out
+    out = ops.moe_experts(x, gate_up, down, *ops.moe_route(logits, top_k, renormalize, shared), x.dtype, shared)
+    return residual, out.reshape(residual.shape)
 
 
 def _no_attention(q, *args, **kwargs):
@@ -232,7 +233,8 @@ def ablations(target) -> dict[str, list[tuple[object, str, object]]]:
     parts = {"residual norms": [(ops, "add_rms_norm", _no_add_norm), (ops, "rms_norm", _no_norm),
                                 (ops, "linear_add_rms_norm", _no_linear_add_norm)]}
     if SparseMoeBlock in kinds:
-        # with SparseMoeBlock.output_norm_in_experts one token's experts and the norm after them are one op
+        # with SparseMoeBlock.output_norm_in_experts one token's routing, experts and the norm after them
+        # are one op (two kernels)
         parts["residual norms"].append((ops, "moe_experts_add_rms_norm", _no_norm_after_experts))
         parts["routed experts"] = [(ops, "moe_experts", _no_experts),
                                    (ops, "moe_experts_add_rms_norm", _no_experts_before_norm)]

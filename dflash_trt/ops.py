@@ -603,28 +603,33 @@ def moe_experts(x, gate_up, down, weights, ids, out_dtype=torch.float32, shared_
 
 
 MOE_NORM_MAX_HIDDEN = 4096  # plugins/moe.h kMoeNormMaxHidden
-MOE_TOKEN_MAX_PICKS = 32  # plugins/moe.cu kTokenMaxPicks: more picks take the tiles
 
 
-def moe_experts_add_rms_norm(x, gate_up, down, weights, ids, residual, norm_weight, eps: float,
-                             zero_centered: bool = False, ticket: torch.Tensor | None = None,
-                             shared_last: bool = False):
-    """add_rms_norm(residual, moe_experts(x, ..., out_dtype=x.dtype), norm_weight, eps,
-    zero_centered) -> (s, y): an MoE block's experts and the residual add + norm after them.
+def moe_experts_add_rms_norm(x, gate_up, down, logits, top_k: int, renormalize: bool, shared: bool, residual,
+                             norm_weight, eps: float, zero_centered: bool = False,
+                             ticket: torch.Tensor | None = None):
+    """add_rms_norm(residual, moe_experts(x, gate_up, down, *moe_route(logits, top_k,
+    renormalize, shared), out_dtype=x.dtype, shared_last=shared), norm_weight, eps,
+    zero_centered) -> (s, y): an MoE block's routing, experts and the residual add + norm after
+    them (with `shared` the shared expert packed last in gate_up and down, its gate the logits'
+    last column).
 
     One token in bf16 or fp16 on CUDA with `ticket` given (an AR step at batch 1): one launch
-    pair, the one-token down kernel's last CTA running the add + norm (plugins/moe.h,
-    MoeParams::norm) with add_rms_norm's bits; `ticket` as for linear_add_rms_norm. Elsewhere the
-    two ops."""
+    pair with the same bits: each CTA of the experts' kernels routes the token itself
+    (plugins/route_warp.h, moe_route's arithmetic), so no routing kernel runs, and the one-token
+    down kernel's last CTA runs the add + norm (plugins/moe.h, MoeParams::norm) with
+    add_rms_norm's bits; `ticket` as for linear_add_rms_norm. Elsewhere the three ops."""
     H = x.shape[-1]
+    E = logits.shape[-1] - shared
     if (ticket is not None and x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)
-            and ids.dim() == 2 and ids.shape[1] <= MOE_TOKEN_MAX_PICKS and H <= MOE_NORM_MAX_HIDDEN
+            and logits.dim() == 2 and logits.dtype == x.dtype and E <= MOE_ROUTE_MAX_EXPERTS
+            and 0 < top_k <= MOE_ROUTE_MAX_TOP_K and min(logits.stride()) >= 1 and H <= MOE_NORM_MAX_HIDDEN
             and x.is_contiguous() and _moe_kernel_fits(x, gate_up, down) and _row_norm_fits(x, H, residual, norm_weight)):
         _check_ticket(ticket, x.device)
-        return torch.ops.dflash.moe_experts_add_rms_norm(x, gate_up, down, weights.contiguous(), ids.contiguous(),
-                                                         shared_last, residual, norm_weight, float(eps), zero_centered,
+        return torch.ops.dflash.moe_experts_add_rms_norm(x, gate_up, down, logits, int(top_k), bool(renormalize),
+                                                         bool(shared), residual, norm_weight, float(eps), zero_centered,
                                                          ticket)
-    out = moe_experts(x, gate_up, down, weights, ids, x.dtype, shared_last)
+    out = moe_experts(x, gate_up, down, *moe_route(logits, top_k, renormalize, shared), x.dtype, shared)
     return add_rms_norm(residual, out.reshape(residual.shape), norm_weight, eps, zero_centered)
 
 

@@ -26,7 +26,9 @@
 // Overlap. For one token (either kernel pair) the down kernel is launched as a programmatic
 // dependent of gate_up (pdl.h): its experts are known before gate_up ends (the ids come from
 // the kernel before it), so its CTAs pull their weight rows into L2 while gate_up's last CTAs
-// run, then wait.
+// run, then wait. With MoeParams::route_logits each CTA of both routes the token itself
+// (route_warp.h) and no routing kernel runs before them: gate_up's CTAs after their wait, up
+// to their own pick, down's in full before theirs.
 // With more tokens the grids run in several waves, and the same launch was slower
 // (BENCHMARKS.md, "Mixture of experts").
 //
@@ -34,12 +36,15 @@
 //   nvcc -std=c++17 -arch=sm_90 -c moe.cu
 
 #include "moe.h"
+#include "moe_route.h"  // kMoeRouteMaxTopK
 
 #include "cp_async.h"
+#include "device.h"
 #include "float_convert.h"
 #include "lanes.h"
 #include "mma_tile.h"
 #include "pdl.h"
+#include "route_warp.h"
 #include "row_norm.h"
 
 #include <cuda_bf16.h>
@@ -603,15 +608,40 @@ constexpr int kTokenWarps = kTokenThreads / 32;
 constexpr int kTokenGateUpLoads = 2;  // per row (gate, up) and lane in flight: more CTAs resident beat more loads
 constexpr int kTokenMaxPicks = 32;  // k of the one-token kernels (their shared memory); more take the tiles
 
+// One token's routing inside the expert kernels (MoeParams::route_logits): warp 0 of the CTA
+// routes it into shared memory (route_warp.h) for the first `rounds` picks (the weights with
+// all of them), while the other warps wait at the barrier. The kernels take route_warp's V
+// (kRouteV: 8 up to 256 experts, else 16, whose registers cost the down kernel a spill) as a
+// template argument, 0 for ids read from memory, which compiles the routing out.
+static_assert(kTokenMaxPicks >= kMoeRouteMaxTopK + 1, "a routed token's picks fit the shared arrays");
+
+inline int route_lanes(const MoeParams& p) {
+  return p.route_logits == nullptr ? 0 : p.experts - (p.shared_last ? 1 : 0) <= 256 ? 8 : 16;
+}
+
+template <typename T, int kRouteV>
+__device__ __forceinline__ void route_in_cta(const MoeParams& p, int rounds, float* w, int32_t* ids) {
+  const int s = p.shared_last ? 1 : 0;
+  if (threadIdx.x < 32)
+    route_warp<T, kRouteV>(static_cast<const T*>(p.route_logits), p.route_stride, p.experts - s, p.top_k - s,
+                               rounds, p.route_renormalize, p.shared_last, w, ids);
+  __syncthreads();
+}
+
 // act[j, r] for intermediate row r of pick j (warp w: j = w / I, r = w % I): gate row r and up
-// row I + r of expert ids[j], silu(gate) * up rounded as the tile kernel rounds it.
-template <typename T>
+// row I + r of expert ids[j], silu(gate) * up rounded as the tile kernel rounds it. Routing
+// here (route_logits), a CTA routes up to its own pick (I is a multiple of 8: one pick a CTA),
+// a shared expert's CTA not at all.
+template <typename T, int kRouteV>
 __global__ void __launch_bounds__(kTokenThreads) moe_token_gate_up_kernel(MoeParams p) {
+  __shared__ float route_w[kTokenMaxPicks];
+  __shared__ int32_t route_ids[kTokenMaxPicks];
   const int lane = threadIdx.x % 32;
   const int64_t w = static_cast<int64_t>(blockIdx.x) * kTokenWarps + threadIdx.x / 32;
   const int64_t chunks = p.hidden / 8;
   const bool live = w < static_cast<int64_t>(p.top_k) * p.inter;
-  if (live && p.shared_last && w / p.inter == p.top_k - 1) {  // known before the routing: its rows into L2
+  const bool shared_pick = p.shared_last && w / p.inter == p.top_k - 1;
+  if (live && shared_pick) {  // known before the routing: its rows into L2
     const int64_t row = static_cast<int64_t>(p.experts - 1) * 2 * p.inter + w % p.inter;
     const char* gate = reinterpret_cast<const char*>(static_cast<const uint4*>(p.gate_up) + row * chunks);
     const char* up = gate + static_cast<int64_t>(p.inter) * chunks * 16;
@@ -620,10 +650,22 @@ __global__ void __launch_bounds__(kTokenThreads) moe_token_gate_up_kernel(MoePar
       prefetch_l2(up + b);
     }
   }
-  pdl_wait();  // the ids come from the kernel before
+  pdl_wait();  // the ids, or the router's logits, come from the kernel before
   pdl_allow_dependents();
+  const int j = static_cast<int>(min(w / p.inter, static_cast<int64_t>(p.top_k - 1)));
+  constexpr bool routes = kRouteV > 0;
+  if constexpr (routes) {
+    if (!shared_pick) route_in_cta<T, kRouteV>(p, j + 1, route_w, route_ids);  // the CTA is one pick's
+    // the last routed pick's first CTA has all of it: for the down CTAs that do not route
+    const int routed = p.top_k - (p.shared_last ? 1 : 0);
+    if (j == routed - 1 && w == static_cast<int64_t>(j) * p.inter && static_cast<int>(threadIdx.x) < p.top_k) {
+      p.route_ids[threadIdx.x] = route_ids[threadIdx.x];
+      p.route_weights[threadIdx.x] = route_w[threadIdx.x];
+    }
+  }
   if (!live) return;
-  const int j = static_cast<int>(w / p.inter), r = static_cast<int>(w % p.inter), e = p.ids[j];
+  const int r = static_cast<int>(w % p.inter);
+  const int e = !routes ? p.ids[j] : shared_pick ? p.experts - 1 : route_ids[j];
   if (e < 0 || e >= p.experts) return;  // adds nothing: the down kernel skips the pick
   const uint4* gate = static_cast<const uint4*>(p.gate_up) + (static_cast<int64_t>(e) * 2 * p.inter + r) * chunks;
   const uint4* const rows[2] = {gate, gate + static_cast<int64_t>(p.inter) * chunks};  // gate row r, up row I + r
@@ -644,7 +686,8 @@ __global__ void __launch_bounds__(kTokenThreads) moe_token_gate_up_kernel(MoePar
 // found them issue-bound, not waiting on memory (BENCHMARKS.md, "Mixture of experts"). The ids
 // were written two kernels back (routing; gate_up lets this kernel start only after its own
 // wait), so the first weight chunks load into registers before the wait, while gate_up runs;
-// the ids are read again after it.
+// the ids are read again after it. With route_logits the router's logits are the ones two
+// kernels back: each CTA routes the token before the wait.
 constexpr int kDownLanes = 8, kDownLoads = 8;  // lanes a dot; chunks a lane in flight
 constexpr int kDownGroups = 36;                // dots a CTA at most: 4 rows of the 35B-A3B's 9 picks
 constexpr int kDownThreads = kDownGroups * kDownLanes;
@@ -665,9 +708,21 @@ __device__ __forceinline__ void load_down_chunks(const uint4* row, int64_t c0, i
 
 // kNormPlays > 0: launched with kDownThreads threads, the add + norm after it (MoeParams::norm)
 // by its last CTA, each thread over kNormPlays vectors of the row.
-template <typename T, int kNormPlays>
-__global__ void __launch_bounds__(kDownThreads, kDownMinCtas) moe_token_down_kernel(MoeParams p, int rows_per_cta) {
+// With the routing here (kRouteV > 0) the first route_ctas CTAs, those that start while
+// gate_up runs (about one an SM beside its CTAs), route the token before their wait; the
+// others start as gate_up's CTAs end, where routing would be in the way, and read the routing
+// gate_up wrote (MoeParams::route_ids, route_weights) after the wait.
+template <typename T, int kNormPlays, int kRouteV>
+__global__ void __launch_bounds__(kDownThreads, kDownMinCtas)
+    moe_token_down_kernel(MoeParams p, int rows_per_cta, int route_ctas) {
   __shared__ float part[kDownGroups];
+  __shared__ float route_w[kTokenMaxPicks];
+  __shared__ int32_t route_ids[kTokenMaxPicks];
+  constexpr bool routes = kRouteV > 0;
+  const bool self_routed = routes && static_cast<int>(blockIdx.x) < route_ctas;
+  if constexpr (routes) {
+    if (self_routed) route_in_cta<T, kRouteV>(p, p.top_k - (p.shared_last ? 1 : 0), route_w, route_ids);
+  }
   const int k = p.top_k, group = threadIdx.x / kDownLanes, gl = threadIdx.x % kDownLanes;
   const int r = group / k, j = group % k;
   const int64_t h = static_cast<int64_t>(blockIdx.x) * rows_per_cta + r;
@@ -676,12 +731,23 @@ __global__ void __launch_bounds__(kDownThreads, kDownMinCtas) moe_token_down_ker
   const uint4* down = static_cast<const uint4*>(p.down);
   const int64_t hidden = p.hidden;  // not p in the lambda: taking a parameter's address copies it to local memory
   auto row_of = [=](int e) { return down + (static_cast<int64_t>(e) * hidden + h) * chunks; };
-  int e = live ? p.ids[j] : -1;
+  int e = !live ? -1 : !routes ? p.ids[j] : self_routed ? route_ids[j] : -1;
   bool valid = e >= 0 && e < p.experts;
   uint4 wv[kDownLoads];
   load_down_chunks(row_of(valid ? e : 0), gl, chunks, valid, wv);
   pdl_wait();
-  if (live && p.ids[j] != e) {  // never expected (see above); correct if it happens
+  if constexpr (routes) {
+    if (!self_routed) {
+      if (static_cast<int>(threadIdx.x) < k) {
+        route_ids[threadIdx.x] = p.route_ids[threadIdx.x];
+        route_w[threadIdx.x] = p.route_weights[threadIdx.x];
+      }
+      __syncthreads();
+      e = live ? route_ids[j] : -1;
+      valid = e >= 0 && e < p.experts;
+      load_down_chunks(row_of(valid ? e : 0), gl, chunks, valid, wv);
+    }
+  } else if (live && p.ids[j] != e) {  // never expected (see above); correct if it happens
     e = p.ids[j];
     valid = e >= 0 && e < p.experts;
     load_down_chunks(row_of(valid ? e : 0), gl, chunks, valid, wv);
@@ -722,9 +788,10 @@ __global__ void __launch_bounds__(kDownThreads, kDownMinCtas) moe_token_down_ker
   if (writes) {
     float out = 0.0f;
     for (int jj = 0; jj < k; ++jj) {
-      const int ej = p.ids[jj];
+      const int ej = routes ? route_ids[jj] : p.ids[jj];
       if (ej < 0 || ej >= p.experts) continue;
-      out = __fadd_rn(out, __fmul_rn(p.weights[jj], rounded<T>(part[threadIdx.x * k + jj])));
+      const float wj = routes ? route_w[jj] : p.weights[jj];
+      out = __fadd_rn(out, __fmul_rn(wj, rounded<T>(part[threadIdx.x * k + jj])));
     }
     if (p.out_dtype == DType::kFloat32) static_cast<float*>(p.out)[hr] = out;
     else static_cast<T*>(p.out)[hr] = to_dtype<T>(out);
@@ -737,17 +804,24 @@ template <typename T>
 cudaError_t project_token(const MoeParams& p, cudaStream_t stream) {
   const int64_t warps = static_cast<int64_t>(p.top_k) * p.inter;
   const dim3 block(kTokenThreads);
-  const cudaError_t err = pdl_launch(moe_token_gate_up_kernel<T>,
-                                     dim3(static_cast<unsigned>(ceil_div(warps, kTokenWarps))), block, 0, stream, true, p);
+  const int rv = route_lanes(p);  // routing only with the norm (moe_check)
+  const auto gate_up = rv == 0 ? moe_token_gate_up_kernel<T, 0>
+                               : rv == 8 ? moe_token_gate_up_kernel<T, 8> : moe_token_gate_up_kernel<T, 16>;
+  const cudaError_t err =
+      pdl_launch(gate_up, dim3(static_cast<unsigned>(ceil_div(warps, kTokenWarps))), block, 0, stream, true, p);
   if (err != cudaSuccess) return err;
   const int rows = down_rows_per_cta(p.top_k);
   const dim3 grid(static_cast<unsigned>(ceil_div(p.hidden, rows)));
   if (p.norm.ticket != nullptr) {
-    const auto kernel = p.hidden / 8 <= kDownThreads ? moe_token_down_kernel<T, 1> : moe_token_down_kernel<T, 2>;
-    return pdl_launch(kernel, grid, dim3(kDownThreads), 0, stream, true, p, rows);
+    const bool one_play = p.hidden / 8 <= kDownThreads;
+    const auto kernel = rv == 0    ? (one_play ? moe_token_down_kernel<T, 1, 0> : moe_token_down_kernel<T, 2, 0>)
+                        : rv == 8  ? (one_play ? moe_token_down_kernel<T, 1, 8> : moe_token_down_kernel<T, 2, 8>)
+                                   : (one_play ? moe_token_down_kernel<T, 1, 16> : moe_token_down_kernel<T, 2, 16>);
+    // about one down CTA an SM starts beside gate_up's CTAs (moe_token_down_kernel)
+    return pdl_launch(kernel, grid, dim3(kDownThreads), 0, stream, true, p, rows, device_sms());
   }
   const int threads = static_cast<int>(ceil_div(static_cast<int64_t>(rows) * p.top_k * kDownLanes, 32)) * 32;
-  return pdl_launch(moe_token_down_kernel<T, 0>, grid, dim3(threads), 0, stream, true, p, rows);
+  return pdl_launch(moe_token_down_kernel<T, 0, 0>, grid, dim3(threads), 0, stream, true, p, rows, 0);
 }
 
 // --------------------------------------------------------------------------------------------
@@ -880,13 +954,21 @@ const char* moe_check(const MoeParams& p) {
     if (!aligned16(p.norm.residual) || !aligned16(p.norm.weight) || !aligned16(p.norm.sum) || !aligned16(p.norm.out))
       return "the norm's residual, weight, sum and out must be 16-byte aligned";
   }
+  if (p.route_logits != nullptr) {
+    const int s = p.shared_last ? 1 : 0;
+    if (p.norm.ticket == nullptr) return "routing in the experts' kernels comes with the add + norm after them";
+    if (p.experts - s > kMoeRouteMaxExperts || p.top_k - s < 1 || p.top_k - s > kMoeRouteMaxTopK)
+      return "routing in the experts' kernels takes up to 512 routed experts and 1 to 16 routed picks";
+    if (p.route_stride < 1) return "route_stride must be positive";
+    if (p.route_ids == nullptr || p.route_weights == nullptr) return "null route_ids or route_weights";
+  }
   if (p.tokens == 0) return nullptr;
   if (!p.out || !aligned16(p.out)) return "out must be 16-byte aligned";
   if (slots == 0) return nullptr;
   const void* const buffers[] = {p.x, p.gate_up, p.down, p.work, p.act, p.y};
   for (const void* ptr : buffers)
     if (ptr == nullptr || !aligned16(ptr)) return "x, gate_up, down, work, act and y must be 16-byte aligned";
-  if (!p.weights || !p.ids) return "null pointer";
+  if (p.route_logits == nullptr && (!p.weights || !p.ids)) return "null pointer";
   return nullptr;
 }
 

@@ -69,6 +69,17 @@ struct MoeParams {
   // the residual add + RMSNorm after the experts, norm.sum = norm.residual + out and norm.out
   // its norm, run by the down kernel's last CTA (gemv.h's GemvNorm, with add_rms_norm's bits).
   GemvNorm norm;
+  // With route_logits set (one token, with the norm above): weights and ids are not read (may
+  // be null): the kernels route the token themselves from the router's logits, with
+  // moe_route's semantics and bits (moe_route.h: route_logits[e route_stride] for e < E - s,
+  // s = 1 with shared_last, which then holds the shared expert's gate at e = E - 1, picked last
+  // as expert E - 1; top_k counts it): no routing launch, and the down kernel routes before
+  // it waits for gate_up.
+  const void* route_logits = nullptr;  // in the dtype
+  int64_t route_stride = 1;
+  bool route_renormalize = false;
+  int32_t* route_ids = nullptr;    // [k] scratch: gate_up writes the routing here for the down
+  float* route_weights = nullptr;  // kernel's CTAs that start after it (moe.cu)
 };
 
 // Scratch ints of a launch (the sort's outputs and the chunk list).

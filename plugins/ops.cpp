@@ -831,9 +831,16 @@ at::Tensor gated_delta_recurrent_meta(const at::Tensor& q, const at::Tensor&, co
 // fp32; ids [N, k] int32; all contiguous. Returns [N, H] in fp32, or in x's dtype with fp32_out false.
 // shared_last: a hint (moe.h) that every token's last pick is expert E - 1.
 // norm: the residual add + norm after it (MoeParams::norm), or null.
+// route: the router's logits and routing the kernels route from (MoeParams::route_logits; then
+// weights and ids are not read and may be empty [N, k] tensors), or null.
+struct RouteArgs {
+  const at::Tensor& logits;
+  bool renormalize;
+};
+
 at::Tensor moe_experts_run(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down,
                            const at::Tensor& weights, const at::Tensor& ids, bool fp32_out, bool shared_last,
-                           const dflash::GemvNorm* norm, const char* op) {
+                           const dflash::GemvNorm* norm, const RouteArgs* route, const char* op) {
   DFLASH_CHECK(x.is_cuda(), "x must be a CUDA tensor");
   const std::optional<dflash::DType> dtype = attention_dtype(x.scalar_type());
   DFLASH_CHECK(dtype.has_value(), "x must be bf16, fp16 or fp32, got ", x.scalar_type());
@@ -880,6 +887,20 @@ at::Tensor moe_experts_run(const at::Tensor& x, const at::Tensor& gate_up, const
   p.out = out.data_ptr();
   p.shared_last = shared_last;
   if (norm != nullptr) p.norm = *norm;
+  if (route != nullptr) {
+    const at::Tensor& logits = route->logits;
+    DFLASH_CHECK(logits.device() == x.device() && logits.scalar_type() == x.scalar_type() && logits.dim() == 2 &&
+                     logits.size(0) == N && logits.size(1) == E && logits.stride(1) >= 1,
+                 op, ": logits must be [N, E] = [", N, ", ", E, "] (E counting a shared expert's gate) in x's dtype "
+                 "on x's device, got ", logits.sizes(), " ", logits.scalar_type());
+    p.route_logits = logits.data_ptr();
+    p.route_stride = logits.stride(1);
+    p.route_renormalize = route->renormalize;
+    p.route_ids = ids.data_ptr<int32_t>();  // unread inputs: the routing's scratch
+    p.route_weights = weights.data_ptr<float>();
+    p.weights = nullptr;
+    p.ids = nullptr;
+  }
   if (const char* why = dflash::moe_check(p)) DFLASH_CHECK(false, op, ": ", why);
   check_launch(dflash::moe_launch(p, c10::cuda::getCurrentCUDAStream().stream()), op);
   return out;
@@ -887,23 +908,31 @@ at::Tensor moe_experts_run(const at::Tensor& x, const at::Tensor& gate_up, const
 
 at::Tensor moe_experts_cuda(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down,
                             const at::Tensor& weights, const at::Tensor& ids, bool fp32_out, bool shared_last) {
-  return moe_experts_run(x, gate_up, down, weights, ids, fp32_out, shared_last, nullptr, "moe_experts");
+  return moe_experts_run(x, gate_up, down, weights, ids, fp32_out, shared_last, nullptr, nullptr, "moe_experts");
 }
 
-// moe_experts of one token (x [1, H], bf16 or fp16) with the output in x's dtype, then the
-// residual add + norm after it in the same launch, as linear_add_rms_norm after its matmul:
-// residual [..., H] fp32, norm_weight [H], ticket one int32 zero. Returns (sum, out).
+// moe_route, then moe_experts of one token (x [1, H], bf16 or fp16) with the output in x's
+// dtype, then the residual add + norm after it, in one launch pair (the routing in the experts'
+// kernels, the add + norm as linear_add_rms_norm's after its matmul): logits [1, E] in x's dtype
+// (E counting a shared expert's gate, packed last in gate_up and down when `shared`), top_k the
+// routed picks; residual [..., H] fp32, norm_weight [H], ticket one int32 zero. Returns (sum, out).
 std::tuple<at::Tensor, at::Tensor> moe_experts_add_rms_norm_cuda(const at::Tensor& x, const at::Tensor& gate_up,
-                                                                 const at::Tensor& down, const at::Tensor& weights,
-                                                                 const at::Tensor& ids, bool shared_last,
+                                                                 const at::Tensor& down, const at::Tensor& logits,
+                                                                 int64_t top_k, bool renormalize, bool shared,
                                                                  const at::Tensor& residual,
                                                                  const at::Tensor& norm_weight, double eps,
                                                                  bool zero_centered, const at::Tensor& ticket) {
   DFLASH_CHECK(x.is_cuda() && x.dim() == 2 && x.size(0) == 1, "moe_experts_add_rms_norm takes one token, x [1, H], got ",
                x.sizes());
+  DFLASH_CHECK(top_k >= 1 && top_k <= dflash::kMoeRouteMaxTopK, "moe_experts_add_rms_norm: top_k must be in [1, ",
+               dflash::kMoeRouteMaxTopK, "], got ", top_k);
   const c10::cuda::CUDAGuard guard(x.device());
   RowNorm norm(x, x.size(1), residual, norm_weight, eps, zero_centered, ticket, "moe_experts_add_rms_norm");
-  moe_experts_run(x, gate_up, down, weights, ids, false, shared_last, &norm.params, "moe_experts_add_rms_norm");
+  const int64_t picks = top_k + (shared ? 1 : 0);  // the kernels' k; weights and ids their scratch
+  const RouteArgs route{logits, renormalize};
+  moe_experts_run(x, gate_up, down, at::empty({1, picks}, x.options().dtype(at::kFloat)),
+                  at::empty({1, picks}, x.options().dtype(at::kInt)), false, shared, &norm.params, &route,
+                  "moe_experts_add_rms_norm");
   return {norm.sum, norm.out};
 }
 
@@ -1011,9 +1040,9 @@ at::Tensor moe_experts_meta(const at::Tensor& x, const at::Tensor&, const at::Te
 }
 
 std::tuple<at::Tensor, at::Tensor> moe_experts_add_rms_norm_meta(const at::Tensor& x, const at::Tensor&,
-                                                                 const at::Tensor&, const at::Tensor&,
-                                                                 const at::Tensor&, bool, const at::Tensor& residual,
-                                                                 const at::Tensor&, double, bool, const at::Tensor&) {
+                                                                 const at::Tensor&, const at::Tensor&, int64_t, bool,
+                                                                 bool, const at::Tensor& residual, const at::Tensor&,
+                                                                 double, bool, const at::Tensor&) {
   return {at::empty(residual.sizes(), residual.options()), at::empty(residual.sizes(), x.options())};
 }
 
@@ -1071,8 +1100,9 @@ TORCH_LIBRARY(dflash, m) {
       "moe_experts(Tensor x, Tensor gate_up, Tensor down, Tensor weights, Tensor ids, bool fp32_out=True, "
       "bool shared_last=False) -> Tensor");
   m.def(
-      "moe_experts_add_rms_norm(Tensor x, Tensor gate_up, Tensor down, Tensor weights, Tensor ids, bool shared_last, "
-      "Tensor residual, Tensor norm_weight, float eps, bool zero_centered, Tensor(a!) ticket) -> (Tensor, Tensor)");
+      "moe_experts_add_rms_norm(Tensor x, Tensor gate_up, Tensor down, Tensor logits, int top_k, bool renormalize, "
+      "bool shared, Tensor residual, Tensor norm_weight, float eps, bool zero_centered, Tensor(a!) ticket) "
+      "-> (Tensor, Tensor)");
   m.def("moe_sort(Tensor ids, int num_experts) -> (Tensor, Tensor, Tensor)");
   m.def(
       "moe_combine(Tensor y, Tensor weights, Tensor ids, Tensor? rows, int num_experts, bool fp32_out=True) "

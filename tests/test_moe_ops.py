@@ -274,37 +274,43 @@ def test_cuda_one_token_matches_the_reference_at_any_width_and_pick_count(exact_
 
 
 @pytest.mark.cuda
-# The one-token down kernel's last CTA adds the residual and norms the row (MoeParams::norm): the
-# bits of moe_experts then add_rms_norm, at one play a thread (H 2048), two (H 4096) and a row
-# shorter than a CTA (H 40); both norms; a pick outside the experts; graph replays with new
-# inputs, the ticket left zero after each
-@pytest.mark.parametrize("E, k, H, I", [(257, 9, 2048, 512), (24, 11, 4096, 64), (16, 3, 40, 24)])
+# One token's routing, experts and the norm after them in one launch pair: each CTA routes the
+# token (route_warp.h) and the down kernel's last CTA adds the residual and norms the row
+# (MoeParams::norm): the bits of moe_route, moe_experts, then add_rms_norm, with a shared expert
+# packed last or none, 256 routed experts (route_warp's V 8) or 512 (V 16), the weights
+# renormalised or not, logits with ties; one play a thread (H 2048), two (H 4096) and a row
+# shorter than a CTA (H 40); both norms; graph replays with new logits, the ticket left zero
+@pytest.mark.parametrize("E, k, shared, H, I", [(256, 8, True, 2048, 512), (512, 10, True, 4096, 64),
+                                                (24, 11, False, 4096, 64), (16, 3, False, 40, 24)])
+@pytest.mark.parametrize("renormalize", [True, False], ids=["renormalised", "softmax"])
 @pytest.mark.parametrize("zero_centered", [False, True], ids=["qwen3-norm", "zero-centred"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_cuda_one_token_experts_with_the_norm_after_them_equal_the_two_ops(dtype, zero_centered, E, k, H, I):
+def test_cuda_one_token_routing_experts_and_norm_equal_the_three_ops(dtype, zero_centered, renormalize, E, k, shared,
+                                                                     H, I):
     assert plugins.load() is not None
-    gate_up, down = make_experts(E, H, I, dtype, device="cuda", seed=H)
+    gate_up, down = make_experts(E + shared, H, I, dtype, device="cuda", seed=H)
     g = torch.Generator(device="cuda").manual_seed(H)
     norm_weight = (torch.randn(H, generator=g, device="cuda") * 0.1 + (0.0 if zero_centered else 1.0)).to(dtype)
     ticket = torch.zeros(1, dtype=torch.int32, device="cuda")
 
     def inputs(seed):
         x = make_x(1, H, dtype, device="cuda", seed=seed)
-        weights, ids = make_routing(1, E, k, device="cuda", seed=seed)
-        if seed == 2:
-            ids[0, 1] = -1
-        return x, weights, ids, torch.randn(1, 1, H, generator=g, device="cuda") * 4
+        logits = (torch.randn(1, E + shared, generator=g, device="cuda") * 2).to(dtype)
+        if seed == 2:  # ties: the lower expert id goes first
+            logits[0, 1::2] = logits[0, 0::2][: logits[0, 1::2].numel()]
+        return x, logits, torch.randn(1, 1, H, generator=g, device="cuda") * 4
 
-    def two_ops(x, weights, ids, residual):
-        out = moe_experts(x, gate_up, down, weights, ids, dtype).reshape(residual.shape)
+    def three_ops(x, logits, residual):
+        weights, ids = ops.moe_route(logits, k, renormalize, shared)
+        out = moe_experts(x, gate_up, down, weights, ids, dtype, shared_last=shared).reshape(residual.shape)
         return ops.add_rms_norm(residual, out, norm_weight, 1e-6, zero_centered)
 
-    def fused(x, weights, ids, residual):
-        return torch.ops.dflash.moe_experts_add_rms_norm(x, gate_up, down, weights, ids, False, residual, norm_weight,
-                                                         1e-6, zero_centered, ticket)
+    def fused(x, logits, residual):
+        return torch.ops.dflash.moe_experts_add_rms_norm(x, gate_up, down, logits, k, renormalize, shared, residual,
+                                                         norm_weight, 1e-6, zero_centered, ticket)
 
     static = list(inputs(0))
-    for got, want in zip(fused(*static), two_ops(*static)):
+    for got, want in zip(fused(*static), three_ops(*static)):
         assert got.shape == want.shape and torch.equal(got, want)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -314,7 +320,7 @@ def test_cuda_one_token_experts_with_the_norm_after_them_equal_the_two_ops(dtype
         for dst, src in zip(static, new):
             dst.copy_(src)
         graph.replay()
-        for got, want in zip(captured, two_ops(*new)):
+        for got, want in zip(captured, three_ops(*new)):
             assert torch.equal(got, want), seed
         assert ticket.item() == 0
 
@@ -324,23 +330,31 @@ def test_cuda_experts_with_the_norm_name_what_they_do_not_take():
     assert plugins.load() is not None
     E, k, H, I = 16, 3, 64, 16
     gate_up, down = make_experts(E, H, I, torch.bfloat16, device="cuda")
-    weights, ids = make_routing(2, E, k, device="cuda")
+    logits = torch.randn(2, E, device="cuda").to(torch.bfloat16)
     x = make_x(2, H, torch.bfloat16, device="cuda")
     norm_weight, ticket = torch.ones(H, dtype=torch.bfloat16, device="cuda"), torch.zeros(1, dtype=torch.int32,
                                                                                          device="cuda")
     op = torch.ops.dflash.moe_experts_add_rms_norm
     with pytest.raises(RuntimeError, match="one token"):
-        op(x, gate_up, down, weights, ids, False, torch.zeros(2, H, device="cuda"), norm_weight, 1e-6, False, ticket)
+        op(x, gate_up, down, logits, k, True, False, torch.zeros(2, H, device="cuda"), norm_weight, 1e-6, False, ticket)
     with pytest.raises(RuntimeError, match="residual must be"):
-        op(x[:1], gate_up, down, weights[:1], ids[:1], False, torch.zeros(1, H + 8, device="cuda"), norm_weight, 1e-6,
+        op(x[:1], gate_up, down, logits[:1], k, True, False, torch.zeros(1, H + 8, device="cuda"), norm_weight, 1e-6,
            False, ticket)
     with pytest.raises(RuntimeError, match="one token in bf16 or fp16"):
-        op(x[:1].float(), gate_up.float(), down.float(), weights[:1], ids[:1], False, torch.zeros(1, H, device="cuda"),
-           norm_weight.float(), 1e-6, False, ticket)
-    # the wrapper takes the two ops where the launch would not (two tokens, fp32, no ticket)
+        op(x[:1].float(), gate_up.float(), down.float(), logits[:1].float(), k, True, False,
+           torch.zeros(1, H, device="cuda"), norm_weight.float(), 1e-6, False, ticket)
+    with pytest.raises(RuntimeError, match=r"logits must be \[N, E\] = \[1, 16\]"):
+        op(x[:1], gate_up, down, logits[:1, :8], k, True, False, torch.zeros(1, H, device="cuda"), norm_weight, 1e-6,
+           False, ticket)
+    with pytest.raises(RuntimeError, match="top_k must be in"):
+        op(x[:1], gate_up, down, logits[:1], 17, True, False, torch.zeros(1, H, device="cuda"), norm_weight, 1e-6,
+           False, ticket)
+    # the wrapper takes the three ops where the launch would not (two tokens, fp32, no ticket)
     residual = torch.randn(2, H, device="cuda")
-    s, y = ops.moe_experts_add_rms_norm(x, gate_up, down, weights, ids, residual, norm_weight, 1e-6, ticket=ticket)
-    want = ops.add_rms_norm(residual, moe_experts(x, gate_up, down, weights, ids, torch.bfloat16), norm_weight, 1e-6)
+    s, y = ops.moe_experts_add_rms_norm(x, gate_up, down, logits, k, True, False, residual, norm_weight, 1e-6,
+                                        ticket=ticket)
+    want = ops.add_rms_norm(residual, moe_experts(x, gate_up, down, *ops.moe_route(logits, k, True), torch.bfloat16),
+                            norm_weight, 1e-6)
     assert torch.equal(s, want[0]) and torch.equal(y, want[1])
 
 

@@ -49,11 +49,12 @@ def repeatable_ar_step(engine):
     return ar_step
 
 
-def experts_and_norm_as_one_kernel(x, gate_up, down, weights, ids, residual, norm_weight, eps, zero_centered=False,
-                                   ticket=None, shared_last=False):
-    """ops.moe_experts_add_rms_norm as the GPU runs it: one launch that calls no other op, so an
-    ablation that patches only moe_experts or add_rms_norm leaves it whole (on the CPU the op
-    falls back to those two)."""
+def experts_and_norm_as_one_kernel(x, gate_up, down, logits, top_k, renormalize, shared, residual, norm_weight, eps,
+                                   zero_centered=False, ticket=None):
+    """ops.moe_experts_add_rms_norm as the GPU runs it: one launch pair that calls no other op,
+    so an ablation that patches only moe_experts or add_rms_norm leaves it whole (on the CPU the
+    op falls back to the three ops)."""
+    weights, ids = ops.moe_route_reference(logits, top_k, renormalize, shared)
     out = ops.moe_experts_reference(x, gate_up, down, weights, ids, x.dtype).reshape(residual.shape)
     return ops.add_rms_norm_reference(residual, out, norm_weight, eps, zero_centered)
 

@@ -41,24 +41,26 @@ class Experts(nn.Module):
 
 
 class ExpertsOut(NamedTuple):
-    """A block's experts (a packed shared expert among them) of one token, not run yet: so that
-    the residual add + norm after them can run in the experts' last kernel
-    (RMSNorm.add_and_norm, as layers.Projected for a matmul). `value()` runs them alone."""
+    """A block's routing and experts (a packed shared expert among them) of one token, not run
+    yet: so that they and the residual add + norm after them can run as the experts' two
+    kernels (RMSNorm.add_and_norm, as layers.Projected for a matmul). `value()` runs the routing
+    and the experts alone."""
     h: torch.Tensor  # [bs, T, H], the block's normed input
-    weights: torch.Tensor
-    ids: torch.Tensor
+    logits: torch.Tensor  # the router's, [bs T, E (+ 1: the shared expert's gate)]
+    moe: MoEDims
     experts: Experts
 
     def value(self) -> torch.Tensor:
-        out = ops.moe_experts(self.h.flatten(0, 1), self.experts.gate_up_proj, self.experts.down_proj, self.weights,
-                              self.ids, self.h.dtype, shared_last=self.experts.shared)
+        weights, ids = ops.moe_route(self.logits, self.moe.top_k, self.moe.norm_topk_prob, shared=self.experts.shared)
+        out = ops.moe_experts(self.h.flatten(0, 1), self.experts.gate_up_proj, self.experts.down_proj, weights, ids,
+                              self.h.dtype, shared_last=self.experts.shared)
         return out.unflatten(0, self.h.shape[:2])
 
     def add_rms_norm(self, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         return ops.moe_experts_add_rms_norm(self.h.flatten(0, 1), self.experts.gate_up_proj, self.experts.down_proj,
-                                            self.weights, self.ids, residual, norm.weight, norm.eps,
-                                            norm.zero_centered, norm.ticket_on(residual.device),
-                                            shared_last=self.experts.shared)
+                                            self.logits, self.moe.top_k, self.moe.norm_topk_prob, self.experts.shared,
+                                            residual, norm.weight, norm.eps, norm.zero_centered,
+                                            norm.ticket_on(residual.device))
 
 
 class SparseMoeBlock(nn.Module):
@@ -91,13 +93,13 @@ class SparseMoeBlock(nn.Module):
         output_norm_in_experts: an ExpertsOut)."""
         x = h.flatten(0, 1)
         logits = ops.router_logits(x, (self.router if self.packed_shared else self.gate).weight)
-        weights, ids = ops.moe_route(logits, self.moe.top_k, self.moe.norm_topk_prob, shared=self.packed_shared)
         if not (self.moe.shared_expert_size and not self.packed_shared):  # the sum rounded once, by the kernel
-            experts = ExpertsOut(h, weights, ids, self.experts)
+            experts = ExpertsOut(h, logits, self.moe, self.experts)
             # not run yet only without hooks: tensor parallelism sums a tensor
             return experts if self.output_norm_in_experts and x.shape[0] == 1 and not self._forward_hooks \
                 else experts.value()
         # a separate shared expert adds to the routed ones' fp32 sum, rounded once after it
+        weights, ids = ops.moe_route(logits, self.moe.top_k, self.moe.norm_topk_prob)
         out = ops.moe_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, torch.float32)
         out = out + torch.sigmoid(self.shared_expert_gate(x)).float() * value(self.shared_expert(x)).float()
         return out.to(h.dtype).unflatten(0, h.shape[:2])
