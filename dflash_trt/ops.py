@@ -423,6 +423,21 @@ def linear_add_rms_norm(x, weight, bias, residual, norm_weight, eps: float, zero
     return add_rms_norm(residual, linear(x, weight, bias), norm_weight, eps, zero_centered)
 
 
+def linear_argmax(x, weight, bias=None, ticket: torch.Tensor | None = None):
+    """(y, index) = (linear(x, weight, bias), y.argmax(-1)): an LM head's logits and greedy
+    token. Where x is one row that goes to the gemv kernel (an AR step at batch 1) and `ticket`
+    is given (as for linear_add_rms_norm), one launch: each CTA keeps its features' first
+    largest logit and the last CTA picks among them (plugins/gemv.h, GemvArgmax), the same
+    index as torch.argmax's (the first largest; a NaN above every number). Elsewhere the two ops."""
+    if ticket is not None and x.dtype == weight.dtype and x.is_contiguous() and x.numel() == x.shape[-1] \
+            and _gemv_kernel_fits(x.reshape(1, -1), weight, bias):
+        _check_ticket(ticket, x.device)
+        y, index = torch.ops.dflash.linear_argmax(x.reshape(1, -1), weight, bias, ticket)
+        return y.reshape(*x.shape[:-1], -1), index.reshape(x.shape[:-1])
+    y = linear(x, weight, bias)
+    return y, y.argmax(dim=-1)
+
+
 def _linear_norm_fits(x, weight, bias, residual, norm_weight) -> bool:
     H = weight.shape[0]
     if not (x.dtype == weight.dtype and x.is_contiguous() and x.numel() == x.shape[-1]):

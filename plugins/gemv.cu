@@ -115,6 +115,76 @@ __global__ void __launch_bounds__(kThreads) gemv_norm_kernel(GemvParams p, GemvN
   add_rms_norm_if_last<T, kThreads, kNormPlays>(static_cast<const T*>(p.y), static_cast<int>(p.out_features), n);
 }
 
+// The greedy order (GemvArgmax): the larger value first, a NaN before every number, equal values
+// (or two NaNs) by the lower index. A total order, so reductions in any order agree.
+__device__ __forceinline__ bool comes_first(float v, int64_t i, float ov, int64_t oi) {
+  const bool nan = v != v, other_nan = ov != ov;
+  if (nan != other_nan) return nan;
+  if (!nan && v != ov) return v > ov;
+  return i < oi;
+}
+
+// (v, i) of every thread -> the first of them in thread 0's (v, i).
+__device__ __forceinline__ void cta_first(float& v, int64_t& i) {
+  __shared__ float values[kWarps];
+  __shared__ int64_t indices[kWarps];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+    const int64_t oi = __shfl_xor_sync(0xffffffffu, i, o);
+    if (comes_first(ov, oi, v, i)) v = ov, i = oi;
+  }
+  const int warp = threadIdx.x / 32;
+  if (threadIdx.x % 32 == 0) values[warp] = v, indices[warp] = i;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kWarps; ++w)
+      if (comes_first(values[w], indices[w], v, i)) v = values[w], i = indices[w];
+  }
+}
+
+// The matmul, then its greedy choice (GemvArgmax): the CTA's first largest of its features
+// (read back from y: its own stores, visible after the barrier) to the partials, and the last
+// CTA's pick among those.
+template <typename T, int R, int S, bool kPipelined>
+__global__ void __launch_bounds__(kThreads) gemv_argmax_kernel(GemvParams p, GemvArgmax a) {
+  gemv_row<T, R, S, kPipelined, 0>(p);
+  constexpr int kFeatures = kWarps / S * R;
+  __syncthreads();
+  const int64_t n = static_cast<int64_t>(blockIdx.x) * kFeatures + threadIdx.x;
+  float v = -INFINITY;  // a thread without a feature: after every feature (its index too)
+  int64_t i = INT64_MAX;
+  if (static_cast<int>(threadIdx.x) < kFeatures && n < p.out_features) {
+    v = to_float(static_cast<const T*>(p.y)[n]);
+    i = n;
+  }
+  cta_first(v, i);
+  __shared__ bool last;
+  if (threadIdx.x == 0) {
+    a.partial_value[blockIdx.x] = v;
+    a.partial_index[blockIdx.x] = i;
+  }
+  __threadfence();  // this CTA's partial before its ticket
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(a.ticket, 1) == static_cast<int>(gridDim.x) - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  v = -INFINITY;
+  i = INT64_MAX;
+  for (int64_t c = threadIdx.x; c < gridDim.x; c += kThreads) {
+    const float cv = __ldcg(a.partial_value + c);  // other CTAs' writes: past this SM's L1
+    const int64_t ci = __ldcg(a.partial_index + c);
+    if (comes_first(cv, ci, v, i)) v = cv, i = ci;
+  }
+  __syncthreads();  // cta_first's shared arrays are used again
+  cta_first(v, i);
+  if (threadIdx.x == 0) {
+    *a.index = i;
+    *a.ticket = 0;
+  }
+}
+
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Two features a group, K in two slices, unless that leaves fewer CTAs than SMs (a router's few
@@ -220,6 +290,16 @@ cudaError_t launch_typed(const GemvParams& p, const GemvNorm* norm, cudaStream_t
   return launch_one_row<T, 4>(p, sms, stream, *norm);
 }
 
+template <typename T>
+cudaError_t launch_argmax(const GemvParams& p, const GemvArgmax& a, cudaStream_t stream) {
+  const int per_cta = one_row_features_per_cta(p.out_features, device_sms());
+  const dim3 grid(static_cast<unsigned>(ceil_div(p.out_features, per_cta)));
+  const auto kernel = per_cta == 4 * kWarps ? gemv_argmax_kernel<T, 4, 1, true>
+                      : per_cta == kWarps   ? gemv_argmax_kernel<T, 2, 2, false>
+                                            : gemv_argmax_kernel<T, 1, 4, false>;
+  return pdl_launch(kernel, grid, dim3(kThreads), 0, stream, true, p, a);
+}
+
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
 }  // namespace
@@ -246,6 +326,23 @@ cudaError_t gemv_launch(const GemvParams& p, cudaStream_t stream, const GemvNorm
   if (gemv_check(p, norm) != nullptr) return cudaErrorInvalidValue;
   return p.dtype == DType::kBFloat16 ? launch_typed<__nv_bfloat16>(p, norm, stream)
                                      : launch_typed<__half>(p, norm, stream);
+}
+
+int64_t gemv_argmax_partials(const GemvParams& p) {
+  return ceil_div(p.out_features, one_row_features_per_cta(p.out_features, device_sms()));
+}
+
+const char* gemv_argmax_check(const GemvParams& p, const GemvArgmax& a) {
+  if (const char* why = gemv_check(p)) return why;
+  if (p.rows != 1) return "the argmax takes one row";
+  if (gemv_argmax_partials(p) >= (int64_t{1} << 31)) return "too many features for the argmax's CTAs";
+  if (!a.partial_value || !a.partial_index || !a.index || !a.ticket) return "null pointer";
+  return nullptr;
+}
+
+cudaError_t gemv_argmax_launch(const GemvParams& p, const GemvArgmax& a, cudaStream_t stream) {
+  if (gemv_argmax_check(p, a) != nullptr) return cudaErrorInvalidValue;
+  return p.dtype == DType::kBFloat16 ? launch_argmax<__nv_bfloat16>(p, a, stream) : launch_argmax<__half>(p, a, stream);
 }
 
 }  // namespace dflash

@@ -39,6 +39,17 @@ struct GemvNorm {
   int* ticket = nullptr;
 };
 
+// The greedy choice after a one-row matmul (an LM head at batch 1) in the same launch, not an
+// argmax kernel after it: index = the first n of the largest y[n] (y as stored, in the dtype; a
+// NaN above every number, as torch.argmax). Each CTA leaves its features' first largest in the
+// partials, and the CTA that finishes last (a ticket) picks among them.
+struct GemvArgmax {
+  float* partial_value = nullptr;    // [gemv_argmax_partials(p)] scratch
+  int64_t* partial_index = nullptr;  // [gemv_argmax_partials(p)] scratch
+  int64_t* index = nullptr;          // [1] out
+  int* ticket = nullptr;             // as GemvNorm's
+};
+
 struct GemvParams {
   DType dtype = DType::kBFloat16;  // of x, W, bias and y (bf16 or fp16)
   int rows = 0;                    // M, 1 .. kGemvMaxRows
@@ -54,5 +65,10 @@ struct GemvParams {
 // norm: the add + RMSNorm after the matmul, or null.
 const char* gemv_check(const GemvParams& p, const GemvNorm* norm = nullptr);
 cudaError_t gemv_launch(const GemvParams& p, cudaStream_t stream, const GemvNorm* norm = nullptr);
+
+// The matmul and the greedy choice after it (GemvArgmax): one row. Partials: the launch's CTAs.
+int64_t gemv_argmax_partials(const GemvParams& p);
+const char* gemv_argmax_check(const GemvParams& p, const GemvArgmax& a);
+cudaError_t gemv_argmax_launch(const GemvParams& p, const GemvArgmax& a, cudaStream_t stream);
 
 }  // namespace dflash

@@ -482,6 +482,32 @@ std::tuple<at::Tensor, at::Tensor> linear_add_rms_norm_cuda(const at::Tensor& x,
   return {norm.sum, norm.out};
 }
 
+// x [1, K], weight [N, K], bias [N] or None as for gemv; ticket one int32, zero (the launch
+// leaves it zero). Returns (y [1, N], index [1] int64): the matmul and its first largest
+// output (a NaN first, as torch.argmax), found by the GEMV's last CTA.
+std::tuple<at::Tensor, at::Tensor> linear_argmax_cuda(const at::Tensor& x, const at::Tensor& weight,
+                                                      const std::optional<at::Tensor>& bias, const at::Tensor& ticket) {
+  check_gemv_args(x, weight, bias);
+  DFLASH_CHECK(x.size(0) == 1, "linear_argmax takes one row of x, got ", x.size(0));
+  DFLASH_CHECK(ticket.device() == x.device() && ticket.scalar_type() == at::kInt && ticket.numel() == 1,
+               "linear_argmax: ticket must be one int32 on x's device");
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto y = at::empty({1, weight.size(0)}, x.options());
+  const dflash::GemvParams p = gemv_params(x, weight, bias, y);
+  const int64_t ctas = dflash::gemv_argmax_partials(p);
+  auto value = at::empty({ctas}, x.options().dtype(at::kFloat));
+  auto partial_index = at::empty({ctas}, x.options().dtype(at::kLong));
+  auto index = at::empty({1}, x.options().dtype(at::kLong));
+  dflash::GemvArgmax a;
+  a.partial_value = value.data_ptr<float>();
+  a.partial_index = partial_index.data_ptr<int64_t>();
+  a.index = index.data_ptr<int64_t>();
+  a.ticket = ticket.data_ptr<int>();
+  if (const char* why = dflash::gemv_argmax_check(p, a)) DFLASH_CHECK(false, "linear_argmax: ", why);
+  check_launch(dflash::gemv_argmax_launch(p, a, c10::cuda::getCurrentCUDAStream().stream()), "linear_argmax");
+  return {y, index};
+}
+
 // Shape-only versions for tracing (torch.compile, fake tensors).
 at::Tensor rms_norm_meta(const at::Tensor& x, const at::Tensor& weight, double, bool) {
   return at::empty(x.sizes(), weight.options());
@@ -564,6 +590,11 @@ at::Tensor causal_conv_meta(const at::Tensor& x, const at::Tensor&, const at::Te
 
 at::Tensor gemv_meta(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>&) {
   return at::empty({x.size(0), weight.size(0)}, x.options());
+}
+
+std::tuple<at::Tensor, at::Tensor> linear_argmax_meta(const at::Tensor& x, const at::Tensor& weight,
+                                                      const std::optional<at::Tensor>&, const at::Tensor&) {
+  return {at::empty({1, weight.size(0)}, x.options()), at::empty({1}, x.options().dtype(at::kLong))};
 }
 
 std::tuple<at::Tensor, at::Tensor> linear_add_rms_norm_meta(const at::Tensor& x, const at::Tensor&,
@@ -1077,6 +1108,7 @@ TORCH_LIBRARY(dflash, m) {
   m.def(
       "linear_add_rms_norm(Tensor x, Tensor weight, Tensor? bias, Tensor residual, Tensor norm_weight, float eps, "
       "bool zero_centered, Tensor(a!) ticket) -> (Tensor, Tensor)");
+  m.def("linear_argmax(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) ticket) -> (Tensor, Tensor)");
   m.def(
       "causal_conv(Tensor x, Tensor weight, Tensor(a!) conv_cache, Tensor(b!)? snapshots, Tensor slots, "
       "Tensor start, Tensor? num_tokens=None) -> Tensor");
@@ -1119,6 +1151,7 @@ TORCH_LIBRARY_IMPL(dflash, CUDA, m) {
   m.impl("sigmoid_gate", &sigmoid_gate_cuda);
   m.impl("gemv", &gemv_cuda);
   m.impl("linear_add_rms_norm", &linear_add_rms_norm_cuda);
+  m.impl("linear_argmax", &linear_argmax_cuda);
   m.impl("causal_conv", &causal_conv_cuda);
   m.impl("gated_delta_recurrent", &gated_delta_recurrent_cuda);
   m.impl("gated_delta_prepare", &gated_delta_prepare_cuda);
@@ -1141,6 +1174,7 @@ TORCH_LIBRARY_IMPL(dflash, Meta, m) {
   m.impl("sigmoid_gate", &sigmoid_gate_meta);
   m.impl("gemv", &gemv_meta);
   m.impl("linear_add_rms_norm", &linear_add_rms_norm_meta);
+  m.impl("linear_argmax", &linear_argmax_meta);
   m.impl("causal_conv", &causal_conv_meta);
   m.impl("gated_delta_recurrent", &gated_delta_recurrent_meta);
   m.impl("gated_delta_prepare", &gated_delta_prepare_meta);

@@ -257,6 +257,89 @@ def test_kernel_add_rms_norm_refuses_what_it_cannot_take():
         op(x[0], w, None, residual, norm_weight, 1e-6, False, ticket)
 
 
+def test_linear_argmax_is_the_projection_then_argmax_on_the_cpu():
+    x, w, b = rand(1, 1, 32, seed=1), rand(48, 32, seed=2), rand(48, seed=3)
+    w[7] = w[40]  # equal logits: the first
+    ticket = torch.zeros(1, dtype=torch.int32)
+    y, index = ops.linear_argmax(x, w, b, ticket)
+    want = F.linear(x, w, b)
+    assert torch.equal(y, want) and torch.equal(index, want.argmax(-1)) and index.shape == (1, 1)
+
+
+def argmax_case(n, k, dtype, device, seed=0, ties=False, nan=False):
+    x, w = rand(1, k, dtype=dtype, device=device, seed=seed), rand(n, k, dtype=dtype, device=device, seed=seed + 1)
+    if ties:  # the largest logit twice (and more equal pairs): the first one wins
+        top = int(F.linear(x, w).argmax())
+        w[n - 1] = w[top]
+        w[: n // 2] = w[n // 2: 2 * (n // 2)]
+    if nan:
+        w[n // 3, 0] = float("nan")
+        w[n - 2, 0] = float("nan")
+    return x, w
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("n, k", [
+    (248320, 2048),  # Qwen3.5/3.6's vocabulary: 32 features a CTA, pipelined
+    (151936, 4096),  # Qwen3's
+    (1000, 64),  # 8 features a CTA
+    (200, 64),  # 2 features a CTA
+    (5, 64),  # fewer features than a CTA takes
+])
+@pytest.mark.parametrize("case", ["plain", "ties", "nan"])
+@pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
+def test_kernel_argmax_is_torchs_argmax_of_the_gemv(dtype, n, k, case, bias):
+    x, w = argmax_case(n, k, dtype, "cuda", seed=n + k, ties=case == "ties", nan=case == "nan")
+    b = rand(n, dtype=dtype, device="cuda", seed=n) if bias else None
+    ticket = torch.zeros(1, dtype=torch.int32, device="cuda")
+    y, index = torch.ops.dflash.linear_argmax(x, w, b, ticket)
+    want = torch.ops.dflash.gemv(x, w, b)
+    assert torch.equal(y, want) and index.dtype == torch.long and torch.equal(index, want.argmax(-1))
+    assert ticket.item() == 0  # left ready for the next launch
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = torch.ops.dflash.linear_argmax(x, w, b, ticket)
+    for seed in (1, 2, 3):  # new rows, each replay finding the ticket at zero
+        x.copy_(rand(1, k, dtype=dtype, device="cuda", seed=seed))
+        graph.replay()
+        want = torch.ops.dflash.gemv(x, w, b)
+        assert torch.equal(captured[0], want) and torch.equal(captured[1], want.argmax(-1)), seed
+
+
+@pytest.mark.cuda
+def test_kernel_argmax_refuses_what_it_cannot_take():
+    x, w = argmax_case(64, 64, torch.bfloat16, "cuda")
+    ticket = torch.zeros(1, dtype=torch.int32, device="cuda")
+    op = torch.ops.dflash.linear_argmax
+    with pytest.raises(RuntimeError, match="one row of x"):
+        op(torch.cat([x, x]), w, None, ticket)
+    with pytest.raises(RuntimeError, match="ticket must be one int32"):
+        op(x, w, None, ticket.long())
+    with pytest.raises(RuntimeError, match="weight must have x's dtype"):
+        op(x, w.float(), None, ticket)
+
+
+@pytest.mark.cuda
+def test_lm_head_argmax_in_the_matmul_gives_the_ar_steps_tokens(monkeypatch):
+    # LMHead.argmax_in_matmul: an AR step's greedy token from the LM head's launch, the same
+    # token and hidden state as with the argmax kernel after it
+    from dflash_trt.models.layers import LMHead
+    from test_profile_step import repeatable_ar_step
+
+    monkeypatch.setitem(rw.PRESETS, "tiny", TINY_TARGETS["hybrid"])
+    engine = rw.random_engine("tiny", device="cuda", dtype=torch.bfloat16, max_batch_size=1, max_seq_len=128).engine
+    ar_step = repeatable_ar_step(engine)
+    monkeypatch.setattr(LMHead, "argmax_in_matmul", True)
+    fused = torch.ops.dflash.linear_argmax
+    taken = []
+    monkeypatch.setattr(ops.torch.ops.dflash, "linear_argmax", lambda *a: taken.append(1) or fused(*a))
+    hidden, token = ar_step()
+    assert taken == [1]
+    monkeypatch.setattr(LMHead, "argmax_in_matmul", False)
+    assert all(torch.equal(a, b) for a, b in zip((hidden, token), ar_step()))
+
+
 TINY_TARGETS = {
     "qwen3": rw.TinyPairSpec(hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
                              head_dim=16, target_layer_ids=(1, 2)),
