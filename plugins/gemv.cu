@@ -51,17 +51,21 @@ constexpr int kLoadsInFlight = 8;  // 16-byte weight loads per lane per iteratio
 // A CTA's 8 warps are 8 / S groups of S: a group owns R consecutive output features, its S
 // warps each a contiguous 1/S of K; the S sums meet in shared memory, added in slice order.
 // kPipelined: each warp's loop is lane_dots_pipelined. kNormPlays > 0: a norm follows (which
-// decides when the next kernel may start).
-template <typename T, int R, int S, bool kPipelined, int kNormPlays>
-__device__ __forceinline__ void gemv_row(const GemvParams& p) {
+// decides when the next kernel may start). kInputPlays > 0: x is the add + norm of `in`
+// (GemvInputNorm), which the CTA computes after the wait into shared memory, each thread over
+// kInputPlays vectors of the row.
+template <typename T, int R, int S, bool kPipelined, int kNormPlays, int kInputPlays = 0>
+__device__ __forceinline__ void gemv_row(const GemvParams& p, const GemvInputNorm& in = {}) {
   constexpr int U = kLoadsInFlight / R, kGroups = kWarps / S;
+  constexpr bool kXShared = kInputPlays > 0;
   __shared__ float part[kGroups][S][R];
+  __shared__ alignas(16) T normed[kXShared ? kGemvInputNormMaxFeatures : 8];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, group = warp / S, slice = warp % S;
   const int64_t n0 = (static_cast<int64_t>(blockIdx.x) * kGroups + group) * R;
   const int64_t chunks = p.in_features / 8, per = (chunks + S - 1) / S;
   const int64_t begin = min(slice * per, chunks), count = min(per, chunks - begin);
   const uint4* w = static_cast<const uint4*>(p.weight);
-  const uint4* x = static_cast<const uint4*>(p.x) + begin;
+  const uint4* x = (kXShared ? reinterpret_cast<const uint4*>(normed) : static_cast<const uint4*>(p.x)) + begin;
   const uint4* rows[R];
 #pragma unroll
   for (int r = 0; r < R; ++r)  // past the last feature: read the last row again, never written
@@ -77,12 +81,23 @@ __device__ __forceinline__ void gemv_row(const GemvParams& p) {
   // With the norm, the last CTA lets the next kernel start (the others count once they exit):
   // started with every CTA, its CTAs would wait out this one's whole matmul.
   if constexpr (kNormPlays == 0) pdl_allow_dependents();
+  if constexpr (kXShared) {
+    const bool first = blockIdx.x == 0;
+    cta_add_rms_norm<T, kThreads, kInputPlays>(in.residual, static_cast<const T*>(in.delta),
+                                               static_cast<const T*>(in.weight), static_cast<int>(p.in_features),
+                                               in.eps, in.zero_centered, first ? in.sum : nullptr, normed);
+    __syncthreads();
+    if (first) {
+      for (int64_t v = threadIdx.x; v < chunks; v += kThreads)
+        static_cast<uint4*>(in.out)[v] = reinterpret_cast<const uint4*>(normed)[v];
+    }
+  }
 
   float acc[R] = {};
   if constexpr (kPipelined) {
-    lane_dots_pipelined<T, R, U>(rows, x, count, lane, acc);
+    lane_dots_pipelined<T, R, U, kXShared>(rows, x, count, lane, acc);
   } else {
-    lane_dots<T, R, U>(rows, x, count, lane, acc);
+    lane_dots<T, R, U, kXShared>(rows, x, count, lane, acc);
   }
 #pragma unroll
   for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]);
@@ -113,6 +128,13 @@ template <typename T, int R, int S, bool kPipelined, int kNormPlays>
 __global__ void __launch_bounds__(kThreads) gemv_norm_kernel(GemvParams p, GemvNorm n) {
   gemv_row<T, R, S, kPipelined, kNormPlays>(p);
   add_rms_norm_if_last<T, kThreads, kNormPlays>(static_cast<const T*>(p.y), static_cast<int>(p.out_features), n);
+}
+
+// The add + norm before the matmul (GemvInputNorm), each thread of every CTA over kInputPlays
+// vectors of the row.
+template <typename T, int R, int S, bool kPipelined, int kInputPlays>
+__global__ void __launch_bounds__(kThreads) gemv_input_norm_kernel(GemvParams p, GemvInputNorm n) {
+  gemv_row<T, R, S, kPipelined, 0, kInputPlays>(p, n);
 }
 
 // The greedy order (GemvArgmax): the larger value first, a NaN before every number, equal values
@@ -290,6 +312,21 @@ cudaError_t launch_typed(const GemvParams& p, const GemvNorm* norm, cudaStream_t
   return launch_one_row<T, 4>(p, sms, stream, *norm);
 }
 
+template <typename T, int kInputPlays>
+cudaError_t launch_input_norm(const GemvParams& p, const GemvInputNorm& n, cudaStream_t stream) {
+  const int per_cta = one_row_features_per_cta(p.out_features, device_sms());
+  const dim3 grid(static_cast<unsigned>(ceil_div(p.out_features, per_cta)));
+  const auto kernel = per_cta == 4 * kWarps ? gemv_input_norm_kernel<T, 4, 1, true, kInputPlays>
+                      : per_cta == kWarps   ? gemv_input_norm_kernel<T, 2, 2, false, kInputPlays>
+                                            : gemv_input_norm_kernel<T, 1, 4, false, kInputPlays>;
+  return pdl_launch(kernel, grid, dim3(kThreads), 0, stream, true, p, n);
+}
+
+template <typename T>
+cudaError_t launch_input_norm_typed(const GemvParams& p, const GemvInputNorm& n, cudaStream_t stream) {
+  return p.in_features / 8 <= kThreads ? launch_input_norm<T, 1>(p, n, stream) : launch_input_norm<T, 2>(p, n, stream);
+}
+
 template <typename T>
 cudaError_t launch_argmax(const GemvParams& p, const GemvArgmax& a, cudaStream_t stream) {
   const int per_cta = one_row_features_per_cta(p.out_features, device_sms());
@@ -326,6 +363,25 @@ cudaError_t gemv_launch(const GemvParams& p, cudaStream_t stream, const GemvNorm
   if (gemv_check(p, norm) != nullptr) return cudaErrorInvalidValue;
   return p.dtype == DType::kBFloat16 ? launch_typed<__nv_bfloat16>(p, norm, stream)
                                      : launch_typed<__half>(p, norm, stream);
+}
+
+const char* gemv_input_norm_check(const GemvParams& p, const GemvInputNorm& n) {
+  if (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16) return "dtype must be bf16 or fp16";
+  if (p.rows != 1) return "the add + norm before the matmul takes one row";
+  if (p.out_features < 1 || p.out_features > (int64_t{1} << 34)) return "out_features must be in [1, 2^34]";
+  if (p.in_features < 8 || p.in_features % 8 != 0 || p.in_features > kGemvInputNormMaxFeatures)
+    return "the add + norm before the matmul needs in_features a multiple of 8, at most 4096";
+  if (!p.weight || !p.y || !n.residual || !n.delta || !n.weight || !n.sum || !n.out) return "null pointer";
+  if (!aligned16(p.weight) || !aligned16(n.residual) || !aligned16(n.delta) || !aligned16(n.weight) ||
+      !aligned16(n.sum) || !aligned16(n.out))
+    return "weight, residual, delta, norm weight, sum and out must be 16-byte aligned";
+  return nullptr;
+}
+
+cudaError_t gemv_input_norm_launch(const GemvParams& p, const GemvInputNorm& n, cudaStream_t stream) {
+  if (gemv_input_norm_check(p, n) != nullptr) return cudaErrorInvalidValue;
+  return p.dtype == DType::kBFloat16 ? launch_input_norm_typed<__nv_bfloat16>(p, n, stream)
+                                     : launch_input_norm_typed<__half>(p, n, stream);
 }
 
 int64_t gemv_argmax_partials(const GemvParams& p) {

@@ -39,6 +39,22 @@ struct GemvNorm {
   int* ticket = nullptr;
 };
 
+// The residual add + RMSNorm before a one-row matmul (an MoE router after the attention), run
+// by every CTA of the matmul on its own copy of the row in shared memory instead of by a kernel
+// before it: x = RMSNorm(residual + delta) with add_rms_norm's bits; the first CTA also stores
+// sum = residual + delta (fp32) and out = x for the kernels after. GemvParams::x is unused.
+// One row, K a multiple of 8, at most kGemvInputNormMaxFeatures; every pointer 16-byte aligned.
+constexpr int kGemvInputNormMaxFeatures = 4096;
+struct GemvInputNorm {
+  const float* residual = nullptr;  // [K] fp32
+  const void* delta = nullptr;      // [K] in the GEMV's dtype
+  const void* weight = nullptr;     // [K] in the dtype
+  float eps = 1e-6f;
+  bool zero_centered = false;
+  float* sum = nullptr;             // [K] fp32
+  void* out = nullptr;              // [K] in the dtype
+};
+
 // The greedy choice after a one-row matmul (an LM head at batch 1) in the same launch, not an
 // argmax kernel after it: index = the first n of the largest y[n] (y as stored, in the dtype; a
 // NaN above every number, as torch.argmax). Each CTA leaves its features' first largest in the
@@ -65,6 +81,10 @@ struct GemvParams {
 // norm: the add + RMSNorm after the matmul, or null.
 const char* gemv_check(const GemvParams& p, const GemvNorm* norm = nullptr);
 cudaError_t gemv_launch(const GemvParams& p, cudaStream_t stream, const GemvNorm* norm = nullptr);
+
+// The add + norm and the matmul after it (GemvInputNorm): one row.
+const char* gemv_input_norm_check(const GemvParams& p, const GemvInputNorm& n);
+cudaError_t gemv_input_norm_launch(const GemvParams& p, const GemvInputNorm& n, cudaStream_t stream);
 
 // The matmul and the greedy choice after it (GemvArgmax): one row. Partials: the launch's CTAs.
 int64_t gemv_argmax_partials(const GemvParams& p);

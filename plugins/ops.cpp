@@ -482,6 +482,45 @@ std::tuple<at::Tensor, at::Tensor> linear_add_rms_norm_cuda(const at::Tensor& x,
   return {norm.sum, norm.out};
 }
 
+// residual [..., K] fp32 (one row), delta [..., K] and norm_weight [K] in weight's dtype,
+// contiguous; weight [N, K], bias [N] or None as for gemv. Returns (sum, out, y [1, N]):
+// add_rms_norm(residual, delta, norm_weight) and the matmul of out, in one launch whose CTAs each
+// norm the row themselves (gemv.h, GemvInputNorm).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm_linear_cuda(const at::Tensor& residual,
+                                                                        const at::Tensor& delta,
+                                                                        const at::Tensor& norm_weight, double eps,
+                                                                        bool zero_centered, const at::Tensor& weight,
+                                                                        const std::optional<at::Tensor>& bias) {
+  DFLASH_CHECK(delta.is_cuda() && delta.is_contiguous() && delta.dim() >= 1 && delta.numel() == delta.size(-1),
+               "add_rms_norm_linear: delta must be one contiguous row [..., K] on a GPU, got ", delta.sizes());
+  const at::Tensor x = delta.reshape({1, delta.size(-1)});
+  check_gemv_args(x, weight, bias);
+  const c10::cuda::CUDAGuard guard(delta.device());
+  DFLASH_CHECK(residual.device() == delta.device() && residual.scalar_type() == at::kFloat &&
+                   residual.is_contiguous() && residual.sizes() == delta.sizes(),
+               "add_rms_norm_linear: residual must be a contiguous fp32 tensor of delta's shape on its device, got ",
+               residual.sizes(), " ", residual.scalar_type());
+  DFLASH_CHECK(norm_weight.device() == delta.device() && norm_weight.scalar_type() == delta.scalar_type() &&
+                   norm_weight.dim() == 1 && norm_weight.size(0) == x.size(1) && norm_weight.is_contiguous(),
+               "add_rms_norm_linear: norm_weight must be a contiguous [K] tensor of delta's dtype on its device");
+  auto sum = at::empty(residual.sizes(), residual.options());
+  auto out = at::empty(delta.sizes(), delta.options());
+  auto y = at::empty({1, weight.size(0)}, delta.options());
+  const dflash::GemvParams p = gemv_params(x, weight, bias, y);
+  dflash::GemvInputNorm n;
+  n.residual = residual.data_ptr<float>();
+  n.delta = delta.data_ptr();
+  n.weight = norm_weight.data_ptr();
+  n.eps = static_cast<float>(eps);
+  n.zero_centered = zero_centered;
+  n.sum = sum.data_ptr<float>();
+  n.out = out.data_ptr();
+  if (const char* why = dflash::gemv_input_norm_check(p, n)) DFLASH_CHECK(false, "add_rms_norm_linear: ", why);
+  check_launch(dflash::gemv_input_norm_launch(p, n, c10::cuda::getCurrentCUDAStream().stream()),
+               "add_rms_norm_linear");
+  return {sum, out, y};
+}
+
 // x [1, K], weight [N, K], bias [N] or None as for gemv; ticket one int32, zero (the launch
 // leaves it zero). Returns (y [1, N], index [1] int64): the matmul and its first largest
 // output (a NaN first, as torch.argmax), found by the GEMV's last CTA.
@@ -590,6 +629,14 @@ at::Tensor causal_conv_meta(const at::Tensor& x, const at::Tensor&, const at::Te
 
 at::Tensor gemv_meta(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>&) {
   return at::empty({x.size(0), weight.size(0)}, x.options());
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm_linear_meta(const at::Tensor& residual,
+                                                                        const at::Tensor& delta, const at::Tensor&,
+                                                                        double, bool, const at::Tensor& weight,
+                                                                        const std::optional<at::Tensor>&) {
+  return {at::empty(residual.sizes(), residual.options()), at::empty(delta.sizes(), delta.options()),
+          at::empty({1, weight.size(0)}, delta.options())};
 }
 
 std::tuple<at::Tensor, at::Tensor> linear_argmax_meta(const at::Tensor& x, const at::Tensor& weight,
@@ -1110,6 +1157,9 @@ TORCH_LIBRARY(dflash, m) {
       "bool zero_centered, Tensor(a!) ticket) -> (Tensor, Tensor)");
   m.def("linear_argmax(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) ticket) -> (Tensor, Tensor)");
   m.def(
+      "add_rms_norm_linear(Tensor residual, Tensor delta, Tensor norm_weight, float eps, bool zero_centered, "
+      "Tensor weight, Tensor? bias) -> (Tensor, Tensor, Tensor)");
+  m.def(
       "causal_conv(Tensor x, Tensor weight, Tensor(a!) conv_cache, Tensor(b!)? snapshots, Tensor slots, "
       "Tensor start, Tensor? num_tokens=None) -> Tensor");
   m.def(
@@ -1152,6 +1202,7 @@ TORCH_LIBRARY_IMPL(dflash, CUDA, m) {
   m.impl("gemv", &gemv_cuda);
   m.impl("linear_add_rms_norm", &linear_add_rms_norm_cuda);
   m.impl("linear_argmax", &linear_argmax_cuda);
+  m.impl("add_rms_norm_linear", &add_rms_norm_linear_cuda);
   m.impl("causal_conv", &causal_conv_cuda);
   m.impl("gated_delta_recurrent", &gated_delta_recurrent_cuda);
   m.impl("gated_delta_prepare", &gated_delta_prepare_cuda);
@@ -1175,6 +1226,7 @@ TORCH_LIBRARY_IMPL(dflash, Meta, m) {
   m.impl("gemv", &gemv_meta);
   m.impl("linear_add_rms_norm", &linear_add_rms_norm_meta);
   m.impl("linear_argmax", &linear_argmax_meta);
+  m.impl("add_rms_norm_linear", &add_rms_norm_linear_meta);
   m.impl("causal_conv", &causal_conv_meta);
   m.impl("gated_delta_recurrent", &gated_delta_recurrent_meta);
   m.impl("gated_delta_prepare", &gated_delta_prepare_meta);

@@ -42,7 +42,8 @@ constexpr int kRowNormMaxVectors = 1024;
 // warp_sum, then warp 0 the warps' sums by warp_sum. Here thread t plays the threads t, t +
 // kThreads, ... of that launch, so every sum is added in the same order. All of a thread's loads
 // are issued before its first sum: one memory round trip, not one a play. delta is read through
-// L2 (__ldcg): other CTAs of the grid wrote it. Every thread of the CTA must call it.
+// L2 (__ldcg): other CTAs of the grid wrote it. sum may be null (not stored), out in shared
+// memory. Every thread of the CTA must call it.
 template <typename T, int kThreads, int kPlays>
 __device__ void cta_add_rms_norm(const float* residual, const T* delta, const T* weight, int H, float eps,
                                  bool zero_centered, float* sum, T* out) {
@@ -76,8 +77,10 @@ __device__ void cta_add_rms_norm(const float* residual, const T* delta, const T*
         s[j][k] = __fadd_rn(rf[k], df[k]);
         sq = __fadd_rn(sq, __fmul_rn(s[j][k], s[j][k]));
       }
-      reinterpret_cast<float4*>(sum)[2 * v] = make_float4(s[j][0], s[j][1], s[j][2], s[j][3]);
-      reinterpret_cast<float4*>(sum)[2 * v + 1] = make_float4(s[j][4], s[j][5], s[j][6], s[j][7]);
+      if (sum != nullptr) {
+        reinterpret_cast<float4*>(sum)[2 * v] = make_float4(s[j][0], s[j][1], s[j][2], s[j][3]);
+        reinterpret_cast<float4*>(sum)[2 * v + 1] = make_float4(s[j][4], s[j][5], s[j][6], s[j][7]);
+      }
     }
     sq = warp_sum(sq);
     if (lane == 0 && v / 32 < warps) warp_sums[v / 32] = sq;

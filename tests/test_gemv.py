@@ -257,6 +257,62 @@ def test_kernel_add_rms_norm_refuses_what_it_cannot_take():
         op(x[0], w, None, residual, norm_weight, 1e-6, False, ticket)
 
 
+def test_add_rms_norm_linear_is_the_add_and_norm_then_the_projection_on_the_cpu():
+    residual, delta, norm_weight = rand(1, 1, 32, seed=1), rand(1, 1, 32, seed=2), rand(32, seed=3)
+    w, b = rand(48, 32, seed=4), rand(48, seed=5)
+    s, h, y = ops.add_rms_norm_linear(residual, delta, norm_weight, 1e-6, True, w, b)
+    ref_s, ref_h = ops.add_rms_norm_reference(residual, delta, norm_weight, 1e-6, True)
+    assert torch.equal(s, ref_s) and torch.equal(h, ref_h) and torch.equal(y, F.linear(ref_h, w, b))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("k, n", [
+    (2048, 257),  # the 35B-A3B's router (and shared expert's gate): 2 features a CTA
+    (4096, 513),  # the 397B-A17B's: two plays a thread of the norm
+    (2048, 4096),  # 8 features a CTA
+    (64, 40000),  # 32 features a CTA, pipelined; a row shorter than a warp's vectors
+    (4096, 8),  # fewer features than a CTA takes
+])
+@pytest.mark.parametrize("zero_centered", [False, True], ids=["", "zero-centred"])
+@pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
+def test_kernel_add_rms_norm_linear_has_the_bits_of_add_rms_norm_then_gemv(dtype, k, n, zero_centered, bias):
+    x, w, b, residual, norm_weight = norm_case(k, k, dtype, bias, "cuda", seed=n + k)
+    w = rand(n, k, dtype=dtype, device="cuda", seed=n)
+    b = rand(n, dtype=dtype, device="cuda", seed=n + 1) if bias else None
+    delta = x.reshape(1, 1, k)
+
+    def two_ops():
+        s, h = ops.add_rms_norm(residual, delta, norm_weight, 1e-6, zero_centered)
+        return s, h, torch.ops.dflash.gemv(h[0], w, b)
+
+    fused = torch.ops.dflash.add_rms_norm_linear(residual, delta, norm_weight, 1e-6, zero_centered, w, b)
+    assert all(torch.equal(got, want) for got, want in zip(fused, two_ops()))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = torch.ops.dflash.add_rms_norm_linear(residual, delta, norm_weight, 1e-6, zero_centered, w, b)
+    for seed in (1, 2):  # new rows
+        delta.copy_(rand(1, 1, k, dtype=dtype, device="cuda", seed=seed))
+        residual.copy_(rand(1, 1, k, device="cuda", seed=seed + 10) * 4)
+        graph.replay()
+        assert all(torch.equal(got, want) for got, want in zip(captured, two_ops())), seed
+
+
+@pytest.mark.cuda
+def test_kernel_add_rms_norm_linear_refuses_what_it_cannot_take():
+    x, w, _, residual, norm_weight = norm_case(64, 64, torch.bfloat16, False, "cuda")
+    op = torch.ops.dflash.add_rms_norm_linear
+    with pytest.raises(RuntimeError, match="one contiguous row"):
+        op(residual.expand(1, 2, 64).contiguous(), x.expand(1, 2, 64).contiguous(), norm_weight, 1e-6, False, w, None)
+    with pytest.raises(RuntimeError, match="residual must be a contiguous fp32"):
+        op(residual.to(torch.bfloat16), x, norm_weight, 1e-6, False, w, None)
+    with pytest.raises(RuntimeError, match="norm_weight must be"):
+        op(residual, x, norm_weight.float(), 1e-6, False, w, None)
+    x, w, _, residual, norm_weight = norm_case(64, 4104, torch.bfloat16, False, "cuda")
+    with pytest.raises(RuntimeError, match="at most 4096"):
+        op(residual.new_zeros(1, 1, 4104), x, norm_weight.new_ones(4104), 1e-6, False, w.new_zeros(64, 4104), None)
+
+
 def test_linear_argmax_is_the_projection_then_argmax_on_the_cpu():
     x, w, b = rand(1, 1, 32, seed=1), rand(48, 32, seed=2), rand(48, seed=3)
     w[7] = w[40]  # equal logits: the first

@@ -277,6 +277,9 @@ class DecoderLayer(nn.Module):
             mixed = packing.pack(value(self.attend(packing.unpack(h), *attention_args)))
         if not self.mlp.input_norm_in_projection:
             mixed = value(mixed)
+        norm_and_run = getattr(self.mlp, "norm_and_run", None)  # an MoE block's router may run the norm
+        if norm_and_run is not None:
+            return norm_and_run(self.post_attention_layernorm, x, mixed)
         x, h = self.post_attention_layernorm.add_and_norm(x, mixed)
         return x, self.mlp(h)
 
