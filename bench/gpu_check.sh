@@ -87,6 +87,13 @@ step() {  # step NAME SECONDS CMD...: time-limited, logged with a header and the
   return "$rc"
 }
 
+ab_step() {  # ab_step NAME "PYTHON" PRESET JSON: profile_step's AR step at batch 1 after PYTHON (class switches)
+  step "$1" 150 python3 -c "import runpy, sys
+$2
+sys.argv = ['profile_step.py', '--preset', '$3', '--batch', '1', '--json', '$4']
+runpy.run_path('bench/profile_step.py', run_name='__main__')"
+}
+
 install_flashinfer() {  # into /tmp/fi, apart from /tmp/site: the stages that time without it stay so
   [ -f /tmp/fi/.done ] && return
   python3 -m zipfile -e .fi/flashinfer.zip /tmp/fi &&
@@ -273,11 +280,9 @@ moe-norm)
     tests/test_moe.py tests/test_gemv.py -k "norm or one_token or graph_replays or route"
   for round in 1 2; do
     for flags in ${FLAGS:-00 10 01 11}; do
-      step "ar35b-$flags-$round" 150 python3 -c "import runpy, sys
-from dflash_trt.models.moe import SparseMoeBlock
-SparseMoeBlock.output_norm_in_experts, SparseMoeBlock.input_norm_in_projection = '$flags'[0] == '1', '$flags'[1] == '1'
-sys.argv = ['profile_step.py', '--preset', 'qwen3.6-35b-a3b', '--batch', '1', '--json', '$OUT/norm_ar35b_${flags}_$round.json']
-runpy.run_path('bench/profile_step.py', run_name='__main__')"
+      ab_step "ar35b-$flags-$round" "from dflash_trt.models.moe import SparseMoeBlock as B
+B.output_norm_in_experts, B.input_norm_in_projection = '$flags'[0] == '1', '$flags'[1] == '1'" \
+        qwen3.6-35b-a3b "$OUT/norm_ar35b_${flags}_$round.json"
     done
   done
   ;;
@@ -290,11 +295,8 @@ moe-router-norm)
     tests/test_moe.py -k "add_rms_norm_linear or norms_in_the_moe_kernels"
   for round in 1 2; do
     for on in 0 1; do
-      step "ar35b-router-$on-$round" 150 python3 -c "import runpy, sys
-from dflash_trt.models.moe import SparseMoeBlock
-SparseMoeBlock.input_norm_in_router = $on == 1
-sys.argv = ['profile_step.py', '--preset', 'qwen3.6-35b-a3b', '--batch', '1', '--json', '$OUT/router_norm_${on}_$round.json']
-runpy.run_path('bench/profile_step.py', run_name='__main__')"
+      ab_step "ar35b-router-$on-$round" "from dflash_trt.models.moe import SparseMoeBlock as B
+B.input_norm_in_router = $on == 1" qwen3.6-35b-a3b "$OUT/router_norm_${on}_$round.json"
     done
   done
   ;;
@@ -306,11 +308,8 @@ lm-argmax)
   for round in 1 2; do
     for preset in qwen3-8b qwen3.6-35b-a3b; do
       for on in 0 1; do
-        step "ar-$preset-$on-$round" 150 python3 -c "import runpy, sys
-from dflash_trt.models.layers import LMHead
-LMHead.argmax_in_matmul = $on == 1
-sys.argv = ['profile_step.py', '--preset', '$preset', '--batch', '1', '--json', '$OUT/argmax_${preset}_${on}_$round.json']
-runpy.run_path('bench/profile_step.py', run_name='__main__')"
+        ab_step "ar-$preset-$on-$round" "from dflash_trt.models.layers import LMHead
+LMHead.argmax_in_matmul = $on == 1" "$preset" "$OUT/argmax_${preset}_${on}_$round.json"
       done
     done
   done
