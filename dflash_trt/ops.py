@@ -431,12 +431,13 @@ def add_rms_norm_linear(residual, delta, norm_weight, eps: float, zero_centered:
     y = linear(h, weight, bias): the residual add + norm before a matmul (an MoE router's).
     Where delta is one row in bf16 or fp16 on CUDA, K <= 4096 (an AR step at batch 1): one
     launch, whose CTAs each norm the row themselves in shared memory (plugins/gemv.h,
-    GemvInputNorm), with add_rms_norm's and the gemv kernel's bits, so no norm kernel and its
-    wait come before the matmul. Elsewhere the two ops."""
+    kGemvInputNormMaxFeatures), with add_rms_norm's and the gemv kernel's bits, so no norm
+    kernel and its wait come before the matmul. Elsewhere the two ops."""
     K = delta.shape[-1]
-    if (delta.dtype in (torch.bfloat16, torch.float16) and delta.is_contiguous() and delta.numel() == K
-            and K <= GEMV_INPUT_NORM_MAX_FEATURES and delta.data_ptr() % 16 == 0 and residual.shape == delta.shape
-            and _gemv_kernel_fits(delta.reshape(1, K), weight, bias) and _row_norm_fits(delta, K, residual, norm_weight)):
+    # one contiguous row (reshape then views it: _gemv_kernel_fits sees delta's own memory)
+    if (delta.is_contiguous() and delta.numel() == K and K <= GEMV_INPUT_NORM_MAX_FEATURES
+            and residual.shape == delta.shape and _gemv_kernel_fits(delta.reshape(1, K), weight, bias)
+            and _row_norm_fits(delta, K, residual, norm_weight)):
         s, h, y = torch.ops.dflash.add_rms_norm_linear(residual, delta, norm_weight, float(eps), zero_centered, weight,
                                                        bias)
         return s, h, y.reshape(*delta.shape[:-1], -1)
@@ -450,7 +451,7 @@ def linear_argmax(x, weight, bias=None, ticket: torch.Tensor | None = None):
     is given (as for linear_add_rms_norm), one launch: each CTA keeps its features' first
     largest logit and the last CTA picks among them (plugins/gemv.h, GemvArgmax), the same
     index as torch.argmax's (the first largest; a NaN above every number). Elsewhere the two ops."""
-    if ticket is not None and x.dtype == weight.dtype and x.is_contiguous() and x.numel() == x.shape[-1] \
+    if ticket is not None and x.is_contiguous() and x.numel() == x.shape[-1] \
             and _gemv_kernel_fits(x.reshape(1, -1), weight, bias):
         _check_ticket(ticket, x.device)
         y, index = torch.ops.dflash.linear_argmax(x.reshape(1, -1), weight, bias, ticket)

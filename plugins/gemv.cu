@@ -40,6 +40,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace dflash {
 namespace {
@@ -51,21 +52,20 @@ constexpr int kLoadsInFlight = 8;  // 16-byte weight loads per lane per iteratio
 // A CTA's 8 warps are 8 / S groups of S: a group owns R consecutive output features, its S
 // warps each a contiguous 1/S of K; the S sums meet in shared memory, added in slice order.
 // kPipelined: each warp's loop is lane_dots_pipelined. kNormPlays > 0: a norm follows (which
-// decides when the next kernel may start). kInputPlays > 0: x is the add + norm of `in`
-// (GemvInputNorm), which the CTA computes after the wait into shared memory, each thread over
-// kInputPlays vectors of the row.
+// decides when the next kernel may start). kInputPlays > 0: x is the add + norm of p.x (the
+// delta) and `in` (a GemvNorm before the matmul, gemv.h's kGemvInputNormMaxFeatures), which
+// the CTA computes after the wait into shared memory, each thread over kInputPlays vectors.
 template <typename T, int R, int S, bool kPipelined, int kNormPlays, int kInputPlays = 0>
-__device__ __forceinline__ void gemv_row(const GemvParams& p, const GemvInputNorm& in = {}) {
+__device__ __forceinline__ void gemv_row(const GemvParams& p, const GemvNorm& in = {}) {
   constexpr int U = kLoadsInFlight / R, kGroups = kWarps / S;
   constexpr bool kXShared = kInputPlays > 0;
   __shared__ float part[kGroups][S][R];
-  __shared__ alignas(16) T normed[kXShared ? kGemvInputNormMaxFeatures : 8];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, group = warp / S, slice = warp % S;
   const int64_t n0 = (static_cast<int64_t>(blockIdx.x) * kGroups + group) * R;
   const int64_t chunks = p.in_features / 8, per = (chunks + S - 1) / S;
   const int64_t begin = min(slice * per, chunks), count = min(per, chunks - begin);
   const uint4* w = static_cast<const uint4*>(p.weight);
-  const uint4* x = (kXShared ? reinterpret_cast<const uint4*>(normed) : static_cast<const uint4*>(p.x)) + begin;
+  const uint4* x = static_cast<const uint4*>(p.x) + begin;  // with kXShared: the normed row's, below
   const uint4* rows[R];
 #pragma unroll
   for (int r = 0; r < R; ++r)  // past the last feature: read the last row again, never written
@@ -82,8 +82,9 @@ __device__ __forceinline__ void gemv_row(const GemvParams& p, const GemvInputNor
   // started with every CTA, its CTAs would wait out this one's whole matmul.
   if constexpr (kNormPlays == 0) pdl_allow_dependents();
   if constexpr (kXShared) {
+    __shared__ alignas(16) T normed[kGemvInputNormMaxFeatures];
     const bool first = blockIdx.x == 0;
-    cta_add_rms_norm<T, kThreads, kInputPlays>(in.residual, static_cast<const T*>(in.delta),
+    cta_add_rms_norm<T, kThreads, kInputPlays>(in.residual, static_cast<const T*>(p.x),
                                                static_cast<const T*>(in.weight), static_cast<int>(p.in_features),
                                                in.eps, in.zero_centered, first ? in.sum : nullptr, normed);
     __syncthreads();
@@ -91,6 +92,7 @@ __device__ __forceinline__ void gemv_row(const GemvParams& p, const GemvInputNor
       for (int64_t v = threadIdx.x; v < chunks; v += kThreads)
         static_cast<uint4*>(in.out)[v] = reinterpret_cast<const uint4*>(normed)[v];
     }
+    x = reinterpret_cast<const uint4*>(normed) + begin;
   }
 
   float acc[R] = {};
@@ -130,10 +132,10 @@ __global__ void __launch_bounds__(kThreads) gemv_norm_kernel(GemvParams p, GemvN
   add_rms_norm_if_last<T, kThreads, kNormPlays>(static_cast<const T*>(p.y), static_cast<int>(p.out_features), n);
 }
 
-// The add + norm before the matmul (GemvInputNorm), each thread of every CTA over kInputPlays
-// vectors of the row.
+// The add + norm before the matmul (gemv.h, kGemvInputNormMaxFeatures), each thread of every CTA
+// over kInputPlays vectors of the row.
 template <typename T, int R, int S, bool kPipelined, int kInputPlays>
-__global__ void __launch_bounds__(kThreads) gemv_input_norm_kernel(GemvParams p, GemvInputNorm n) {
+__global__ void __launch_bounds__(kThreads) gemv_input_norm_kernel(GemvParams p, GemvNorm n) {
   gemv_row<T, R, S, kPipelined, 0, kInputPlays>(p, n);
 }
 
@@ -181,16 +183,11 @@ __global__ void __launch_bounds__(kThreads) gemv_argmax_kernel(GemvParams p, Gem
     i = n;
   }
   cta_first(v, i);
-  __shared__ bool last;
   if (threadIdx.x == 0) {
     a.partial_value[blockIdx.x] = v;
     a.partial_index[blockIdx.x] = i;
   }
-  __threadfence();  // this CTA's partial before its ticket
-  __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(a.ticket, 1) == static_cast<int>(gridDim.x) - 1;
-  __syncthreads();
-  if (!last) return;
+  if (!last_to_finish(a.ticket)) return;
   __threadfence();
   v = -INFINITY;
   i = INT64_MAX;
@@ -222,6 +219,19 @@ int one_row_features_per_cta(int64_t N, int sms) {
   return kWarps / 4;
 }
 
+// f(R, S, kPipelined, grid) with the one-row layout one_row_features_per_cta picks for p (R
+// features a group, K in S slices, as integral constants) and its grid: each one-row kernel's
+// launch.
+template <typename F>
+cudaError_t with_one_row_layout(const GemvParams& p, int sms, F&& f) {
+  const int per_cta = one_row_features_per_cta(p.out_features, sms);
+  const dim3 grid(static_cast<unsigned>(ceil_div(p.out_features, per_cta)));
+  using std::integral_constant;
+  if (per_cta == 4 * kWarps) return f(integral_constant<int, 4>{}, integral_constant<int, 1>{}, std::true_type{}, grid);
+  if (per_cta == kWarps) return f(integral_constant<int, 2>{}, integral_constant<int, 2>{}, std::false_type{}, grid);
+  return f(integral_constant<int, 1>{}, integral_constant<int, 4>{}, std::false_type{}, grid);
+}
+
 // The one-row kernel of a layout (R features a group, K in S slices), with the add + norm after
 // it where a GemvNorm is given.
 template <typename T, int R, int S, bool kPipelined, int kNormPlays, typename... Norm>
@@ -235,11 +245,10 @@ cudaError_t launch_layout(const GemvParams& p, dim3 grid, cudaStream_t stream, c
 
 template <typename T, int kNormPlays = 0, typename... Norm>
 cudaError_t launch_one_row(const GemvParams& p, int sms, cudaStream_t stream, const Norm&... norm) {
-  const int per_cta = one_row_features_per_cta(p.out_features, sms);
-  const dim3 grid(static_cast<unsigned>(ceil_div(p.out_features, per_cta)));
-  if (per_cta == 4 * kWarps) return launch_layout<T, 4, 1, true, kNormPlays>(p, grid, stream, norm...);
-  if (per_cta == kWarps) return launch_layout<T, 2, 2, false, kNormPlays>(p, grid, stream, norm...);
-  return launch_layout<T, 1, 4, false, kNormPlays>(p, grid, stream, norm...);
+  return with_one_row_layout(p, sms, [&](auto r, auto s, auto pipelined, dim3 grid) {
+    return launch_layout<T, decltype(r)::value, decltype(s)::value, decltype(pipelined)::value, kNormPlays>(
+        p, grid, stream, norm...);
+  });
 }
 
 // y[m, n] for the 16 MT features n of tile blockIdx.x and every row m of x (NT tiles of 8); the
@@ -313,28 +322,25 @@ cudaError_t launch_typed(const GemvParams& p, const GemvNorm* norm, cudaStream_t
 }
 
 template <typename T, int kInputPlays>
-cudaError_t launch_input_norm(const GemvParams& p, const GemvInputNorm& n, cudaStream_t stream) {
-  const int per_cta = one_row_features_per_cta(p.out_features, device_sms());
-  const dim3 grid(static_cast<unsigned>(ceil_div(p.out_features, per_cta)));
-  const auto kernel = per_cta == 4 * kWarps ? gemv_input_norm_kernel<T, 4, 1, true, kInputPlays>
-                      : per_cta == kWarps   ? gemv_input_norm_kernel<T, 2, 2, false, kInputPlays>
-                                            : gemv_input_norm_kernel<T, 1, 4, false, kInputPlays>;
-  return pdl_launch(kernel, grid, dim3(kThreads), 0, stream, true, p, n);
+cudaError_t launch_input_norm(const GemvParams& p, const GemvNorm& n, cudaStream_t stream) {
+  return with_one_row_layout(p, device_sms(), [&](auto r, auto s, auto pipelined, dim3 grid) {
+    return pdl_launch(gemv_input_norm_kernel<T, decltype(r)::value, decltype(s)::value, decltype(pipelined)::value,
+                                             kInputPlays>,
+                      grid, dim3(kThreads), 0, stream, true, p, n);
+  });
 }
 
 template <typename T>
-cudaError_t launch_input_norm_typed(const GemvParams& p, const GemvInputNorm& n, cudaStream_t stream) {
+cudaError_t launch_input_norm_typed(const GemvParams& p, const GemvNorm& n, cudaStream_t stream) {
   return p.in_features / 8 <= kThreads ? launch_input_norm<T, 1>(p, n, stream) : launch_input_norm<T, 2>(p, n, stream);
 }
 
 template <typename T>
 cudaError_t launch_argmax(const GemvParams& p, const GemvArgmax& a, cudaStream_t stream) {
-  const int per_cta = one_row_features_per_cta(p.out_features, device_sms());
-  const dim3 grid(static_cast<unsigned>(ceil_div(p.out_features, per_cta)));
-  const auto kernel = per_cta == 4 * kWarps ? gemv_argmax_kernel<T, 4, 1, true>
-                      : per_cta == kWarps   ? gemv_argmax_kernel<T, 2, 2, false>
-                                            : gemv_argmax_kernel<T, 1, 4, false>;
-  return pdl_launch(kernel, grid, dim3(kThreads), 0, stream, true, p, a);
+  return with_one_row_layout(p, device_sms(), [&](auto r, auto s, auto pipelined, dim3 grid) {
+    return pdl_launch(gemv_argmax_kernel<T, decltype(r)::value, decltype(s)::value, decltype(pipelined)::value>, grid,
+                      dim3(kThreads), 0, stream, true, p, a);
+  });
 }
 
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
@@ -365,20 +371,18 @@ cudaError_t gemv_launch(const GemvParams& p, cudaStream_t stream, const GemvNorm
                                      : launch_typed<__half>(p, norm, stream);
 }
 
-const char* gemv_input_norm_check(const GemvParams& p, const GemvInputNorm& n) {
-  if (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16) return "dtype must be bf16 or fp16";
+const char* gemv_input_norm_check(const GemvParams& p, const GemvNorm& n) {
+  if (const char* why = gemv_check(p)) return why;
   if (p.rows != 1) return "the add + norm before the matmul takes one row";
-  if (p.out_features < 1 || p.out_features > (int64_t{1} << 34)) return "out_features must be in [1, 2^34]";
-  if (p.in_features < 8 || p.in_features % 8 != 0 || p.in_features > kGemvInputNormMaxFeatures)
-    return "the add + norm before the matmul needs in_features a multiple of 8, at most 4096";
-  if (!p.weight || !p.y || !n.residual || !n.delta || !n.weight || !n.sum || !n.out) return "null pointer";
-  if (!aligned16(p.weight) || !aligned16(n.residual) || !aligned16(n.delta) || !aligned16(n.weight) ||
-      !aligned16(n.sum) || !aligned16(n.out))
-    return "weight, residual, delta, norm weight, sum and out must be 16-byte aligned";
+  if (p.in_features > kGemvInputNormMaxFeatures)
+    return "the add + norm before the matmul takes at most 4096 features";
+  if (!n.residual || !n.weight || !n.sum || !n.out) return "null pointer";
+  if (!aligned16(n.residual) || !aligned16(n.weight) || !aligned16(n.sum) || !aligned16(n.out))
+    return "residual, norm weight, sum and out must be 16-byte aligned";
   return nullptr;
 }
 
-cudaError_t gemv_input_norm_launch(const GemvParams& p, const GemvInputNorm& n, cudaStream_t stream) {
+cudaError_t gemv_input_norm_launch(const GemvParams& p, const GemvNorm& n, cudaStream_t stream) {
   if (gemv_input_norm_check(p, n) != nullptr) return cudaErrorInvalidValue;
   return p.dtype == DType::kBFloat16 ? launch_input_norm_typed<__nv_bfloat16>(p, n, stream)
                                      : launch_input_norm_typed<__half>(p, n, stream);

@@ -39,21 +39,13 @@ struct GemvNorm {
   int* ticket = nullptr;
 };
 
-// The residual add + RMSNorm before a one-row matmul (an MoE router after the attention), run
-// by every CTA of the matmul on its own copy of the row in shared memory instead of by a kernel
-// before it: x = RMSNorm(residual + delta) with add_rms_norm's bits; the first CTA also stores
-// sum = residual + delta (fp32) and out = x for the kernels after. GemvParams::x is unused.
-// One row, K a multiple of 8, at most kGemvInputNormMaxFeatures; every pointer 16-byte aligned.
+// The residual add + RMSNorm before a one-row matmul instead (an MoE router after the
+// attention; gemv_input_norm_launch), a GemvNorm of K features whose ticket is not used, run by
+// every CTA of the matmul on its own copy of the row in shared memory rather than by a kernel
+// before it: the matmul's input is RMSNorm(residual + delta) with add_rms_norm's bits, delta
+// being GemvParams::x; the first CTA also stores sum and out for the kernels after. One row, K
+// at most kGemvInputNormMaxFeatures.
 constexpr int kGemvInputNormMaxFeatures = 4096;
-struct GemvInputNorm {
-  const float* residual = nullptr;  // [K] fp32
-  const void* delta = nullptr;      // [K] in the GEMV's dtype
-  const void* weight = nullptr;     // [K] in the dtype
-  float eps = 1e-6f;
-  bool zero_centered = false;
-  float* sum = nullptr;             // [K] fp32
-  void* out = nullptr;              // [K] in the dtype
-};
 
 // The greedy choice after a one-row matmul (an LM head at batch 1) in the same launch, not an
 // argmax kernel after it: index = the first n of the largest y[n] (y as stored, in the dtype; a
@@ -82,9 +74,9 @@ struct GemvParams {
 const char* gemv_check(const GemvParams& p, const GemvNorm* norm = nullptr);
 cudaError_t gemv_launch(const GemvParams& p, cudaStream_t stream, const GemvNorm* norm = nullptr);
 
-// The add + norm and the matmul after it (GemvInputNorm): one row.
-const char* gemv_input_norm_check(const GemvParams& p, const GemvInputNorm& n);
-cudaError_t gemv_input_norm_launch(const GemvParams& p, const GemvInputNorm& n, cudaStream_t stream);
+// The add + norm (a GemvNorm, see kGemvInputNormMaxFeatures) and the matmul after it: one row.
+const char* gemv_input_norm_check(const GemvParams& p, const GemvNorm& n);
+cudaError_t gemv_input_norm_launch(const GemvParams& p, const GemvNorm& n, cudaStream_t stream);
 
 // The matmul and the greedy choice after it (GemvArgmax): one row. Partials: the launch's CTAs.
 int64_t gemv_argmax_partials(const GemvParams& p);

@@ -438,13 +438,20 @@ at::Tensor gemv_cuda(const at::Tensor& x, const at::Tensor& weight, const std::o
   return y;
 }
 
-// The residual add + norm that a launch runs after its own output (GemvNorm: one row of N
-// features in x's dtype): the arguments checked, sum and out allocated in residual's shape.
+// The int a launch counts its finished CTAs in.
+void check_ticket(const at::Tensor& x, const at::Tensor& ticket, const char* op) {
+  DFLASH_CHECK(ticket.device() == x.device() && ticket.scalar_type() == at::kInt && ticket.numel() == 1,
+               op, ": ticket must be one int32 on x's device");
+}
+
+// The residual add + norm of one row of N features in x's dtype that a launch runs beside its
+// matmul on x (GemvNorm: after its own output, with a ticket; before it, without one): the
+// arguments checked, sum and out allocated in residual's shape.
 struct RowNorm {
   at::Tensor sum, out;
   dflash::GemvNorm params;
   RowNorm(const at::Tensor& x, int64_t N, const at::Tensor& residual, const at::Tensor& norm_weight, double eps,
-          bool zero_centered, const at::Tensor& ticket, const char* op) {
+          bool zero_centered, const at::Tensor* ticket, const char* op) {
     DFLASH_CHECK(residual.device() == x.device() && residual.scalar_type() == at::kFloat && residual.is_contiguous() &&
                      residual.dim() >= 1 && residual.size(-1) == N && residual.numel() == N,
                  op, ": residual must be a contiguous fp32 [..., N] tensor of one row on x's device, N = ", N, ", got ",
@@ -452,8 +459,7 @@ struct RowNorm {
     DFLASH_CHECK(norm_weight.device() == x.device() && norm_weight.scalar_type() == x.scalar_type() &&
                      norm_weight.dim() == 1 && norm_weight.size(0) == N && norm_weight.is_contiguous(),
                  op, ": norm_weight must be a contiguous [N] tensor of x's dtype on x's device, N = ", N);
-    DFLASH_CHECK(ticket.device() == x.device() && ticket.scalar_type() == at::kInt && ticket.numel() == 1,
-                 op, ": ticket must be one int32 on x's device");
+    if (ticket != nullptr) check_ticket(x, *ticket, op);
     sum = at::empty(residual.sizes(), residual.options());
     out = at::empty(residual.sizes(), x.options());
     params.residual = residual.data_ptr<float>();
@@ -462,7 +468,7 @@ struct RowNorm {
     params.zero_centered = zero_centered;
     params.sum = sum.data_ptr<float>();
     params.out = out.data_ptr();
-    params.ticket = ticket.data_ptr<int>();
+    params.ticket = ticket != nullptr ? ticket->data_ptr<int>() : nullptr;
   }
 };
 
@@ -477,15 +483,15 @@ std::tuple<at::Tensor, at::Tensor> linear_add_rms_norm_cuda(const at::Tensor& x,
   DFLASH_CHECK(x.size(0) == 1, "linear_add_rms_norm takes one row of x, got ", x.size(0));
   const c10::cuda::CUDAGuard guard(x.device());
   auto y = at::empty({1, weight.size(0)}, x.options());
-  RowNorm norm(x, weight.size(0), residual, norm_weight, eps, zero_centered, ticket, "linear_add_rms_norm");
+  RowNorm norm(x, weight.size(0), residual, norm_weight, eps, zero_centered, &ticket, "linear_add_rms_norm");
   gemv_run(gemv_params(x, weight, bias, y), "linear_add_rms_norm", &norm.params);
   return {norm.sum, norm.out};
 }
 
 // residual [..., K] fp32 (one row), delta [..., K] and norm_weight [K] in weight's dtype,
 // contiguous; weight [N, K], bias [N] or None as for gemv. Returns (sum, out, y [1, N]):
-// add_rms_norm(residual, delta, norm_weight) and the matmul of out, in one launch whose CTAs each
-// norm the row themselves (gemv.h, GemvInputNorm).
+// add_rms_norm(residual, delta, norm_weight) (sum and out in residual's shape) and the matmul of
+// out, in one launch whose CTAs each norm the row themselves (gemv.h, kGemvInputNormMaxFeatures).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm_linear_cuda(const at::Tensor& residual,
                                                                         const at::Tensor& delta,
                                                                         const at::Tensor& norm_weight, double eps,
@@ -496,29 +502,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm_linear_cuda(const at
   const at::Tensor x = delta.reshape({1, delta.size(-1)});
   check_gemv_args(x, weight, bias);
   const c10::cuda::CUDAGuard guard(delta.device());
-  DFLASH_CHECK(residual.device() == delta.device() && residual.scalar_type() == at::kFloat &&
-                   residual.is_contiguous() && residual.sizes() == delta.sizes(),
-               "add_rms_norm_linear: residual must be a contiguous fp32 tensor of delta's shape on its device, got ",
-               residual.sizes(), " ", residual.scalar_type());
-  DFLASH_CHECK(norm_weight.device() == delta.device() && norm_weight.scalar_type() == delta.scalar_type() &&
-                   norm_weight.dim() == 1 && norm_weight.size(0) == x.size(1) && norm_weight.is_contiguous(),
-               "add_rms_norm_linear: norm_weight must be a contiguous [K] tensor of delta's dtype on its device");
-  auto sum = at::empty(residual.sizes(), residual.options());
-  auto out = at::empty(delta.sizes(), delta.options());
+  const RowNorm norm(x, x.size(1), residual, norm_weight, eps, zero_centered, nullptr, "add_rms_norm_linear");
   auto y = at::empty({1, weight.size(0)}, delta.options());
   const dflash::GemvParams p = gemv_params(x, weight, bias, y);
-  dflash::GemvInputNorm n;
-  n.residual = residual.data_ptr<float>();
-  n.delta = delta.data_ptr();
-  n.weight = norm_weight.data_ptr();
-  n.eps = static_cast<float>(eps);
-  n.zero_centered = zero_centered;
-  n.sum = sum.data_ptr<float>();
-  n.out = out.data_ptr();
-  if (const char* why = dflash::gemv_input_norm_check(p, n)) DFLASH_CHECK(false, "add_rms_norm_linear: ", why);
-  check_launch(dflash::gemv_input_norm_launch(p, n, c10::cuda::getCurrentCUDAStream().stream()),
+  if (const char* why = dflash::gemv_input_norm_check(p, norm.params))
+    DFLASH_CHECK(false, "add_rms_norm_linear: ", why);
+  check_launch(dflash::gemv_input_norm_launch(p, norm.params, c10::cuda::getCurrentCUDAStream().stream()),
                "add_rms_norm_linear");
-  return {sum, out, y};
+  return {norm.sum, norm.out, y};
 }
 
 // x [1, K], weight [N, K], bias [N] or None as for gemv; ticket one int32, zero (the launch
@@ -528,8 +519,7 @@ std::tuple<at::Tensor, at::Tensor> linear_argmax_cuda(const at::Tensor& x, const
                                                       const std::optional<at::Tensor>& bias, const at::Tensor& ticket) {
   check_gemv_args(x, weight, bias);
   DFLASH_CHECK(x.size(0) == 1, "linear_argmax takes one row of x, got ", x.size(0));
-  DFLASH_CHECK(ticket.device() == x.device() && ticket.scalar_type() == at::kInt && ticket.numel() == 1,
-               "linear_argmax: ticket must be one int32 on x's device");
+  check_ticket(x, ticket, "linear_argmax");
   const c10::cuda::CUDAGuard guard(x.device());
   auto y = at::empty({1, weight.size(0)}, x.options());
   const dflash::GemvParams p = gemv_params(x, weight, bias, y);
@@ -1005,7 +995,7 @@ std::tuple<at::Tensor, at::Tensor> moe_experts_add_rms_norm_cuda(const at::Tenso
   DFLASH_CHECK(top_k >= 1 && top_k <= dflash::kMoeRouteMaxTopK, "moe_experts_add_rms_norm: top_k must be in [1, ",
                dflash::kMoeRouteMaxTopK, "], got ", top_k);
   const c10::cuda::CUDAGuard guard(x.device());
-  RowNorm norm(x, x.size(1), residual, norm_weight, eps, zero_centered, ticket, "moe_experts_add_rms_norm");
+  RowNorm norm(x, x.size(1), residual, norm_weight, eps, zero_centered, &ticket, "moe_experts_add_rms_norm");
   const int64_t picks = top_k + (shared ? 1 : 0);  // the kernels' k; weights and ids their scratch
   const RouteArgs route{logits, renormalize};
   moe_experts_run(x, gate_up, down, at::empty({1, picks}, x.options().dtype(at::kFloat)),

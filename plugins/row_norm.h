@@ -105,18 +105,25 @@ __device__ void cta_add_rms_norm(const float* residual, const T* delta, const T*
   }
 }
 
+// Whether this CTA is the last of its grid to finish, counted on `ticket` (an int, zero before
+// the launch): every CTA calls it after its writes, and the last one, after a fence of its own,
+// sees all of them. That CTA zeroes the ticket when done, for the next launch.
+__device__ __forceinline__ bool last_to_finish(int* ticket) {
+  __shared__ bool last;
+  __threadfence();  // this CTA's writes before its ticket
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(ticket, 1) == static_cast<int>(gridDim.x) - 1;
+  __syncthreads();
+  return last;
+}
+
 // The add + norm after a launch whose CTAs each wrote part of delta (H elements, in T): every CTA
-// calls it after its writes. The CTA that takes the last ticket sees all of delta; it lets the
-// next kernel start (whose CTAs may fetch their weights while it norms), runs cta_add_rms_norm
-// (each of its kThreads threads over kPlays vectors) and zeroes the ticket for the next launch.
+// calls it after its writes. The CTA that finishes last sees all of delta; it lets the next
+// kernel start (whose CTAs may fetch their weights while it norms), runs cta_add_rms_norm (each
+// of its kThreads threads over kPlays vectors) and zeroes the ticket.
 template <typename T, int kThreads, int kPlays>
 __device__ void add_rms_norm_if_last(const T* delta, int H, const GemvNorm& n) {
-  __shared__ bool last;
-  __threadfence();  // this CTA's part of delta before its ticket
-  __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(n.ticket, 1) == static_cast<int>(gridDim.x) - 1;
-  __syncthreads();
-  if (!last) return;
+  if (!last_to_finish(n.ticket)) return;
   pdl_allow_dependents();
   __threadfence();
   cta_add_rms_norm<T, kThreads, kPlays>(n.residual, delta, static_cast<const T*>(n.weight), H, n.eps, n.zero_centered,
