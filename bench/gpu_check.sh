@@ -26,8 +26,6 @@
 #   bash bench/gpu_check.sh moe-bench  # MoE: Qwen3.6-35B-A3B AR vs DFlash, the 397B-A17B at 4 and 8 layers
 #   bash bench/gpu_check.sh moe-split  # MoE experts at TP2 per rank: tensor- vs expert-parallel
 #   bash bench/gpu_check.sh moe-norm   # MoE: the norms around an MoE block in its kernels (GPU tests, AR A/B)
-#   bash bench/gpu_check.sh moe-router-norm # MoE: the norm before the block in its router's GEMV (tests, AR A/B)
-#   bash bench/gpu_check.sh lm-argmax  # the LM head's argmax in its GEMV (tests, AR A/B)
 #   bash bench/gpu_check.sh trace      # the 35B-A3B's AR step as a trace: each kernel's share by starts and ends
 #   bash bench/gpu_check.sh moe-flashinfer # MoE: the experts against FlashInfer's fused MoE (carry .fi)
 #   bash bench/gpu_check.sh tp         # (2 GPUs) a two-rank run exits; one rank vs two, Qwen3-1.7B pair
@@ -63,7 +61,7 @@
 # The machine has no `unzip`: zips are opened with `python3 -m zipfile`, which drops the
 # executable bits, so they are set again.
 set -u
-usage="usage: gpu_check.sh STAGE... (tests hybrid benches roofline bench8b goals overlap identity triton window flashinfer splits moe moe-models moe-bench moe-split moe-norm moe-router-norm lm-argmax trace moe-flashinfer tp draft-vocab prefill stall fa3 fa3-engine burst train-ranks demo-target demo-drafter demo-eval)"
+usage="usage: gpu_check.sh STAGE... (tests hybrid benches roofline bench8b goals overlap identity triton window flashinfer splits moe moe-models moe-bench moe-split moe-norm trace moe-flashinfer tp draft-vocab prefill stall fa3 fa3-engine burst train-ranks demo-target demo-drafter demo-eval)"
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
@@ -283,34 +281,6 @@ moe-norm)
       ab_step "ar35b-$flags-$round" "from dflash_trt.models.moe import SparseMoeBlock as B
 B.output_norm_in_experts, B.input_norm_in_projection = '$flags'[0] == '1', '$flags'[1] == '1'" \
         qwen3.6-35b-a3b "$OUT/norm_ar35b_${flags}_$round.json"
-    done
-  done
-  ;;
-moe-router-norm)
-  # the add + norm before an MoE block in its router's launch (SparseMoeBlock.input_norm_in_router,
-  # ops.add_rms_norm_linear): its GPU tests, then the 35B-A3B's AR step at batch 1 off and on,
-  # alternating twice
-  step plugins 300 python3 -c 'from dflash_trt import plugins; print(plugins.load())'
-  DFLASH_TEST_DEVICE=cuda step tests-router-norm 300 python3 -m pytest -q -p no:cacheprovider tests/test_gemv.py \
-    tests/test_moe.py -k "add_rms_norm_linear or norms_in_the_moe_kernels"
-  for round in 1 2; do
-    for on in 0 1; do
-      ab_step "ar35b-router-$on-$round" "from dflash_trt.models.moe import SparseMoeBlock as B
-B.input_norm_in_router = $on == 1" qwen3.6-35b-a3b "$OUT/router_norm_${on}_$round.json"
-    done
-  done
-  ;;
-lm-argmax)
-  # the greedy token in the LM head's launch (LMHead.argmax_in_matmul, ops.linear_argmax): its GPU
-  # tests, then the AR step at batch 1 of Qwen3-8B and the 35B-A3B with it off and on, alternating twice
-  step plugins 300 python3 -c 'from dflash_trt import plugins; print(plugins.load())'
-  DFLASH_TEST_DEVICE=cuda step tests-argmax 300 python3 -m pytest -q -p no:cacheprovider tests/test_gemv.py -k argmax
-  for round in 1 2; do
-    for preset in qwen3-8b qwen3.6-35b-a3b; do
-      for on in 0 1; do
-        ab_step "ar-$preset-$on-$round" "from dflash_trt.models.layers import LMHead
-LMHead.argmax_in_matmul = $on == 1" "$preset" "$OUT/argmax_${preset}_${on}_$round.json"
-      done
     done
   done
   ;;

@@ -212,10 +212,6 @@ def _no_add_norm(x, delta, *args, **kwargs):
     return x, delta  # the stream as it was, the delta as the normed input: no kernel
 
 
-def _no_add_norm_before_linear(residual, delta, norm_weight, eps, zero_centered, weight, bias=None):
-    return residual, delta, ops.linear(delta, weight, bias)  # the add + norm left out, the matmul kept
-
-
 def _no_linear_add_norm(x, weight, bias, residual, *args, **kwargs):
     return residual, ops.linear(x, weight, bias)  # the projection kept, its add + norm left out
 
@@ -239,8 +235,7 @@ def ablations(target) -> dict[str, list[tuple[object, str, object]]]:
     if SparseMoeBlock in kinds:
         # with SparseMoeBlock.output_norm_in_experts one token's routing, experts and the norm after them
         # are one op (two kernels)
-        parts["residual norms"] += [(ops, "moe_experts_add_rms_norm", _no_norm_after_experts),
-                                    (ops, "add_rms_norm_linear", _no_add_norm_before_linear)]
+        parts["residual norms"].append((ops, "moe_experts_add_rms_norm", _no_norm_after_experts))
         parts["routed experts"] = [(ops, "moe_experts", _no_experts),
                                    (ops, "moe_experts_add_rms_norm", _no_experts_before_norm)]
     for label, cls in (("MoE blocks", SparseMoeBlock), ("dense MLPs", MLP), ("attention layers", qwen3.Qwen3Attention),

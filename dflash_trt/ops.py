@@ -423,43 +423,6 @@ def linear_add_rms_norm(x, weight, bias, residual, norm_weight, eps: float, zero
     return add_rms_norm(residual, linear(x, weight, bias), norm_weight, eps, zero_centered)
 
 
-GEMV_INPUT_NORM_MAX_FEATURES = 4096  # plugins/gemv.h kGemvInputNormMaxFeatures
-
-
-def add_rms_norm_linear(residual, delta, norm_weight, eps: float, zero_centered: bool, weight, bias=None):
-    """(s, h, y): add_rms_norm(residual, delta, norm_weight, eps, zero_centered) -> (s, h), then
-    y = linear(h, weight, bias): the residual add + norm before a matmul (an MoE router's).
-    Where delta is one row in bf16 or fp16 on CUDA, K <= 4096 (an AR step at batch 1): one
-    launch, whose CTAs each norm the row themselves in shared memory (plugins/gemv.h,
-    kGemvInputNormMaxFeatures), with add_rms_norm's and the gemv kernel's bits, so no norm
-    kernel and its wait come before the matmul. Elsewhere the two ops."""
-    K = delta.shape[-1]
-    # one contiguous row (reshape then views it: _gemv_kernel_fits sees delta's own memory)
-    if (delta.is_contiguous() and delta.numel() == K and K <= GEMV_INPUT_NORM_MAX_FEATURES
-            and residual.shape == delta.shape and _gemv_kernel_fits(delta.reshape(1, K), weight, bias)
-            and _row_norm_fits(delta, K, residual, norm_weight)):
-        s, h, y = torch.ops.dflash.add_rms_norm_linear(residual, delta, norm_weight, float(eps), zero_centered, weight,
-                                                       bias)
-        return s, h, y.reshape(*delta.shape[:-1], -1)
-    s, h = add_rms_norm(residual, delta, norm_weight, eps, zero_centered)
-    return s, h, linear(h.reshape(-1, K), weight, bias).reshape(*h.shape[:-1], -1)  # rows as the router takes them
-
-
-def linear_argmax(x, weight, bias=None, ticket: torch.Tensor | None = None):
-    """(y, index) = (linear(x, weight, bias), y.argmax(-1)): an LM head's logits and greedy
-    token. Where x is one row that goes to the gemv kernel (an AR step at batch 1) and `ticket`
-    is given (as for linear_add_rms_norm), one launch: each CTA keeps its features' first
-    largest logit and the last CTA picks among them (plugins/gemv.h, GemvArgmax), the same
-    index as torch.argmax's (the first largest; a NaN above every number). Elsewhere the two ops."""
-    if ticket is not None and x.is_contiguous() and x.numel() == x.shape[-1] \
-            and _gemv_kernel_fits(x.reshape(1, -1), weight, bias):
-        _check_ticket(ticket, x.device)
-        y, index = torch.ops.dflash.linear_argmax(x.reshape(1, -1), weight, bias, ticket)
-        return y.reshape(*x.shape[:-1], -1), index.reshape(x.shape[:-1])
-    y = linear(x, weight, bias)
-    return y, y.argmax(dim=-1)
-
-
 def _linear_norm_fits(x, weight, bias, residual, norm_weight) -> bool:
     H = weight.shape[0]
     if not (x.dtype == weight.dtype and x.is_contiguous() and x.numel() == x.shape[-1]):

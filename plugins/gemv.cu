@@ -40,7 +40,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <type_traits>
 
 namespace dflash {
 namespace {
@@ -52,20 +51,17 @@ constexpr int kLoadsInFlight = 8;  // 16-byte weight loads per lane per iteratio
 // A CTA's 8 warps are 8 / S groups of S: a group owns R consecutive output features, its S
 // warps each a contiguous 1/S of K; the S sums meet in shared memory, added in slice order.
 // kPipelined: each warp's loop is lane_dots_pipelined. kNormPlays > 0: a norm follows (which
-// decides when the next kernel may start). kInputPlays > 0: x is the add + norm of p.x (the
-// delta) and `in` (a GemvNorm before the matmul, gemv.h's kGemvInputNormMaxFeatures), which
-// the CTA computes after the wait into shared memory, each thread over kInputPlays vectors.
-template <typename T, int R, int S, bool kPipelined, int kNormPlays, int kInputPlays = 0>
-__device__ __forceinline__ void gemv_row(const GemvParams& p, const GemvNorm& in = {}) {
+// decides when the next kernel may start).
+template <typename T, int R, int S, bool kPipelined, int kNormPlays>
+__device__ __forceinline__ void gemv_row(const GemvParams& p) {
   constexpr int U = kLoadsInFlight / R, kGroups = kWarps / S;
-  constexpr bool kXShared = kInputPlays > 0;
   __shared__ float part[kGroups][S][R];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, group = warp / S, slice = warp % S;
   const int64_t n0 = (static_cast<int64_t>(blockIdx.x) * kGroups + group) * R;
   const int64_t chunks = p.in_features / 8, per = (chunks + S - 1) / S;
   const int64_t begin = min(slice * per, chunks), count = min(per, chunks - begin);
   const uint4* w = static_cast<const uint4*>(p.weight);
-  const uint4* x = static_cast<const uint4*>(p.x) + begin;  // with kXShared: the normed row's, below
+  const uint4* x = static_cast<const uint4*>(p.x) + begin;
   const uint4* rows[R];
 #pragma unroll
   for (int r = 0; r < R; ++r)  // past the last feature: read the last row again, never written
@@ -81,25 +77,12 @@ __device__ __forceinline__ void gemv_row(const GemvParams& p, const GemvNorm& in
   // With the norm, the last CTA lets the next kernel start (the others count once they exit):
   // started with every CTA, its CTAs would wait out this one's whole matmul.
   if constexpr (kNormPlays == 0) pdl_allow_dependents();
-  if constexpr (kXShared) {
-    __shared__ alignas(16) T normed[kGemvInputNormMaxFeatures];
-    const bool first = blockIdx.x == 0;
-    cta_add_rms_norm<T, kThreads, kInputPlays>(in.residual, static_cast<const T*>(p.x),
-                                               static_cast<const T*>(in.weight), static_cast<int>(p.in_features),
-                                               in.eps, in.zero_centered, first ? in.sum : nullptr, normed);
-    __syncthreads();
-    if (first) {
-      for (int64_t v = threadIdx.x; v < chunks; v += kThreads)
-        static_cast<uint4*>(in.out)[v] = reinterpret_cast<const uint4*>(normed)[v];
-    }
-    x = reinterpret_cast<const uint4*>(normed) + begin;
-  }
 
   float acc[R] = {};
   if constexpr (kPipelined) {
-    lane_dots_pipelined<T, R, U, kXShared>(rows, x, count, lane, acc);
+    lane_dots_pipelined<T, R, U>(rows, x, count, lane, acc);
   } else {
-    lane_dots<T, R, U, kXShared>(rows, x, count, lane, acc);
+    lane_dots<T, R, U>(rows, x, count, lane, acc);
   }
 #pragma unroll
   for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]);
@@ -132,78 +115,6 @@ __global__ void __launch_bounds__(kThreads) gemv_norm_kernel(GemvParams p, GemvN
   add_rms_norm_if_last<T, kThreads, kNormPlays>(static_cast<const T*>(p.y), static_cast<int>(p.out_features), n);
 }
 
-// The add + norm before the matmul (gemv.h, kGemvInputNormMaxFeatures), each thread of every CTA
-// over kInputPlays vectors of the row.
-template <typename T, int R, int S, bool kPipelined, int kInputPlays>
-__global__ void __launch_bounds__(kThreads) gemv_input_norm_kernel(GemvParams p, GemvNorm n) {
-  gemv_row<T, R, S, kPipelined, 0, kInputPlays>(p, n);
-}
-
-// The greedy order (GemvArgmax): the larger value first, a NaN before every number, equal values
-// (or two NaNs) by the lower index. A total order, so reductions in any order agree.
-__device__ __forceinline__ bool comes_first(float v, int64_t i, float ov, int64_t oi) {
-  const bool nan = v != v, other_nan = ov != ov;
-  if (nan != other_nan) return nan;
-  if (!nan && v != ov) return v > ov;
-  return i < oi;
-}
-
-// (v, i) of every thread -> the first of them in thread 0's (v, i).
-__device__ __forceinline__ void cta_first(float& v, int64_t& i) {
-  __shared__ float values[kWarps];
-  __shared__ int64_t indices[kWarps];
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const float ov = __shfl_xor_sync(0xffffffffu, v, o);
-    const int64_t oi = __shfl_xor_sync(0xffffffffu, i, o);
-    if (comes_first(ov, oi, v, i)) v = ov, i = oi;
-  }
-  const int warp = threadIdx.x / 32;
-  if (threadIdx.x % 32 == 0) values[warp] = v, indices[warp] = i;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    for (int w = 1; w < kWarps; ++w)
-      if (comes_first(values[w], indices[w], v, i)) v = values[w], i = indices[w];
-  }
-}
-
-// The matmul, then its greedy choice (GemvArgmax): the CTA's first largest of its features
-// (read back from y: its own stores, visible after the barrier) to the partials, and the last
-// CTA's pick among those.
-template <typename T, int R, int S, bool kPipelined>
-__global__ void __launch_bounds__(kThreads) gemv_argmax_kernel(GemvParams p, GemvArgmax a) {
-  gemv_row<T, R, S, kPipelined, 0>(p);
-  constexpr int kFeatures = kWarps / S * R;
-  __syncthreads();
-  const int64_t n = static_cast<int64_t>(blockIdx.x) * kFeatures + threadIdx.x;
-  float v = -INFINITY;  // a thread without a feature: after every feature (its index too)
-  int64_t i = INT64_MAX;
-  if (static_cast<int>(threadIdx.x) < kFeatures && n < p.out_features) {
-    v = to_float(static_cast<const T*>(p.y)[n]);
-    i = n;
-  }
-  cta_first(v, i);
-  if (threadIdx.x == 0) {
-    a.partial_value[blockIdx.x] = v;
-    a.partial_index[blockIdx.x] = i;
-  }
-  if (!last_to_finish(a.ticket)) return;
-  __threadfence();
-  v = -INFINITY;
-  i = INT64_MAX;
-  for (int64_t c = threadIdx.x; c < gridDim.x; c += kThreads) {
-    const float cv = __ldcg(a.partial_value + c);  // other CTAs' writes: past this SM's L1
-    const int64_t ci = __ldcg(a.partial_index + c);
-    if (comes_first(cv, ci, v, i)) v = cv, i = ci;
-  }
-  __syncthreads();  // cta_first's shared arrays are used again
-  cta_first(v, i);
-  if (threadIdx.x == 0) {
-    *a.index = i;
-    *a.ticket = 0;
-  }
-}
-
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Two features a group, K in two slices, unless that leaves fewer CTAs than SMs (a router's few
@@ -219,19 +130,6 @@ int one_row_features_per_cta(int64_t N, int sms) {
   return kWarps / 4;
 }
 
-// f(R, S, kPipelined, grid) with the one-row layout one_row_features_per_cta picks for p (R
-// features a group, K in S slices, as integral constants) and its grid: each one-row kernel's
-// launch.
-template <typename F>
-cudaError_t with_one_row_layout(const GemvParams& p, int sms, F&& f) {
-  const int per_cta = one_row_features_per_cta(p.out_features, sms);
-  const dim3 grid(static_cast<unsigned>(ceil_div(p.out_features, per_cta)));
-  using std::integral_constant;
-  if (per_cta == 4 * kWarps) return f(integral_constant<int, 4>{}, integral_constant<int, 1>{}, std::true_type{}, grid);
-  if (per_cta == kWarps) return f(integral_constant<int, 2>{}, integral_constant<int, 2>{}, std::false_type{}, grid);
-  return f(integral_constant<int, 1>{}, integral_constant<int, 4>{}, std::false_type{}, grid);
-}
-
 // The one-row kernel of a layout (R features a group, K in S slices), with the add + norm after
 // it where a GemvNorm is given.
 template <typename T, int R, int S, bool kPipelined, int kNormPlays, typename... Norm>
@@ -245,10 +143,11 @@ cudaError_t launch_layout(const GemvParams& p, dim3 grid, cudaStream_t stream, c
 
 template <typename T, int kNormPlays = 0, typename... Norm>
 cudaError_t launch_one_row(const GemvParams& p, int sms, cudaStream_t stream, const Norm&... norm) {
-  return with_one_row_layout(p, sms, [&](auto r, auto s, auto pipelined, dim3 grid) {
-    return launch_layout<T, decltype(r)::value, decltype(s)::value, decltype(pipelined)::value, kNormPlays>(
-        p, grid, stream, norm...);
-  });
+  const int per_cta = one_row_features_per_cta(p.out_features, sms);
+  const dim3 grid(static_cast<unsigned>(ceil_div(p.out_features, per_cta)));
+  if (per_cta == 4 * kWarps) return launch_layout<T, 4, 1, true, kNormPlays>(p, grid, stream, norm...);
+  if (per_cta == kWarps) return launch_layout<T, 2, 2, false, kNormPlays>(p, grid, stream, norm...);
+  return launch_layout<T, 1, 4, false, kNormPlays>(p, grid, stream, norm...);
 }
 
 // y[m, n] for the 16 MT features n of tile blockIdx.x and every row m of x (NT tiles of 8); the
@@ -321,28 +220,6 @@ cudaError_t launch_typed(const GemvParams& p, const GemvNorm* norm, cudaStream_t
   return launch_one_row<T, 4>(p, sms, stream, *norm);
 }
 
-template <typename T, int kInputPlays>
-cudaError_t launch_input_norm(const GemvParams& p, const GemvNorm& n, cudaStream_t stream) {
-  return with_one_row_layout(p, device_sms(), [&](auto r, auto s, auto pipelined, dim3 grid) {
-    return pdl_launch(gemv_input_norm_kernel<T, decltype(r)::value, decltype(s)::value, decltype(pipelined)::value,
-                                             kInputPlays>,
-                      grid, dim3(kThreads), 0, stream, true, p, n);
-  });
-}
-
-template <typename T>
-cudaError_t launch_input_norm_typed(const GemvParams& p, const GemvNorm& n, cudaStream_t stream) {
-  return p.in_features / 8 <= kThreads ? launch_input_norm<T, 1>(p, n, stream) : launch_input_norm<T, 2>(p, n, stream);
-}
-
-template <typename T>
-cudaError_t launch_argmax(const GemvParams& p, const GemvArgmax& a, cudaStream_t stream) {
-  return with_one_row_layout(p, device_sms(), [&](auto r, auto s, auto pipelined, dim3 grid) {
-    return pdl_launch(gemv_argmax_kernel<T, decltype(r)::value, decltype(s)::value, decltype(pipelined)::value>, grid,
-                      dim3(kThreads), 0, stream, true, p, a);
-  });
-}
-
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
 }  // namespace
@@ -369,40 +246,6 @@ cudaError_t gemv_launch(const GemvParams& p, cudaStream_t stream, const GemvNorm
   if (gemv_check(p, norm) != nullptr) return cudaErrorInvalidValue;
   return p.dtype == DType::kBFloat16 ? launch_typed<__nv_bfloat16>(p, norm, stream)
                                      : launch_typed<__half>(p, norm, stream);
-}
-
-const char* gemv_input_norm_check(const GemvParams& p, const GemvNorm& n) {
-  if (const char* why = gemv_check(p)) return why;
-  if (p.rows != 1) return "the add + norm before the matmul takes one row";
-  if (p.in_features > kGemvInputNormMaxFeatures)
-    return "the add + norm before the matmul takes at most 4096 features";
-  if (!n.residual || !n.weight || !n.sum || !n.out) return "null pointer";
-  if (!aligned16(n.residual) || !aligned16(n.weight) || !aligned16(n.sum) || !aligned16(n.out))
-    return "residual, norm weight, sum and out must be 16-byte aligned";
-  return nullptr;
-}
-
-cudaError_t gemv_input_norm_launch(const GemvParams& p, const GemvNorm& n, cudaStream_t stream) {
-  if (gemv_input_norm_check(p, n) != nullptr) return cudaErrorInvalidValue;
-  return p.dtype == DType::kBFloat16 ? launch_input_norm_typed<__nv_bfloat16>(p, n, stream)
-                                     : launch_input_norm_typed<__half>(p, n, stream);
-}
-
-int64_t gemv_argmax_partials(const GemvParams& p) {
-  return ceil_div(p.out_features, one_row_features_per_cta(p.out_features, device_sms()));
-}
-
-const char* gemv_argmax_check(const GemvParams& p, const GemvArgmax& a) {
-  if (const char* why = gemv_check(p)) return why;
-  if (p.rows != 1) return "the argmax takes one row";
-  if (gemv_argmax_partials(p) >= (int64_t{1} << 31)) return "too many features for the argmax's CTAs";
-  if (!a.partial_value || !a.partial_index || !a.index || !a.ticket) return "null pointer";
-  return nullptr;
-}
-
-cudaError_t gemv_argmax_launch(const GemvParams& p, const GemvArgmax& a, cudaStream_t stream) {
-  if (gemv_argmax_check(p, a) != nullptr) return cudaErrorInvalidValue;
-  return p.dtype == DType::kBFloat16 ? launch_argmax<__nv_bfloat16>(p, a, stream) : launch_argmax<__half>(p, a, stream);
 }
 
 }  // namespace dflash

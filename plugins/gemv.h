@@ -39,25 +39,6 @@ struct GemvNorm {
   int* ticket = nullptr;
 };
 
-// The residual add + RMSNorm before a one-row matmul instead (an MoE router after the
-// attention; gemv_input_norm_launch), a GemvNorm of K features whose ticket is not used, run by
-// every CTA of the matmul on its own copy of the row in shared memory rather than by a kernel
-// before it: the matmul's input is RMSNorm(residual + delta) with add_rms_norm's bits, delta
-// being GemvParams::x; the first CTA also stores sum and out for the kernels after. One row, K
-// at most kGemvInputNormMaxFeatures.
-constexpr int kGemvInputNormMaxFeatures = 4096;
-
-// The greedy choice after a one-row matmul (an LM head at batch 1) in the same launch, not an
-// argmax kernel after it: index = the first n of the largest y[n] (y as stored, in the dtype; a
-// NaN above every number, as torch.argmax). Each CTA leaves its features' first largest in the
-// partials, and the CTA that finishes last (a ticket) picks among them.
-struct GemvArgmax {
-  float* partial_value = nullptr;    // [gemv_argmax_partials(p)] scratch
-  int64_t* partial_index = nullptr;  // [gemv_argmax_partials(p)] scratch
-  int64_t* index = nullptr;          // [1] out
-  int* ticket = nullptr;             // as GemvNorm's
-};
-
 struct GemvParams {
   DType dtype = DType::kBFloat16;  // of x, W, bias and y (bf16 or fp16)
   int rows = 0;                    // M, 1 .. kGemvMaxRows
@@ -73,14 +54,5 @@ struct GemvParams {
 // norm: the add + RMSNorm after the matmul, or null.
 const char* gemv_check(const GemvParams& p, const GemvNorm* norm = nullptr);
 cudaError_t gemv_launch(const GemvParams& p, cudaStream_t stream, const GemvNorm* norm = nullptr);
-
-// The add + norm (a GemvNorm, see kGemvInputNormMaxFeatures) and the matmul after it: one row.
-const char* gemv_input_norm_check(const GemvParams& p, const GemvNorm& n);
-cudaError_t gemv_input_norm_launch(const GemvParams& p, const GemvNorm& n, cudaStream_t stream);
-
-// The matmul and the greedy choice after it (GemvArgmax): one row. Partials: the launch's CTAs.
-int64_t gemv_argmax_partials(const GemvParams& p);
-const char* gemv_argmax_check(const GemvParams& p, const GemvArgmax& a);
-cudaError_t gemv_argmax_launch(const GemvParams& p, const GemvArgmax& a, cudaStream_t stream);
 
 }  // namespace dflash

@@ -48,9 +48,8 @@ __device__ __forceinline__ void load_chunks(const uint4* const (&rows)[R], int64
   }
 }
 
-// acc[r] += the loaded chunks of row r . the same chunks of x (small, read by every warp: L1;
-// kXShared: x is in shared memory, read plainly).
-template <typename T, int R, int U, bool kXShared = false>
+// acc[r] += the loaded chunks of row r . the same chunks of x (small, read by every warp: L1).
+template <typename T, int R, int U>
 __device__ __forceinline__ void dot_chunks(const uint4 (&wv)[R][U], const uint4* x, int64_t c0, int64_t chunks,
                                            float (&acc)[R]) {
 #pragma unroll
@@ -58,7 +57,7 @@ __device__ __forceinline__ void dot_chunks(const uint4 (&wv)[R][U], const uint4*
     const int64_t c = c0 + 32 * u;
     if (c >= chunks) break;
     float xf[8];
-    unpack8<T>(kXShared ? x[c] : __ldg(x + c), xf);
+    unpack8<T>(__ldg(x + c), xf);
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       float wf[8];
@@ -71,26 +70,26 @@ __device__ __forceinline__ void dot_chunks(const uint4 (&wv)[R][U], const uint4*
 
 // acc[r] += this lane's share of rows[r] . x (16-bit values, `chunks` 16-byte chunks each): chunks
 // lane, lane + 32, ..., U of each row loaded at once, so that R U loads are in flight.
-template <typename T, int R, int U, bool kXShared = false>
+template <typename T, int R, int U>
 __device__ __forceinline__ void lane_dots(const uint4* const (&rows)[R], const uint4* x, int64_t chunks, int lane,
                                           float (&acc)[R]) {
   for (int64_t c0 = lane; c0 < chunks; c0 += 32 * U) {
     uint4 wv[R][U];
     load_chunks<R, U>(rows, c0, chunks, wv);
-    dot_chunks<T, R, U, kXShared>(wv, x, c0, chunks, acc);
+    dot_chunks<T, R, U>(wv, x, c0, chunks, acc);
   }
 }
 
 // lane_dots with the next iteration's R U loads issued before this iteration's math: 2 R U loads
 // in flight while the math runs, at twice the registers. The same sums in the same order.
-template <typename T, int R, int U, bool kXShared = false>
+template <typename T, int R, int U>
 __device__ __forceinline__ void lane_dots_pipelined(const uint4* const (&rows)[R], const uint4* x, int64_t chunks,
                                                     int lane, float (&acc)[R]) {
   uint4 cur[R][U], next[R][U];
   load_chunks<R, U>(rows, lane, chunks, cur);
   for (int64_t c0 = lane; c0 < chunks; c0 += 32 * U) {
     load_chunks<R, U>(rows, c0 + 32 * U, chunks, next);
-    dot_chunks<T, R, U, kXShared>(cur, x, c0, chunks, acc);
+    dot_chunks<T, R, U>(cur, x, c0, chunks, acc);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
 #pragma unroll

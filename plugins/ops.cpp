@@ -438,20 +438,13 @@ at::Tensor gemv_cuda(const at::Tensor& x, const at::Tensor& weight, const std::o
   return y;
 }
 
-// The int a launch counts its finished CTAs in.
-void check_ticket(const at::Tensor& x, const at::Tensor& ticket, const char* op) {
-  DFLASH_CHECK(ticket.device() == x.device() && ticket.scalar_type() == at::kInt && ticket.numel() == 1,
-               op, ": ticket must be one int32 on x's device");
-}
-
-// The residual add + norm of one row of N features in x's dtype that a launch runs beside its
-// matmul on x (GemvNorm: after its own output, with a ticket; before it, without one): the
-// arguments checked, sum and out allocated in residual's shape.
+// The residual add + norm that a launch runs after its own output (GemvNorm: one row of N
+// features in x's dtype): the arguments checked, sum and out allocated in residual's shape.
 struct RowNorm {
   at::Tensor sum, out;
   dflash::GemvNorm params;
   RowNorm(const at::Tensor& x, int64_t N, const at::Tensor& residual, const at::Tensor& norm_weight, double eps,
-          bool zero_centered, const at::Tensor* ticket, const char* op) {
+          bool zero_centered, const at::Tensor& ticket, const char* op) {
     DFLASH_CHECK(residual.device() == x.device() && residual.scalar_type() == at::kFloat && residual.is_contiguous() &&
                      residual.dim() >= 1 && residual.size(-1) == N && residual.numel() == N,
                  op, ": residual must be a contiguous fp32 [..., N] tensor of one row on x's device, N = ", N, ", got ",
@@ -459,7 +452,8 @@ struct RowNorm {
     DFLASH_CHECK(norm_weight.device() == x.device() && norm_weight.scalar_type() == x.scalar_type() &&
                      norm_weight.dim() == 1 && norm_weight.size(0) == N && norm_weight.is_contiguous(),
                  op, ": norm_weight must be a contiguous [N] tensor of x's dtype on x's device, N = ", N);
-    if (ticket != nullptr) check_ticket(x, *ticket, op);
+    DFLASH_CHECK(ticket.device() == x.device() && ticket.scalar_type() == at::kInt && ticket.numel() == 1,
+                 op, ": ticket must be one int32 on x's device");
     sum = at::empty(residual.sizes(), residual.options());
     out = at::empty(residual.sizes(), x.options());
     params.residual = residual.data_ptr<float>();
@@ -468,7 +462,7 @@ struct RowNorm {
     params.zero_centered = zero_centered;
     params.sum = sum.data_ptr<float>();
     params.out = out.data_ptr();
-    params.ticket = ticket != nullptr ? ticket->data_ptr<int>() : nullptr;
+    params.ticket = ticket.data_ptr<int>();
   }
 };
 
@@ -483,58 +477,9 @@ std::tuple<at::Tensor, at::Tensor> linear_add_rms_norm_cuda(const at::Tensor& x,
   DFLASH_CHECK(x.size(0) == 1, "linear_add_rms_norm takes one row of x, got ", x.size(0));
   const c10::cuda::CUDAGuard guard(x.device());
   auto y = at::empty({1, weight.size(0)}, x.options());
-  RowNorm norm(x, weight.size(0), residual, norm_weight, eps, zero_centered, &ticket, "linear_add_rms_norm");
+  RowNorm norm(x, weight.size(0), residual, norm_weight, eps, zero_centered, ticket, "linear_add_rms_norm");
   gemv_run(gemv_params(x, weight, bias, y), "linear_add_rms_norm", &norm.params);
   return {norm.sum, norm.out};
-}
-
-// residual [..., K] fp32 (one row), delta [..., K] and norm_weight [K] in weight's dtype,
-// contiguous; weight [N, K], bias [N] or None as for gemv. Returns (sum, out, y [1, N]):
-// add_rms_norm(residual, delta, norm_weight) (sum and out in residual's shape) and the matmul of
-// out, in one launch whose CTAs each norm the row themselves (gemv.h, kGemvInputNormMaxFeatures).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm_linear_cuda(const at::Tensor& residual,
-                                                                        const at::Tensor& delta,
-                                                                        const at::Tensor& norm_weight, double eps,
-                                                                        bool zero_centered, const at::Tensor& weight,
-                                                                        const std::optional<at::Tensor>& bias) {
-  DFLASH_CHECK(delta.is_cuda() && delta.is_contiguous() && delta.dim() >= 1 && delta.numel() == delta.size(-1),
-               "add_rms_norm_linear: delta must be one contiguous row [..., K] on a GPU, got ", delta.sizes());
-  const at::Tensor x = delta.reshape({1, delta.size(-1)});
-  check_gemv_args(x, weight, bias);
-  const c10::cuda::CUDAGuard guard(delta.device());
-  const RowNorm norm(x, x.size(1), residual, norm_weight, eps, zero_centered, nullptr, "add_rms_norm_linear");
-  auto y = at::empty({1, weight.size(0)}, delta.options());
-  const dflash::GemvParams p = gemv_params(x, weight, bias, y);
-  if (const char* why = dflash::gemv_input_norm_check(p, norm.params))
-    DFLASH_CHECK(false, "add_rms_norm_linear: ", why);
-  check_launch(dflash::gemv_input_norm_launch(p, norm.params, c10::cuda::getCurrentCUDAStream().stream()),
-               "add_rms_norm_linear");
-  return {norm.sum, norm.out, y};
-}
-
-// x [1, K], weight [N, K], bias [N] or None as for gemv; ticket one int32, zero (the launch
-// leaves it zero). Returns (y [1, N], index [1] int64): the matmul and its first largest
-// output (a NaN first, as torch.argmax), found by the GEMV's last CTA.
-std::tuple<at::Tensor, at::Tensor> linear_argmax_cuda(const at::Tensor& x, const at::Tensor& weight,
-                                                      const std::optional<at::Tensor>& bias, const at::Tensor& ticket) {
-  check_gemv_args(x, weight, bias);
-  DFLASH_CHECK(x.size(0) == 1, "linear_argmax takes one row of x, got ", x.size(0));
-  check_ticket(x, ticket, "linear_argmax");
-  const c10::cuda::CUDAGuard guard(x.device());
-  auto y = at::empty({1, weight.size(0)}, x.options());
-  const dflash::GemvParams p = gemv_params(x, weight, bias, y);
-  const int64_t ctas = dflash::gemv_argmax_partials(p);
-  auto value = at::empty({ctas}, x.options().dtype(at::kFloat));
-  auto partial_index = at::empty({ctas}, x.options().dtype(at::kLong));
-  auto index = at::empty({1}, x.options().dtype(at::kLong));
-  dflash::GemvArgmax a;
-  a.partial_value = value.data_ptr<float>();
-  a.partial_index = partial_index.data_ptr<int64_t>();
-  a.index = index.data_ptr<int64_t>();
-  a.ticket = ticket.data_ptr<int>();
-  if (const char* why = dflash::gemv_argmax_check(p, a)) DFLASH_CHECK(false, "linear_argmax: ", why);
-  check_launch(dflash::gemv_argmax_launch(p, a, c10::cuda::getCurrentCUDAStream().stream()), "linear_argmax");
-  return {y, index};
 }
 
 // Shape-only versions for tracing (torch.compile, fake tensors).
@@ -619,19 +564,6 @@ at::Tensor causal_conv_meta(const at::Tensor& x, const at::Tensor&, const at::Te
 
 at::Tensor gemv_meta(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>&) {
   return at::empty({x.size(0), weight.size(0)}, x.options());
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm_linear_meta(const at::Tensor& residual,
-                                                                        const at::Tensor& delta, const at::Tensor&,
-                                                                        double, bool, const at::Tensor& weight,
-                                                                        const std::optional<at::Tensor>&) {
-  return {at::empty(residual.sizes(), residual.options()), at::empty(delta.sizes(), delta.options()),
-          at::empty({1, weight.size(0)}, delta.options())};
-}
-
-std::tuple<at::Tensor, at::Tensor> linear_argmax_meta(const at::Tensor& x, const at::Tensor& weight,
-                                                      const std::optional<at::Tensor>&, const at::Tensor&) {
-  return {at::empty({1, weight.size(0)}, x.options()), at::empty({1}, x.options().dtype(at::kLong))};
 }
 
 std::tuple<at::Tensor, at::Tensor> linear_add_rms_norm_meta(const at::Tensor& x, const at::Tensor&,
@@ -995,7 +927,7 @@ std::tuple<at::Tensor, at::Tensor> moe_experts_add_rms_norm_cuda(const at::Tenso
   DFLASH_CHECK(top_k >= 1 && top_k <= dflash::kMoeRouteMaxTopK, "moe_experts_add_rms_norm: top_k must be in [1, ",
                dflash::kMoeRouteMaxTopK, "], got ", top_k);
   const c10::cuda::CUDAGuard guard(x.device());
-  RowNorm norm(x, x.size(1), residual, norm_weight, eps, zero_centered, &ticket, "moe_experts_add_rms_norm");
+  RowNorm norm(x, x.size(1), residual, norm_weight, eps, zero_centered, ticket, "moe_experts_add_rms_norm");
   const int64_t picks = top_k + (shared ? 1 : 0);  // the kernels' k; weights and ids their scratch
   const RouteArgs route{logits, renormalize};
   moe_experts_run(x, gate_up, down, at::empty({1, picks}, x.options().dtype(at::kFloat)),
@@ -1145,10 +1077,6 @@ TORCH_LIBRARY(dflash, m) {
   m.def(
       "linear_add_rms_norm(Tensor x, Tensor weight, Tensor? bias, Tensor residual, Tensor norm_weight, float eps, "
       "bool zero_centered, Tensor(a!) ticket) -> (Tensor, Tensor)");
-  m.def("linear_argmax(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) ticket) -> (Tensor, Tensor)");
-  m.def(
-      "add_rms_norm_linear(Tensor residual, Tensor delta, Tensor norm_weight, float eps, bool zero_centered, "
-      "Tensor weight, Tensor? bias) -> (Tensor, Tensor, Tensor)");
   m.def(
       "causal_conv(Tensor x, Tensor weight, Tensor(a!) conv_cache, Tensor(b!)? snapshots, Tensor slots, "
       "Tensor start, Tensor? num_tokens=None) -> Tensor");
@@ -1191,8 +1119,6 @@ TORCH_LIBRARY_IMPL(dflash, CUDA, m) {
   m.impl("sigmoid_gate", &sigmoid_gate_cuda);
   m.impl("gemv", &gemv_cuda);
   m.impl("linear_add_rms_norm", &linear_add_rms_norm_cuda);
-  m.impl("linear_argmax", &linear_argmax_cuda);
-  m.impl("add_rms_norm_linear", &add_rms_norm_linear_cuda);
   m.impl("causal_conv", &causal_conv_cuda);
   m.impl("gated_delta_recurrent", &gated_delta_recurrent_cuda);
   m.impl("gated_delta_prepare", &gated_delta_prepare_cuda);
@@ -1215,8 +1141,6 @@ TORCH_LIBRARY_IMPL(dflash, Meta, m) {
   m.impl("sigmoid_gate", &sigmoid_gate_meta);
   m.impl("gemv", &gemv_meta);
   m.impl("linear_add_rms_norm", &linear_add_rms_norm_meta);
-  m.impl("linear_argmax", &linear_argmax_meta);
-  m.impl("add_rms_norm_linear", &add_rms_norm_linear_meta);
   m.impl("causal_conv", &causal_conv_meta);
   m.impl("gated_delta_recurrent", &gated_delta_recurrent_meta);
   m.impl("gated_delta_prepare", &gated_delta_prepare_meta);

@@ -42,8 +42,7 @@ constexpr int kRowNormMaxVectors = 1024;
 // warp_sum, then warp 0 the warps' sums by warp_sum. Here thread t plays the threads t, t +
 // kThreads, ... of that launch, so every sum is added in the same order. All of a thread's loads
 // are issued before its first sum: one memory round trip, not one a play. delta is read through
-// L2 (__ldcg): other CTAs of the grid wrote it. sum may be null (not stored), out in shared
-// memory. Every thread of the CTA must call it.
+// L2 (__ldcg): other CTAs of the grid wrote it. Every thread of the CTA must call it.
 template <typename T, int kThreads, int kPlays>
 __device__ void cta_add_rms_norm(const float* residual, const T* delta, const T* weight, int H, float eps,
                                  bool zero_centered, float* sum, T* out) {
@@ -77,10 +76,8 @@ __device__ void cta_add_rms_norm(const float* residual, const T* delta, const T*
         s[j][k] = __fadd_rn(rf[k], df[k]);
         sq = __fadd_rn(sq, __fmul_rn(s[j][k], s[j][k]));
       }
-      if (sum != nullptr) {
-        reinterpret_cast<float4*>(sum)[2 * v] = make_float4(s[j][0], s[j][1], s[j][2], s[j][3]);
-        reinterpret_cast<float4*>(sum)[2 * v + 1] = make_float4(s[j][4], s[j][5], s[j][6], s[j][7]);
-      }
+      reinterpret_cast<float4*>(sum)[2 * v] = make_float4(s[j][0], s[j][1], s[j][2], s[j][3]);
+      reinterpret_cast<float4*>(sum)[2 * v + 1] = make_float4(s[j][4], s[j][5], s[j][6], s[j][7]);
     }
     sq = warp_sum(sq);
     if (lane == 0 && v / 32 < warps) warp_sums[v / 32] = sq;
@@ -105,25 +102,18 @@ __device__ void cta_add_rms_norm(const float* residual, const T* delta, const T*
   }
 }
 
-// Whether this CTA is the last of its grid to finish, counted on `ticket` (an int, zero before
-// the launch): every CTA calls it after its writes, and the last one, after a fence of its own,
-// sees all of them. That CTA zeroes the ticket when done, for the next launch.
-__device__ __forceinline__ bool last_to_finish(int* ticket) {
-  __shared__ bool last;
-  __threadfence();  // this CTA's writes before its ticket
-  __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(ticket, 1) == static_cast<int>(gridDim.x) - 1;
-  __syncthreads();
-  return last;
-}
-
 // The add + norm after a launch whose CTAs each wrote part of delta (H elements, in T): every CTA
-// calls it after its writes. The CTA that finishes last sees all of delta; it lets the next
-// kernel start (whose CTAs may fetch their weights while it norms), runs cta_add_rms_norm (each
-// of its kThreads threads over kPlays vectors) and zeroes the ticket.
+// calls it after its writes. The CTA that takes the last ticket sees all of delta; it lets the
+// next kernel start (whose CTAs may fetch their weights while it norms), runs cta_add_rms_norm
+// (each of its kThreads threads over kPlays vectors) and zeroes the ticket for the next launch.
 template <typename T, int kThreads, int kPlays>
 __device__ void add_rms_norm_if_last(const T* delta, int H, const GemvNorm& n) {
-  if (!last_to_finish(n.ticket)) return;
+  __shared__ bool last;
+  __threadfence();  // this CTA's part of delta before its ticket
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(n.ticket, 1) == static_cast<int>(gridDim.x) - 1;
+  __syncthreads();
+  if (!last) return;
   pdl_allow_dependents();
   __threadfence();
   cta_add_rms_norm<T, kThreads, kPlays>(n.residual, delta, static_cast<const T*>(n.weight), H, n.eps, n.zero_centered,

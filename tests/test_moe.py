@@ -10,7 +10,6 @@ from test_checkpoint_errors import edit_json
 from test_hybrid_lossless import ORACLES, dflash_with_oracle
 from test_qwen3_5_parity import forward
 
-from dflash_trt import ops
 from dflash_trt.build import _save_model
 from dflash_trt.errors import CheckpointError, ConfigError
 from dflash_trt.kv_cache import Batch
@@ -92,42 +91,17 @@ def test_one_token_experts_left_for_the_norm_after_them_change_no_result(make_pa
     assert len(taken) == (0 if "wider" in name else 4 * sparse - (0 in target.config.moe.sparse_layers) * 4)
 
 
-@pytest.mark.parametrize("name", ["qwen3-moe-per-expert-dense-layer", "qwen3.5-moe-multimodal-packed",
-                                  "qwen3.5-moe-wider-shared-expert"])
-def test_one_tokens_norm_before_the_experts_in_their_router_changes_no_result(make_pair, name, monkeypatch):
-    # SparseMoeBlock.input_norm_in_router: a decode step's post-attention add + norm and the
-    # router's logits come from ops.add_rms_norm_linear, the block then runs on them
-    target, ids, expected = target_and_logits(make_pair, name, 16, seed=2)
-    taken = []
-    monkeypatch.setattr(ops, "add_rms_norm_linear", lambda *a, _f=ops.add_rms_norm_linear: taken.append(1) or _f(*a))
-
-    def steps(on: bool) -> list[torch.Tensor]:
-        monkeypatch.setattr(SparseMoeBlock, "input_norm_in_router", on)
-        cache = target.new_cache(num_slots=1, capacity=16)
-        forward(target, cache, slot=0, ids=ids[:12], start=0)
-        assert not taken  # a prefill's many tokens: the two ops
-        return [forward(target, cache, slot=0, ids=[ids[pos]], start=pos)[0][0] for pos in range(12, 16)]
-
-    off = steps(False)
-    for pos, step, want in zip(range(12, 16), steps(True), off):
-        assert torch.equal(step, want) and (step - expected[pos]).abs().max() <= ATOL, pos
-    assert len(taken) == 4 * sum(isinstance(layer.mlp, SparseMoeBlock) for layer in target.model.layers)
-
-
 @pytest.mark.cuda
 @pytest.mark.parametrize("name", ["qwen3-moe-per-expert-dense-layer", "qwen3.5-moe-multimodal-packed"])
-@pytest.mark.parametrize("flag", ["input_norm_in_router", "output_norm_in_experts"])
-def test_cuda_bf16_decode_steps_are_the_same_bits_with_the_norms_in_the_moe_kernels(make_pair, name, flag,
-                                                                                     monkeypatch):
-    # on the GPU in bf16 a decode step's post-attention norm in the router's launch
-    # (ops.add_rms_norm_linear), or its experts and the norm after them in one launch pair
+def test_cuda_bf16_decode_steps_are_the_same_bits_with_the_norm_in_the_experts(make_pair, name, monkeypatch):
+    # on the GPU in bf16 a decode step's experts and the norm after them are one launch pair
     # (ops.moe_experts_add_rms_norm): the logits and taps keep their bits
     pair = make_pair(**CONFIGS[name][0])
     target = load_target(pair.target, device="cuda", dtype=torch.bfloat16)
     ids = torch.randint(0, 500, (16,), generator=torch.Generator().manual_seed(3)).tolist()
 
     def steps(on: bool):
-        monkeypatch.setattr(SparseMoeBlock, flag, on)
+        monkeypatch.setattr(SparseMoeBlock, "output_norm_in_experts", on)
         cache = target.new_cache(num_slots=1, capacity=16)
         cuda_forward(target, cache, ids[:12], 0)
         return [cuda_forward(target, cache, [ids[pos]], pos, taps=(1,)) for pos in range(12, 16)]

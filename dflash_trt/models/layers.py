@@ -44,15 +44,6 @@ def value(out) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.value()
 
 
-def ticket_of(module: nn.Module, device: torch.device) -> torch.Tensor:
-    """The int a module's fused launch counts its CTAs in (ops.linear_add_rms_norm and kin):
-    the module's own, made on first use, so no two launches share one."""
-    ticket = getattr(module, "_ticket", None)
-    if ticket is None or ticket.device != device:
-        ticket = module._ticket = torch.zeros(1, dtype=torch.int32, device=device)
-    return ticket
-
-
 class RMSNorm(nn.Module):
     zero_centered = False  # Qwen3.5's scales by 1 + weight (qwen3_5.ZeroCenteredRMSNorm)
 
@@ -60,6 +51,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(size) if self.zero_centered else torch.ones(size))
         self.eps = eps
+        self._ticket: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32, scale in the weights' dtype: the order Qwen3 was trained with.
@@ -75,7 +67,10 @@ class RMSNorm(nn.Module):
         return delta.add_rms_norm(x, self)
 
     def ticket_on(self, device: torch.device) -> torch.Tensor:
-        return ticket_of(self, device)
+        # the int the fused launch counts its CTAs in: this norm's own, so no two launches share one
+        if self._ticket is None or self._ticket.device != device:
+            self._ticket = torch.zeros(1, dtype=torch.int32, device=device)
+        return self._ticket
 
 
 def rope_inv_freq(dim: int, theta: float, yarn: YaRN | None = None) -> tuple[torch.Tensor, float]:
@@ -168,14 +163,7 @@ class LMHead(Linear):
     sampling request draws from; tensor parallelism replaces both by ones that never gather
     the vocabulary (parallel.py)."""
 
-    # One row's argmax in the matmul's launch (ops.linear_argmax), where the argmax kernel after
-    # it waits out the matmul's tail: off until an A/B on the GPU shows it wins
-    # (bench/gpu_check.sh lm-argmax).
-    argmax_in_matmul = False
-
     def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.argmax_in_matmul and hidden.numel() == hidden.shape[-1]:
-            return ops.linear_argmax(hidden, self.weight, self.bias, ticket_of(self, hidden.device))[1]
         return self(hidden).argmax(dim=-1)  # in the weights' dtype: no fp32 copy of the logits
 
     def distribution(self, hidden: torch.Tensor, params: SamplingParams) -> Distribution:
@@ -277,9 +265,6 @@ class DecoderLayer(nn.Module):
             mixed = packing.pack(value(self.attend(packing.unpack(h), *attention_args)))
         if not self.mlp.input_norm_in_projection:
             mixed = value(mixed)
-        norm_and_run = getattr(self.mlp, "norm_and_run", None)  # an MoE block's router may run the norm
-        if norm_and_run is not None:
-            return norm_and_run(self.post_attention_layernorm, x, mixed)
         x, h = self.post_attention_layernorm.add_and_norm(x, mixed)
         return x, self.mlp(h)
 

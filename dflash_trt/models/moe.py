@@ -72,10 +72,6 @@ class SparseMoeBlock(nn.Module):
     # kernel (ExpertsOut): its consumer is a large projection that loads its weights while the
     # last CTA norms; measured faster (bench/gpu_check.sh moe-norm, BENCHMARKS.md).
     output_norm_in_experts = True
-    # One token's residual add + norm before this block in its router's matmul, each CTA norming
-    # the row itself (ops.add_rms_norm_linear): no norm kernel and its wait before the router.
-    # Off until an A/B on the GPU shows it wins (bench/gpu_check.sh moe-router-norm).
-    input_norm_in_router = False
 
     def __init__(self, dims: LayerDims, moe: MoEDims):
         super().__init__()
@@ -92,23 +88,11 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = MLP(dims, moe.shared_expert_size)
             self.shared_expert_gate = Linear(H, 1, bias=False)
 
-    def norm_and_run(self, norm: RMSNorm, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, object]:
-        """(x + delta, this block on its norm): the layer's add + norm before the block, then the
-        block; with input_norm_in_router one token's add + norm in the router's launch."""
-        if self.input_norm_in_router and delta.numel() == delta.shape[-1]:
-            router = (self.router if self.packed_shared else self.gate).weight
-            x, h, logits = ops.add_rms_norm_linear(x, delta, norm.weight, norm.eps, norm.zero_centered, router)
-            return x, self(h, logits.flatten(0, -2))
-        x, h = norm.add_and_norm(x, delta)
-        return x, self(h)
-
-    def forward(self, h: torch.Tensor, logits: torch.Tensor | None = None) -> torch.Tensor | ExpertsOut:
+    def forward(self, h: torch.Tensor) -> torch.Tensor | ExpertsOut:
         """h [bs, T, H] (normed, model dtype) -> [bs, T, H] in the model dtype (one token with
-        output_norm_in_experts: an ExpertsOut). `logits`: the router's, where norm_and_run
-        computed them."""
+        output_norm_in_experts: an ExpertsOut)."""
         x = h.flatten(0, 1)
-        if logits is None:
-            logits = ops.router_logits(x, (self.router if self.packed_shared else self.gate).weight)
+        logits = ops.router_logits(x, (self.router if self.packed_shared else self.gate).weight)
         if not (self.moe.shared_expert_size and not self.packed_shared):  # the sum rounded once, by the kernel
             experts = ExpertsOut(h, logits, self.moe, self.experts)
             # not run yet only without hooks: tensor parallelism sums a tensor
