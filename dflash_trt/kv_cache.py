@@ -15,7 +15,6 @@ write free of data-dependent indexing, which CUDA graphs need.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from functools import cached_property
 
 import torch
 
@@ -66,29 +65,9 @@ class Batch:
     def size(self) -> int:
         return self.slots.shape[0]
 
-    @property
-    def positions_end(self) -> int:
-        """A host-side bound above every entry of positions, padding included (start <= max_end)."""
-        return self.max_end + self.width
-
-    # The kernels take int32: these are made once per pass, whoever asks (the target's layers,
-    # the drafter's cache), from one cast, where a cast a tensor and caller cost a decode
-    # step's graph a small kernel each, run one after another.
-
-    @cached_property
-    def ints(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(slots, start, num_tokens, end = start + num_tokens), [bs] int32 each."""
-        slots, start, num_tokens = torch.stack((self.slots, self.start, self.num_tokens)).int()
-        return slots, start, num_tokens, start + num_tokens
-
     def token_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Cache slot and position of every token, flattened to [bs * width] int32."""
-        return self._token_rows
-
-    @cached_property
-    def _token_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        # contiguous: one row's slot expanded over its tokens flattens to a view of stride 0
-        return self.ints[0][:, None].expand_as(self.positions).flatten().contiguous(), self.positions.flatten().int()
+        return (self.slots[:, None].expand_as(self.positions).flatten().int(), self.positions.flatten().int())
 
     def packing(self) -> "Packing | None":
         """The pass's real tokens packed into one row, where it has padding the host knows
@@ -144,7 +123,7 @@ class KVCache:
 
     def context(self, batch: Batch) -> "Context":
         """Where each row's context sits, in block_attention's terms: slot rows [0, start)."""
-        slots, start = batch.ints[:2]
+        slots, start = batch.slots.int(), batch.start.int()
         return Context(slots, start, start, batch.max_end)
 
     def keys(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

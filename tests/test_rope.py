@@ -6,9 +6,9 @@ import json
 import pytest
 import torch
 
-from dflash_trt.config import DraftConfig, TargetConfig, YaRN
+from dflash_trt.config import DraftConfig, TargetConfig
 from dflash_trt.loading import load_pair
-from dflash_trt.models.layers import Rotary, rope_inv_freq
+from dflash_trt.models.layers import rope_inv_freq
 from dflash_trt.sampling import SamplingParams
 
 transformers = pytest.importorskip("transformers")
@@ -52,22 +52,6 @@ def test_yarn_frequencies_and_scale_equal_transformers(tmp_path, name):
     freq, scale = rope_inv_freq(dims.head_dim, dims.rope_theta, dims.rope_yarn)
     torch.testing.assert_close(freq, want_freq, rtol=1e-6, atol=0)
     assert scale == pytest.approx(want_scale, rel=1e-12) and scale != 1.0
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("yarn", [None, YaRN(4.0, 32768, 1.2)], ids=["plain", "yarn"])
-def test_rotary_values_gathered_from_its_tables_are_the_computed_ones(dtype, yarn):
-    """Passes give Rotary a bound above their positions (Batch.positions_end) and it gathers
-    cos/sin from tables it builds once: the same bits as computing them, before and after the
-    tables grow; a table it replaces stays alive (a captured graph may still gather from it)."""
-    rotary = Rotary(128, 1e6, yarn)
-    short = torch.tensor([[0, 5, 17], [200, 201, 255]])
-    long = torch.randint(0, 5000, (4, 9), generator=torch.Generator().manual_seed(0))
-    for positions, end in ((short, 256), (long, 5000)):
-        gathered, computed = rotary(positions, dtype, end), rotary.angles(positions, dtype)
-        assert all(torch.equal(g, c) for g, c in zip(gathered, computed)), end
-    (replaced_cos, _), = rotary._replaced
-    assert replaced_cos.shape[0] == 256 and next(iter(rotary._tables.values()))[0].shape[0] == 8192
 
 
 def test_plain_rope_is_unscaled():

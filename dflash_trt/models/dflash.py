@@ -73,7 +73,7 @@ class DFlashDrafter(nn.Module):
     def append_context(self, taps: torch.Tensor, batch: Batch, cache: KVCache) -> None:
         """Project committed rows' taps [bs, width, K*H] into every layer's draft cache."""
         c = self.hidden_norm(self.fc(taps.to(self.fc.weight.dtype)))
-        cos, sin = self.rotary(batch.positions, c.dtype, batch.positions_end)
+        cos, sin = self.rotary(batch.positions, c.dtype)
         rows = cache.write_rows(batch)
         for layer in self.layers:
             layer.self_attn.write_context(c, cos, sin, cache, rows)
@@ -81,7 +81,7 @@ class DFlashDrafter(nn.Module):
     def forward(self, block_ids: torch.Tensor, batch: Batch, cache: KVCache) -> torch.Tensor:
         """block_ids [bs, B] at positions start..start+B-1 -> final hidden [bs, B, H]."""
         x = self.embed_tokens(block_ids).float()  # fp32 residual stream, as in the target
-        cos, sin = self.rotary(batch.positions, self.fc.weight.dtype, batch.positions_end)
+        cos, sin = self.rotary(batch.positions, self.fc.weight.dtype)
         context = cache.context(batch)  # once per pass
         mlp_out = None
         for layer in self.layers:

@@ -96,40 +96,15 @@ def rope_inv_freq(dim: int, theta: float, yarn: YaRN | None = None) -> tuple[tor
 
 
 class Rotary(nn.Module):
-    """Neox-style RoPE (optionally YaRN-scaled): cos/sin of absolute positions.
-
-    Given `end`, a host-side bound above the positions (Batch.positions_end), they are gathered from
-    tables of positions 0.. built once per device and dtype with the same arithmetic (so the
-    same values): two gathers in a pass instead of the seven small kernels that compute them,
-    which a decode step's graph runs one after another (BENCHMARKS.md, "Mixture of experts").
-    Without it (training) they are computed."""
+    """Neox-style RoPE (optionally YaRN-scaled); cos/sin are computed per call from
+    absolute positions."""
 
     def __init__(self, head_dim: int, theta: float, yarn: YaRN | None = None):
         super().__init__()
         self.head_dim = head_dim
         self.inv_freq, self.scale = rope_inv_freq(head_dim, theta, yarn)  # a plain attribute: no state_dict entry
-        self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
-        self._replaced: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype,
-                end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        if end is None:
-            return self.angles(positions, dtype)
-        key = (positions.device, dtype)
-        if key not in self._tables or self._tables[key][0].shape[0] < end:
-            # a power of two: longer and longer passes do not rebuild them each time; the
-            # tables they replace stay alive, as graphs captured before may gather from them
-            n = 1 << max(8, (end - 1).bit_length())
-            if key in self._tables:
-                self._replaced.append(self._tables[key])
-            self._tables[key] = self.angles(torch.arange(n, device=positions.device), dtype)
-        cos, sin = self._tables[key]
-        index = positions.flatten()
-        return (cos.index_select(0, index).unflatten(0, positions.shape),
-                sin.index_select(0, index).unflatten(0, positions.shape))
-
-    def angles(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin [..., d] in dtype of positions [...], computed."""
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions.float()[..., None] * self.inv_freq  # [..., d/2]

@@ -50,10 +50,9 @@ class Qwen3Model(nn.Module):
         # near-ties differently for a verify block than for one-token AR steps.
         packing = batch.packing()  # a ragged prefill: the token-wise work skips the padding
         x = self.embed_tokens(input_ids if packing is None else packing.pack(input_ids)).float()
-        cos, sin = self.rotary(batch.positions, self.embed_tokens.weight.dtype, batch.positions_end)
+        cos, sin = self.rotary(batch.positions, self.embed_tokens.weight.dtype)
         # once per pass: lengths for attention, slot/position of each token for cache writes
-        slots, start, _, end = batch.ints
-        lengths = (slots, end, start, batch.token_rows())
+        lengths = (batch.slots.int(), (batch.start + batch.num_tokens).int(), batch.start.int(), batch.token_rows())
         return run_layers(self.layers, self.norm, x, (cos, sin, lengths, batch, cache), taps, packing)
 
 

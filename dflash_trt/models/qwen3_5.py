@@ -308,10 +308,10 @@ class Qwen3_5Model(nn.Module):
         packing = batch.packing()  # a ragged prefill: the token-wise work skips the padding
         # fp32 residual stream, as in the Qwen3 target
         x = self.embed_tokens(input_ids if packing is None else packing.pack(input_ids)).float()
-        cos, sin = self.rotary(batch.positions, self.embed_tokens.weight.dtype, batch.positions_end)
+        cos, sin = self.rotary(batch.positions, self.embed_tokens.weight.dtype)
         # once per pass: lengths for attention and the recurrence, slot/position of each token for cache writes
-        slots, start, num_tokens, end = batch.ints
-        lengths = (slots, end, start, num_tokens, batch.token_rows())
+        lengths = (batch.slots.int(), (batch.start + batch.num_tokens).int(), batch.start.int(), batch.num_tokens.int(),
+                   batch.token_rows())
         return run_layers(self.layers, self.norm, x, (cos, sin, lengths, batch, cache), taps, packing)
 
 
