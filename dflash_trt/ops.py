@@ -872,10 +872,11 @@ def gated_delta_recurrent_reference(q, k, v, g, beta, state_cache, snapshot_cach
 
 
 GATED_DELTA_STEP_DIM = 128  # plugins/gated_delta.h kGatedDeltaStepDim: the fused step's dk = dv
+CONV_STEP_TAPS = 4  # plugins/gated_delta.h kGatedDeltaStepConvTaps: the conv the step can run
 
 
 def gated_delta_step(qkv, a, b, z, neg_a, dt_bias, norm_weight, norm_eps: float, l2_eps: float, q_scale: float,
-                     state_cache, slots, start, num_tokens, num_k_heads: int):
+                     state_cache, slots, start, num_tokens, num_k_heads: int, conv=None):
     """One in-place decode step of a Gated DeltaNet layer (one token a row: an AR step) from
     its conv output to its gated norm -> y [bs, 1, Hv, dv] in qkv's dtype:
     gated_rms_norm(gated_delta_recurrent(*gated_delta_prepare(qkv, a, b, ...), state_cache,
@@ -886,6 +887,11 @@ def gated_delta_step(qkv, a, b, z, neg_a, dt_bias, norm_weight, norm_eps: float,
     [bs] int32 (num_tokens 0: a padding row, its state kept, its y zeros). On CUDA in 16-bit
     with dk = dv = 128 one kernel (plugins/gated_delta.cu) with those three ops' arithmetic,
     the same bits; else the three ops.
+
+    conv = (weight [C, 4], conv_cache [num_slots, 3, C], tickets [>= bs, Hk] int32 zeros, which
+    the kernel leaves zero): qkv is the projection's output before the causal conv (its rows may
+    be a view), and the step runs causal_conv(qkv, weight, conv_cache, None, slots, start,
+    num_tokens) first, in the same kernel on CUDA (the same bits).
     """
     bs, T = qkv.shape[:2]
     Hv, dv = z.shape[-2:]
@@ -893,20 +899,26 @@ def gated_delta_step(qkv, a, b, z, neg_a, dt_bias, norm_weight, norm_eps: float,
     assert T == 1 and z.shape == (bs, 1, Hv, dv) and a.shape == b.shape == (bs, 1, Hv), \
         f"one token a row: qkv [bs, 1, C], a and b [bs, 1, {Hv}], z [bs, 1, {Hv}, {dv}], got " \
         f"{tuple(qkv.shape)}, {tuple(a.shape)}, {tuple(b.shape)}, {tuple(z.shape)}"
-    if _gated_delta_step_fits(qkv, a, b, z, norm_weight, state_cache, dk, dv):
+    if _gated_delta_step_fits(qkv, a, b, z, norm_weight, state_cache, dk, dv, conv):
         y = torch.ops.dflash.gated_delta_step(qkv[:, 0], a[:, 0], b[:, 0], z[:, 0], neg_a, dt_bias, norm_weight,
                                               float(norm_eps), float(l2_eps), float(q_scale), state_cache, slots,
-                                              start, num_tokens, int(num_k_heads))
+                                              start, num_tokens, int(num_k_heads), *(conv or ()))
         return y.unsqueeze(1)
+    if conv is not None:
+        weight, conv_cache, _ = conv
+        qkv = causal_conv(qkv, weight, conv_cache, None, slots, start, num_tokens)
     inputs = gated_delta_prepare(qkv, a, b, neg_a, dt_bias, num_k_heads, dk, dv, l2_eps, q_scale)
     out = gated_delta_recurrent(*inputs, state_cache, state_cache.unsqueeze(1), slots, start, num_tokens, qkv.dtype)
     return gated_rms_norm(out, z, norm_weight, norm_eps)
 
 
-def _gated_delta_step_fits(qkv, a, b, z, norm_weight, state_cache, dk: int, dv: int) -> bool:
+def _gated_delta_step_fits(qkv, a, b, z, norm_weight, state_cache, dk: int, dv: int, conv=None) -> bool:
     D = GATED_DELTA_STEP_DIM
+    # the conv's own input may be a view of the projection; its output is a contiguous tensor
+    rows_ok = qkv.stride(-1) == 1 if conv is not None else qkv.is_contiguous()
     return (qkv.is_cuda and qkv.dtype in (torch.bfloat16, torch.float16) and dk == dv == D
-            and qkv.is_contiguous() and a.stride() == b.stride() and a.stride(-1) == 1
+            and rows_ok and (conv is None or conv[0].shape[-1] == CONV_STEP_TAPS)
+            and a.stride() == b.stride() and a.stride(-1) == 1
             and z.stride(-1) == 1 and z.stride(-2) == D and z.stride(0) % 8 == 0 and z.data_ptr() % 16 == 0
             and norm_weight.dtype == qkv.dtype and norm_weight.is_contiguous() and norm_weight.data_ptr() % 16 == 0
             and state_cache.data_ptr() % 16 == 0 and max(qkv.shape[0], z.shape[2]) <= GRID_LIMIT

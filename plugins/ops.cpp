@@ -751,11 +751,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_del
 // output), a and b [bs, Hv] and z [bs, Hv, dv] (views of the projection: last dims contiguous) and
 // norm_weight [dv] in one 16-bit dtype; neg_a, dt_bias [Hv] fp32; state_cache [num_slots, Hv, dk,
 // dv] fp32, stepped in place; slots, start, num_tokens [bs] int32. Returns y [bs, Hv, dv].
+// With conv_weight [C, 4] (qkv then the projection's output before the conv), conv_cache
+// [num_slots, 3, C] in qkv's dtype and conv_tickets [>= bs, Hk] int32 zeros: the conv too.
 at::Tensor gated_delta_step_cuda(const at::Tensor& qkv, const at::Tensor& a, const at::Tensor& b, const at::Tensor& z,
                                  const at::Tensor& neg_a, const at::Tensor& dt_bias, const at::Tensor& norm_weight,
                                  double norm_eps, double l2_eps, double q_scale, const at::Tensor& state_cache,
                                  const at::Tensor& slots, const at::Tensor& start, const at::Tensor& num_tokens,
-                                 int64_t num_k_heads) {
+                                 int64_t num_k_heads, const std::optional<at::Tensor>& conv_weight,
+                                 const std::optional<at::Tensor>& conv_cache,
+                                 const std::optional<at::Tensor>& conv_tickets) {
   DFLASH_CHECK(qkv.is_cuda() && qkv.dim() == 2 && qkv.stride(1) == 1, "qkv must be a CUDA [bs, C] tensor with "
                "contiguous rows, got ", qkv.sizes());
   const std::optional<dflash::DType> dtype = attention_dtype(qkv.scalar_type());
@@ -778,6 +782,25 @@ at::Tensor gated_delta_step_cuda(const at::Tensor& qkv, const at::Tensor& a, con
   check_index(slots, "slots", qkv);
   check_index(start, "start", qkv);
   check_index(num_tokens, "num_tokens", qkv);
+  const bool conv = conv_weight.has_value();
+  DFLASH_CHECK(conv == conv_cache.has_value() && conv == conv_tickets.has_value(),
+               "gated_delta_step: conv_weight, conv_cache and conv_tickets come together");
+  if (conv) {
+    const int64_t C = qkv.size(1), taps = dflash::kGatedDeltaStepConvTaps;
+    DFLASH_CHECK(conv_weight->device() == qkv.device() && conv_weight->scalar_type() == qkv.scalar_type() &&
+                     conv_weight->dim() == 2 && conv_weight->size(0) == C && conv_weight->size(1) == taps &&
+                     conv_weight->is_contiguous(),
+                 "conv_weight must be a contiguous [", C, ", ", taps, "] in qkv's dtype, got ", conv_weight->sizes());
+    DFLASH_CHECK(conv_cache->device() == qkv.device() && conv_cache->scalar_type() == qkv.scalar_type() &&
+                     conv_cache->dim() == 3 && conv_cache->size(0) == state_cache.size(0) &&
+                     conv_cache->size(1) == taps - 1 && conv_cache->size(2) == C && conv_cache->is_contiguous(),
+                 "conv_cache must be a contiguous [num_slots, ", taps - 1, ", ", C, "] in qkv's dtype, got ",
+                 conv_cache->sizes());
+    DFLASH_CHECK(conv_tickets->device() == qkv.device() && conv_tickets->scalar_type() == at::kInt &&
+                     conv_tickets->dim() == 2 && conv_tickets->size(0) >= bs && conv_tickets->size(1) == num_k_heads &&
+                     conv_tickets->is_contiguous(),
+                 "conv_tickets must be a contiguous int32 [>= bs, num_k_heads], got ", conv_tickets->sizes());
+  }
 
   const c10::cuda::CUDAGuard guard(qkv.device());
   auto y = at::empty({bs, Hv, D}, qkv.options());
@@ -804,6 +827,11 @@ at::Tensor gated_delta_step_cuda(const at::Tensor& qkv, const at::Tensor& a, con
   p.start = start.data_ptr<int32_t>();
   p.num_tokens = num_tokens.data_ptr<int32_t>();
   p.y = y.data_ptr();
+  if (conv) {
+    p.conv_weight = conv_weight->data_ptr();
+    p.conv_cache = conv_cache->data_ptr();
+    p.conv_tickets = conv_tickets->data_ptr<int>();
+  }
   if (const char* why = dflash::gated_delta_step_check(p)) DFLASH_CHECK(false, "gated_delta_step: ", why);
   check_launch(dflash::gated_delta_step_launch(p, c10::cuda::getCurrentCUDAStream().stream()), "gated_delta_step");
   return y;
@@ -811,7 +839,9 @@ at::Tensor gated_delta_step_cuda(const at::Tensor& qkv, const at::Tensor& a, con
 
 at::Tensor gated_delta_step_meta(const at::Tensor& qkv, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                  const at::Tensor& neg_a, const at::Tensor&, const at::Tensor&, double, double, double,
-                                 const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t) {
+                                 const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                                 const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                                 const std::optional<at::Tensor>&) {
   return at::empty({qkv.size(0), neg_a.numel(), dflash::kGatedDeltaStepDim}, qkv.options());
 }
 
@@ -1087,7 +1117,8 @@ TORCH_LIBRARY(dflash, m) {
   m.def(
       "gated_delta_step(Tensor qkv, Tensor a, Tensor b, Tensor z, Tensor neg_a, Tensor dt_bias, Tensor norm_weight, "
       "float norm_eps, float l2_eps, float q_scale, Tensor(a!) state_cache, Tensor slots, Tensor start, "
-      "Tensor num_tokens, int num_k_heads) -> Tensor");
+      "Tensor num_tokens, int num_k_heads, Tensor? conv_weight=None, Tensor(b!)? conv_cache=None, "
+      "Tensor(c!)? conv_tickets=None) -> Tensor");
   m.def(
       "gated_delta_prepare(Tensor qkv, Tensor a, Tensor b, Tensor neg_a, Tensor dt_bias, int num_k_heads, "
       "int key_dim, int value_dim, float eps, float q_scale) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");

@@ -3,6 +3,8 @@ plugins/gated_delta.cu): the reference equals the unfused gather / reference / s
 bit for bit (CPU), the wrapper rejects bad input naming it, and the CUDA kernel agrees with the
 reference over a table of shapes, in a CUDA graph too (cuda marker)."""
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -532,3 +534,106 @@ def test_cuda_fused_decode_step_is_the_three_ops_to_the_bit(dtype, bs, Hk, Hv):
     assert torch.equal(fused_state, ops_state)
     if bs > 1:  # the padding row: zeros, its state kept
         assert not y[-1].any() and torch.equal(fused_state[c["slots"][-1]], c["state"][c["slots"][-1]])
+
+
+def conv_case(c, seed=5):
+    """The projection's rows before the conv (a view, rows wider than the conv's channels), the
+    conv's weight and every slot's window, for step_case's rows."""
+    bs, C = c["qkv"].shape[0], c["qkv"].shape[-1]
+    dtype = c["qkv"].dtype
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    proj = torch.randn(bs, 1, C + 40, generator=g, device="cuda").to(dtype)
+    weight = (torch.randn(C, 4, generator=g, device="cuda") * 0.5).to(dtype)
+    window = torch.randn(c["state"].shape[0], 3, C, generator=g, device="cuda").to(dtype)
+    return proj[..., :C], weight, window
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("bs, Hk, Hv", [(1, 16, 32), (3, 16, 32), (2, 16, 16), (2, 16, 64)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_cuda_decode_step_with_the_conv_is_the_conv_then_the_step_to_the_bit(dtype, bs, Hk, Hv):
+    """One launch runs the conv too: the same outputs, state and windows as causal_conv then the
+    step (a new sequence's row from zeros, a padding row's window kept), the tickets left zero,
+    also as graph replays on new rows."""
+    assert plugins.load() is not None
+    c = step_case(bs, Hk, Hv, dtype, seed=bs + Hv)
+    raw, weight, window = conv_case(c)
+    eps, q_scale = 1e-6, 128 ** -0.5
+    tickets = torch.zeros(bs + 1, Hk, dtype=torch.int32, device="cuda")
+    fused_state, fused_window = c["state"].clone(), window.clone()
+    ops_state, ops_window = c["state"].clone(), window.clone()
+    conv = (weight, fused_window, tickets)
+    assert ops._gated_delta_step_fits(raw, c["a"], c["b"], c["z"], c["norm_weight"], fused_state, 128, 128, conv)
+    step = functools.partial(ops.gated_delta_step, a=c["a"], b=c["b"], z=c["z"], neg_a=c["neg_a"],
+                             dt_bias=c["dt_bias"], norm_weight=c["norm_weight"], norm_eps=eps, l2_eps=L2_EPS,
+                             q_scale=q_scale, slots=c["slots"], start=c["start"], num_tokens=c["num_tokens"],
+                             num_k_heads=Hk)
+
+    def expected():
+        qkv = ops.causal_conv(raw, weight, ops_window, None, c["slots"], c["start"], c["num_tokens"])
+        return step(qkv, state_cache=ops_state)
+
+    y = step(raw, state_cache=fused_state, conv=conv)
+    assert torch.equal(y, expected())
+    assert torch.equal(fused_state, ops_state) and torch.equal(fused_window, ops_window)
+    assert not tickets.any()
+    assert not torch.equal(fused_window, window)  # the rows' windows moved
+    if bs > 1:  # the padding row's window kept
+        assert torch.equal(fused_window[c["slots"][-1]], window[c["slots"][-1]])
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step(raw, state_cache=fused_state, conv=conv)
+    torch.cuda.synchronize()
+    # capturing runs nothing
+    assert torch.equal(fused_state, ops_state) and torch.equal(fused_window, ops_window)
+    for seed in (1, 2):
+        raw.copy_(torch.randn(raw.shape, generator=torch.Generator(device="cuda").manual_seed(seed),
+                              device="cuda").to(dtype))
+        graph.replay()
+        assert torch.equal(captured, expected()), seed
+        assert torch.equal(fused_state, ops_state) and torch.equal(fused_window, ops_window), seed
+        assert not tickets.any(), seed
+
+
+@pytest.mark.cuda
+def test_cuda_decode_step_with_the_conv_keeps_real_rows_exact_beside_padding_rows_on_one_slot():
+    """CUDA-graph padding rows all point at the scratch slot: their CTAs share its windows (an
+    unspecified mix there), but each row counts its own tickets, so the real rows are exact and
+    the tickets end at zero."""
+    assert plugins.load() is not None
+    c = step_case(4, 16, 32, torch.bfloat16, seed=3)
+    c["slots"][2:] = c["slots"][1]  # rows 1-3 on one slot, rows 2-3 padding
+    c["num_tokens"][2:] = 0
+    raw, weight, window = conv_case(c)
+    tickets = torch.zeros(4, 16, dtype=torch.int32, device="cuda")
+    args = dict(a=c["a"], b=c["b"], z=c["z"], neg_a=c["neg_a"], dt_bias=c["dt_bias"], norm_weight=c["norm_weight"],
+                norm_eps=1e-6, l2_eps=L2_EPS, q_scale=128 ** -0.5, slots=c["slots"], start=c["start"],
+                num_tokens=c["num_tokens"], num_k_heads=16)
+    fused_state, fused_window = c["state"].clone(), window.clone()
+    y = ops.gated_delta_step(raw, state_cache=fused_state, conv=(weight, fused_window, tickets), **args)
+    ops_state, ops_window = c["state"].clone(), window.clone()
+    qkv = ops.causal_conv(raw[:1], weight, ops_window, None, c["slots"][:1], c["start"][:1], c["num_tokens"][:1])
+    row0 = {**args, **{k: args[k][:1] for k in ("a", "b", "z", "slots", "start", "num_tokens")}}
+    assert torch.equal(y[:1], ops.gated_delta_step(qkv, state_cache=ops_state, **row0))
+    slot0 = c["slots"][0]
+    assert torch.equal(fused_window[slot0], ops_window[slot0]) and torch.equal(fused_state[slot0], ops_state[slot0])
+    assert not tickets.any()
+
+
+@pytest.mark.cuda
+def test_cuda_decode_step_refuses_a_conv_without_its_cache_or_tickets():
+    assert plugins.load() is not None
+    c = step_case(1, 16, 32, torch.bfloat16)
+    raw, weight, window = conv_case(c)
+    args = (raw[:, 0], c["a"][:, 0], c["b"][:, 0], c["z"][:, 0], c["neg_a"], c["dt_bias"], c["norm_weight"], 1e-6,
+            L2_EPS, 0.1, c["state"], c["slots"], c["start"], c["num_tokens"], 16)
+    op = torch.ops.dflash.gated_delta_step
+    with pytest.raises(RuntimeError, match="come together"):
+        op(*args, weight, window, None)
+    with pytest.raises(RuntimeError, match="conv_weight must be"):
+        op(*args, weight[:, :3].contiguous(), window, torch.zeros(1, 16, dtype=torch.int32, device="cuda"))
+    with pytest.raises(RuntimeError, match="conv_tickets must be"):
+        op(*args, weight, window, torch.zeros(1, 8, dtype=torch.int32, device="cuda"))
+    with pytest.raises(RuntimeError, match="conv_cache must be"):
+        op(*args, weight, window[:, :2].contiguous(), torch.zeros(1, 16, dtype=torch.int32, device="cuda"))

@@ -105,3 +105,38 @@ def test_packed_engine_weights_load_back(make_pair, tmp_path):
     a, _ = forward(target, target.new_cache(1, 8), 0, ids, 0)
     b, _ = forward(packed, packed.new_cache(1, 8), 0, ids, 0)
     assert torch.equal(a, b)
+
+
+@pytest.mark.cuda
+def test_cuda_bf16_decode_steps_keep_their_bits_with_the_conv_in_the_delta_step(make_pair, monkeypatch):
+    # GatedDeltaNet.conv_in_step: an AR step's causal conv runs inside ops.gated_delta_step's
+    # kernel (heads of 128, as every release has); logits, taps, windows and states as with
+    # the conv's own launch
+    from dflash_trt import ops
+    from dflash_trt.models.qwen3_5 import GatedDeltaNet
+
+    fields = dict(CONFIGS["multimodal-3lin1full-gqa2-rope25"], linear_head_dims=(128, 128))
+    target = load_target(make_pair(**fields, **HYBRID).target, device="cuda", dtype=torch.bfloat16)
+    ids = torch.randint(0, 500, (16,), generator=torch.Generator().manual_seed(4)).tolist()
+    fused = []
+    fits = ops._gated_delta_step_fits
+    monkeypatch.setattr(ops, "_gated_delta_step_fits",
+                        lambda *a, **k: fused.append(fits(*a, **k) and a[-1] is not None) or fused[-1])
+
+    def steps(on: bool):
+        monkeypatch.setattr(GatedDeltaNet, "conv_in_step", on)
+        cache = target.new_cache(num_slots=2, capacity=32)
+        run = []
+        for start, chunk in ((0, ids[:12]), *((pos, [ids[pos]]) for pos in range(12, 16))):
+            batch = Batch.make([1], [start], [len(chunk)], len(chunk), "cuda")
+            with torch.no_grad():
+                hidden, tapped = target(torch.tensor([chunk], device="cuda"), batch, cache, (1,))
+                target.commit(cache, batch, batch.num_tokens)
+                run.append((target.logits(hidden)[0], tapped))
+        return run, cache
+
+    (on_run, on_cache), (off_run, off_cache) = steps(True), steps(False)
+    assert any(fused), "the fused step never ran"
+    for (logits, tapped), (want_logits, want_tapped) in zip(on_run, off_run):
+        assert torch.equal(logits, want_logits) and torch.equal(tapped, want_tapped)
+    assert torch.equal(on_cache.conv, off_cache.conv) and torch.equal(on_cache.state, off_cache.state)

@@ -84,6 +84,9 @@ class HybridCache(KVCache):
         self.state = torch.zeros((n, num_slots, *state), dtype=torch.float32, device=device)
         self.conv = torch.zeros((n, num_slots, *window), dtype=dtype, device=device)
         self.conv_snapshots = torch.zeros((n, num_slots, S, *window), dtype=dtype, device=device)
+        # an AR step's conv inside its delta-rule step (ops.gated_delta_step) counts each key
+        # head's CTAs of a row here; every launch leaves them zero, so the layers share them
+        self.conv_tickets = torch.zeros((num_slots, lin.num_key_heads), dtype=torch.int32, device=device)
         self.replay_shapes = ((lin.num_key_heads, lin.key_head_dim), (lin.num_key_heads, lin.key_head_dim),
                               (lin.num_value_heads, lin.value_head_dim), (lin.num_value_heads,), (lin.num_value_heads,))
         tokens = n * num_slots * S
@@ -184,6 +187,10 @@ class GatedAttention(nn.Module):
 class GatedDeltaNet(nn.Module):
     """Linear attention (HF `linear_attn`): conv window + delta-rule state per slot."""
 
+    # An AR step runs the causal conv inside the delta-rule step's kernel (ops.gated_delta_step),
+    # not as its own launch before it (BENCHMARKS.md, "Mixture of experts").
+    conv_in_step = True
+
     def __init__(self, config: HybridTargetConfig, cache_layer: int):
         super().__init__()
         lin = self.lin = config.linear
@@ -239,14 +246,19 @@ class GatedDeltaNet(nn.Module):
         # go straight to the cache. A verify keeps the window after each of its tokens.
         prefill = batch.width > S
         in_place = batch.width == 1 or (prefill and batch.width <= RECURRENT_PREFILL_TOKENS)
-        qkv = self._conv(qkv, batch, cache, lengths, in_place or prefill)
         neg_a, dt_bias = self._decay_constants()
-        if batch.width == 1:  # an AR step: the recurrence's inputs, its step and the gated norm in one op
+        if batch.width == 1:  # an AR step: the conv, the recurrence's inputs, its step and the gated norm in one op
             slots, _, start, num_tokens, _ = lengths
+            conv = None
+            if self.conv_in_step:
+                conv = self.conv1d.weight[:, 0], cache.conv[layer], cache.conv_tickets
+            else:
+                qkv = self._conv(qkv, batch, cache, lengths, True)
             out = ops.gated_delta_step(qkv, a, b, z.unflatten(-1, (lin.num_value_heads, lin.value_head_dim)), neg_a,
                                        dt_bias, self.norm.weight, self.norm.eps, L2_EPS, lin.key_head_dim**-0.5,
-                                       cache.state[layer], slots, start, num_tokens, lin.num_key_heads)
+                                       cache.state[layer], slots, start, num_tokens, lin.num_key_heads, conv)
             return self.out_proj.deferred(out.flatten(2))
+        qkv = self._conv(qkv, batch, cache, lengths, in_place or prefill)
         if not prefill or in_place:
             # The recurrence's inputs in one kernel on CUDA (normalised q/k, v, gates, all fp32);
             # the state is read from the cache in place, never gathered. An AR step or a short
