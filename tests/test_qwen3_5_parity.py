@@ -6,6 +6,7 @@ import torch
 from dflash_trt.build import _save_model
 from dflash_trt.kv_cache import Batch
 from dflash_trt.loading import load_target
+from dflash_trt.models.qwen3_5 import GatedDeltaNet
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("transformers_torch_paths")
@@ -40,8 +41,10 @@ def forward(target, cache, slot, ids, start, taps=()):
         return target.logits(hidden)[0], tapped
 
 
+@pytest.mark.parametrize("conv_in_step", [False, True], ids=["", "conv-in-step"])
 @pytest.mark.parametrize("name", CONFIGS)
-def test_prefill_and_cached_decode_match_transformers(make_pair, name):
+def test_prefill_and_cached_decode_match_transformers(make_pair, name, conv_in_step, monkeypatch):
+    monkeypatch.setattr(GatedDeltaNet, "conv_in_step", conv_in_step)  # the decode steps' conv, either way
     pair = make_pair(**CONFIGS[name], **HYBRID)
     target = load_target(pair.target)
     ids = torch.randint(0, 500, (20,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -113,7 +116,6 @@ def test_cuda_bf16_decode_steps_keep_their_bits_with_the_conv_in_the_delta_step(
     # kernel (heads of 128, as every release has); logits, taps, windows and states as with
     # the conv's own launch
     from dflash_trt import ops
-    from dflash_trt.models.qwen3_5 import GatedDeltaNet
 
     fields = dict(CONFIGS["multimodal-3lin1full-gqa2-rope25"], linear_head_dims=(128, 128))
     target = load_target(make_pair(**fields, **HYBRID).target, device="cuda", dtype=torch.bfloat16)

@@ -187,9 +187,9 @@ class GatedAttention(nn.Module):
 class GatedDeltaNet(nn.Module):
     """Linear attention (HF `linear_attn`): conv window + delta-rule state per slot."""
 
-    # An AR step runs the causal conv inside the delta-rule step's kernel (ops.gated_delta_step),
-    # not as its own launch before it (BENCHMARKS.md, "Mixture of experts").
-    conv_in_step = True
+    # An AR step may run the causal conv inside the delta-rule step's kernel (ops.gated_delta_step)
+    # instead of as its own launch before it: the same bits, not yet timed against it, so off.
+    conv_in_step = False
 
     def __init__(self, config: HybridTargetConfig, cache_layer: int):
         super().__init__()
