@@ -26,7 +26,7 @@
 #   bash bench/gpu_check.sh moe-bench  # MoE: Qwen3.6-35B-A3B AR vs DFlash, the 397B-A17B at 4 and 8 layers
 #   bash bench/gpu_check.sh moe-split  # MoE experts at TP2 per rank: tensor- vs expert-parallel
 #   bash bench/gpu_check.sh moe-norm   # MoE: the norms around an MoE block in its kernels (GPU tests, AR A/B)
-#   bash bench/gpu_check.sh conv-step  # hybrids: an AR step's conv inside the delta-rule step (GPU tests, AR A/B)
+#   bash bench/gpu_check.sh fusions    # hybrids: the conv in the delta-rule step, the gate in attention (tests, AR A/B)
 #   bash bench/gpu_check.sh trace      # the 35B-A3B's AR step as a trace: each kernel's share by starts and ends
 #   bash bench/gpu_check.sh moe-flashinfer # MoE: the experts against FlashInfer's fused MoE (carry .fi)
 #   bash bench/gpu_check.sh tp         # (2 GPUs) a two-rank run exits; one rank vs two, Qwen3-1.7B pair
@@ -62,7 +62,7 @@
 # The machine has no `unzip`: zips are opened with `python3 -m zipfile`, which drops the
 # executable bits, so they are set again.
 set -u
-usage="usage: gpu_check.sh STAGE... (tests hybrid benches roofline bench8b goals overlap identity triton window flashinfer splits moe moe-models moe-bench moe-split moe-norm conv-step trace moe-flashinfer tp draft-vocab prefill stall fa3 fa3-engine burst train-ranks demo-target demo-drafter demo-eval)"
+usage="usage: gpu_check.sh STAGE... (tests hybrid benches roofline bench8b goals overlap identity triton window flashinfer splits moe moe-models moe-bench moe-split moe-norm fusions trace moe-flashinfer tp draft-vocab prefill stall fa3 fa3-engine burst train-ranks demo-target demo-drafter demo-eval)"
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
@@ -285,18 +285,21 @@ B.output_norm_in_experts, B.input_norm_in_projection = '$flags'[0] == '1', '$fla
     done
   done
   ;;
-conv-step)
-  # an AR step's causal conv inside the delta-rule step's kernel (GatedDeltaNet.conv_in_step):
-  # its GPU tests, then the AR step at batch 1 of the 35B-A3B and Qwen3.5-9B off and on,
-  # alternating twice
+fusions)
+  # the hybrids' prepared fusions, off by default: an AR step's causal conv inside the delta-rule
+  # step (GatedDeltaNet.conv_in_step) and the attention's sigmoid gate in its stores
+  # (GatedAttention.gate_in_attention). Their GPU tests, then the AR step at batch 1 of the
+  # 35B-A3B and Qwen3.5-9B with neither, each and both (FLAGS: conv then gate, 1 on), alternating twice
   step plugins 300 python3 -c 'from dflash_trt import plugins; print(plugins.load())'
-  DFLASH_TEST_DEVICE=cuda step tests-conv-step 300 python3 -m pytest -q -p no:cacheprovider \
-    tests/test_gated_delta_kernel.py tests/test_qwen3_5_parity.py tests/test_layer_ops.py -k "decode_step or conv"
+  DFLASH_TEST_DEVICE=cuda step tests-fusions 300 python3 -m pytest -q -p no:cacheprovider \
+    tests/test_gated_delta_kernel.py tests/test_qwen3_5_parity.py tests/test_layer_ops.py tests/test_ops.py \
+    -k "decode_step or conv or gate or fusion"
   for round in 1 2; do
     for preset in qwen3.6-35b-a3b qwen3.5-9b; do
-      for on in 0 1; do
-        ab_step "ar-$preset-conv-$on-$round" "from dflash_trt.models.qwen3_5 import GatedDeltaNet
-GatedDeltaNet.conv_in_step = $on == 1" "$preset" "$OUT/conv_step_${preset}_${on}_$round.json"
+      for flags in ${FLAGS:-00 10 01 11}; do
+        ab_step "ar-$preset-$flags-$round" "from dflash_trt.models.qwen3_5 import GatedAttention, GatedDeltaNet
+GatedDeltaNet.conv_in_step, GatedAttention.gate_in_attention = '$flags'[0] == '1', '$flags'[1] == '1'" \
+          "$preset" "$OUT/fusions_${preset}_${flags}_$round.json"
       done
     done
   done

@@ -104,7 +104,7 @@ def _cuda_block_attention_supported(q: torch.Tensor) -> bool:
 
 
 def paged_block_attention(q, k_cache, v_cache, slots, ctx_len, q_start, k_blk=None, v_blk=None, causal=False,
-                          window=None, scale=None, *, max_keys: int | None = None, fa3_ok: bool = False):
+                          window=None, scale=None, *, max_keys: int | None = None, fa3_ok: bool = False, gate=None):
     """Block attention over a KV cache -> [bs, T, Hq, d]; semantics of the reference above.
 
     Runs the CUDA kernel on CUDA tensors once the plugins are built, for the dtypes and head
@@ -115,6 +115,8 @@ def paged_block_attention(q, k_cache, v_cache, slots, ctx_len, q_start, k_blk=No
     run the call where warm-up chose it for the shape (fa3.py); the caller vouches that every
     row's T tokens are real (a causal block in the cache: ctx_len = q_start + T) and, with
     k_blk (then q_start = ctx_len), that cache rows [ctx_len, ctx_len + T) may be written.
+    `gate` [bs, T, Hq, d] (gated attention; a view of the projection): the result is
+    sigmoid_gate(attention, gate), in the kernel's stores where the bf16/fp16 kernel runs.
     """
     assert q.dim() == 4 and k_cache.dim() == 4 and k_cache.shape == v_cache.shape, (q.shape, k_cache.shape)
     bs, T, Hq, d = q.shape
@@ -133,14 +135,22 @@ def paged_block_attention(q, k_cache, v_cache, slots, ctx_len, q_start, k_blk=No
         assert k_blk.device == v_blk.device == q.device, f"k_blk and v_blk must be on q's {q.device}"
     scale = d ** -0.5 if scale is None else scale
     window = 0 if window is None else window
+    if gate is not None:
+        assert gate.shape == q.shape and gate.dtype == q.dtype and gate.stride(-1) == 1, \
+            f"gate must be [bs, T, Hq, d] like q with a contiguous last dim, got {tuple(gate.shape)} {gate.dtype}"
     if fa3_ok and fa3.runs(q, k_cache, causal, window, k_blk is not None):
-        return fa3.attention(q, k_cache, v_cache, slots, ctx_len, scale, k_blk, v_blk)
+        out = fa3.attention(q, k_cache, v_cache, slots, ctx_len, scale, k_blk, v_blk)
+        return out if gate is None else sigmoid_gate(out, gate)
     if _cuda_block_attention_supported(q) and q.numel() and k_cache.numel() and bs <= GRID_LIMIT:  # empty: no launch
-        return torch.ops.dflash.block_attention(q, k_cache, v_cache, slots, ctx_len, q_start, k_blk, v_blk,
-                                                bool(causal), int(window), float(scale), int(max_keys or 0))
+        in_kernel = gate is not None and q.dtype != torch.float32
+        out = torch.ops.dflash.block_attention(q, k_cache, v_cache, slots, ctx_len, q_start, k_blk, v_blk,
+                                               bool(causal), int(window), float(scale), int(max_keys or 0), 0,
+                                               gate if in_kernel else None)
+        return out if gate is None or in_kernel else sigmoid_gate(out, gate)
     log_fallback("block_attention", q)
-    return paged_block_attention_reference(q, k_cache, v_cache, slots, ctx_len, q_start, k_blk, v_blk, causal,
-                                           window, scale)
+    out = paged_block_attention_reference(q, k_cache, v_cache, slots, ctx_len, q_start, k_blk, v_blk, causal,
+                                          window, scale)
+    return out if gate is None else sigmoid_gate(out, gate)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -84,7 +84,8 @@ std::optional<dflash::DType> attention_dtype(at::ScalarType t) {
 at::Tensor block_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                 const at::Tensor& slots, const at::Tensor& ctx_len, const at::Tensor& q_start,
                                 const std::optional<at::Tensor>& k_blk, const std::optional<at::Tensor>& v_blk,
-                                bool causal, int64_t window, double scale, int64_t max_keys, int64_t num_splits) {
+                                bool causal, int64_t window, double scale, int64_t max_keys, int64_t num_splits,
+                                const std::optional<at::Tensor>& gate) {
   DFLASH_CHECK(q.is_cuda(), "q must be a CUDA tensor");
   const std::optional<dflash::DType> dtype = attention_dtype(q.scalar_type());
   DFLASH_CHECK(dtype.has_value(), "q must be bf16, fp16 or fp32, got ", q.scalar_type());
@@ -132,6 +133,15 @@ at::Tensor block_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache, 
     fill_strides3(p.v_blk_stride, *v_blk);
   }
   p.out = out.data_ptr();
+  if (gate) {
+    DFLASH_CHECK(gate->device() == q.device() && gate->scalar_type() == q.scalar_type() && gate->dim() == 4 &&
+                     gate->size(0) == bs && gate->size(1) == T && gate->size(2) == Hq && gate->size(3) == d &&
+                     gate->stride(3) == 1,
+                 "gate must be [bs, T, Hq, d] in q's dtype on q's device with a contiguous last dim, got ",
+                 gate->sizes());
+    p.gate = gate->data_ptr();
+    fill_strides3(p.gate_stride, *gate);
+  }
   p.causal = causal;
   p.window = static_cast<int>(window);
   p.scale = static_cast<float>(scale);
@@ -153,7 +163,8 @@ at::Tensor block_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache, 
 // Shape-only version for tracing (torch.compile, fake tensors).
 at::Tensor block_attention_meta(const at::Tensor& q, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                 const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                                const std::optional<at::Tensor>&, bool, int64_t, double, int64_t, int64_t) {
+                                const std::optional<at::Tensor>&, bool, int64_t, double, int64_t, int64_t,
+                                const std::optional<at::Tensor>&) {
   return at::empty(q.sizes(), q.options());
 }
 
@@ -1091,8 +1102,8 @@ at::Tensor moe_combine_meta(const at::Tensor& y, const at::Tensor&, const at::Te
 TORCH_LIBRARY(dflash, m) {
   m.def(
       "block_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor ctx_len, Tensor q_start, "
-      "Tensor? k_blk, Tensor? v_blk, bool causal, int window, float scale, int max_keys=0, int num_splits=0) "
-      "-> Tensor");
+      "Tensor? k_blk, Tensor? v_blk, bool causal, int window, float scale, int max_keys=0, int num_splits=0, "
+      "Tensor? gate=None) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps, bool zero_centered=False) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps, bool zero_centered=False) -> (Tensor, Tensor)");
   m.def("gated_rms_norm(Tensor x, Tensor gate, Tensor weight, float eps) -> Tensor");

@@ -152,6 +152,10 @@ def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
 class GatedAttention(nn.Module):
     """Full attention over the KV cache (HF `self_attn`), with a sigmoid output gate."""
 
+    # The gate may run in the attention kernel's stores (paged_block_attention's gate) instead
+    # of its own launch after it: the same bits, not yet timed against it, so off.
+    gate_in_attention = False
+
     def __init__(self, config: HybridTargetConfig, cache_layer: int):
         super().__init__()
         d = self.dims = config.dims
@@ -179,9 +183,10 @@ class GatedAttention(nn.Module):
         gate = qkv[..., :2 * d.q_size].unflatten(-1, (d.num_attention_heads, 2 * d.head_dim))[..., d.head_dim:]
         out = paged_block_attention(q.unflatten(0, (bs, T)), cache.k[self.cache_layer], cache.v[self.cache_layer],
                                     slots, end, start, causal=True, scale=self.scale, max_keys=batch.max_end,
-                                    fa3_ok=batch.full_rows)
-        # one kernel on CUDA reads the gate where the projection left it (ops.sigmoid_gate)
-        return self.o_proj.deferred(ops.sigmoid_gate(out, gate).flatten(2))
+                                    fa3_ok=batch.full_rows, gate=gate if self.gate_in_attention else None)
+        if not self.gate_in_attention:  # one kernel on CUDA reads the gate where the projection left it
+            out = ops.sigmoid_gate(out, gate)
+        return self.o_proj.deferred(out.flatten(2))
 
 
 class GatedDeltaNet(nn.Module):
