@@ -26,7 +26,7 @@
 #   bash bench/gpu_check.sh moe-bench  # MoE: Qwen3.6-35B-A3B AR vs DFlash, the 397B-A17B at 4 and 8 layers
 #   bash bench/gpu_check.sh moe-split  # MoE experts at TP2 per rank: tensor- vs expert-parallel
 #   bash bench/gpu_check.sh moe-norm   # MoE: the norms around an MoE block in its kernels (GPU tests, AR A/B)
-#   bash bench/gpu_check.sh fusions    # hybrids: the conv in the delta-rule step, the gate in attention (tests, AR A/B)
+#   bash bench/gpu_check.sh fusions    # hybrids: conv in the delta step, gate in attention, L2 prefetch (tests, AR A/B)
 #   bash bench/gpu_check.sh trace      # the 35B-A3B's AR step as a trace: each kernel's share by starts and ends
 #   bash bench/gpu_check.sh moe-flashinfer # MoE: the experts against FlashInfer's fused MoE (carry .fi)
 #   bash bench/gpu_check.sh tp         # (2 GPUs) a two-rank run exits; one rank vs two, Qwen3-1.7B pair
@@ -286,20 +286,24 @@ B.output_norm_in_experts, B.input_norm_in_projection = '$flags'[0] == '1', '$fla
   done
   ;;
 fusions)
-  # the hybrids' prepared fusions, off by default: an AR step's causal conv inside the delta-rule
-  # step (GatedDeltaNet.conv_in_step) and the attention's sigmoid gate in its stores
-  # (GatedAttention.gate_in_attention). Their GPU tests, then the AR step at batch 1 of the
-  # 35B-A3B and Qwen3.5-9B with neither, each and both (FLAGS: conv then gate, 1 on), alternating twice
+  # the hybrids' prepared changes, off by default: an AR step's causal conv inside the delta-rule
+  # step (GatedDeltaNet.conv_in_step), the attention's sigmoid gate in its stores
+  # (GatedAttention.gate_in_attention), and those two kernels pulling the next projection's
+  # weight into L2 (prefetch_out_proj, prefetch_o_proj). Their GPU tests, then the AR step at
+  # batch 1 of the 35B-A3B and Qwen3.5-9B with ARMS (none, conv, gate, prefetch: both, all),
+  # alternating twice
   step plugins 300 python3 -c 'from dflash_trt import plugins; print(plugins.load())'
   DFLASH_TEST_DEVICE=cuda step tests-fusions 300 python3 -m pytest -q -p no:cacheprovider \
     tests/test_gated_delta_kernel.py tests/test_qwen3_5_parity.py tests/test_layer_ops.py tests/test_ops.py \
-    -k "decode_step or conv or gate or fusion"
+    -k "decode_step or conv or gate or fusion or prefetch"
   for round in 1 2; do
     for preset in qwen3.6-35b-a3b qwen3.5-9b; do
-      for flags in ${FLAGS:-00 10 01 11}; do
-        ab_step "ar-$preset-$flags-$round" "from dflash_trt.models.qwen3_5 import GatedAttention, GatedDeltaNet
-GatedDeltaNet.conv_in_step, GatedAttention.gate_in_attention = '$flags'[0] == '1', '$flags'[1] == '1'" \
-          "$preset" "$OUT/fusions_${preset}_${flags}_$round.json"
+      for arm in ${ARMS:-none conv gate prefetch all}; do
+        ab_step "ar-$preset-$arm-$round" "from dflash_trt.models.qwen3_5 import GatedAttention as A, GatedDeltaNet as D
+arm = '$arm'
+D.conv_in_step = arm in ('conv', 'all')
+A.gate_in_attention = arm in ('gate', 'all')
+D.prefetch_out_proj = A.prefetch_o_proj = arm in ('prefetch', 'all')" "$preset" "$OUT/fusions_${preset}_${arm}_$round.json"
       done
     done
   done

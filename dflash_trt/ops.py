@@ -104,7 +104,8 @@ def _cuda_block_attention_supported(q: torch.Tensor) -> bool:
 
 
 def paged_block_attention(q, k_cache, v_cache, slots, ctx_len, q_start, k_blk=None, v_blk=None, causal=False,
-                          window=None, scale=None, *, max_keys: int | None = None, fa3_ok: bool = False, gate=None):
+                          window=None, scale=None, *, max_keys: int | None = None, fa3_ok: bool = False, gate=None,
+                          prefetch=None):
     """Block attention over a KV cache -> [bs, T, Hq, d]; semantics of the reference above.
 
     Runs the CUDA kernel on CUDA tensors once the plugins are built, for the dtypes and head
@@ -117,6 +118,8 @@ def paged_block_attention(q, k_cache, v_cache, slots, ctx_len, q_start, k_blk=No
     k_blk (then q_start = ctx_len), that cache rows [ctx_len, ctx_len + T) may be written.
     `gate` [bs, T, Hq, d] (gated attention; a view of the projection): the result is
     sigmoid_gate(attention, gate), in the kernel's stores where the bf16/fp16 kernel runs.
+    `prefetch` (a tensor, e.g. the next projection's weight): the bf16/fp16 kernel pulls it into
+    L2 while it runs (plugins/l2_prefetch.h); a hint, results do not depend on it.
     """
     assert q.dim() == 4 and k_cache.dim() == 4 and k_cache.shape == v_cache.shape, (q.shape, k_cache.shape)
     bs, T, Hq, d = q.shape
@@ -145,7 +148,7 @@ def paged_block_attention(q, k_cache, v_cache, slots, ctx_len, q_start, k_blk=No
         in_kernel = gate is not None and q.dtype != torch.float32
         out = torch.ops.dflash.block_attention(q, k_cache, v_cache, slots, ctx_len, q_start, k_blk, v_blk,
                                                bool(causal), int(window), float(scale), int(max_keys or 0), 0,
-                                               gate if in_kernel else None)
+                                               gate if in_kernel else None, prefetch)
         return out if gate is None or in_kernel else sigmoid_gate(out, gate)
     log_fallback("block_attention", q)
     out = paged_block_attention_reference(q, k_cache, v_cache, slots, ctx_len, q_start, k_blk, v_blk, causal,
@@ -886,7 +889,7 @@ CONV_STEP_TAPS = 4  # plugins/gated_delta.h kGatedDeltaStepConvTaps: the conv th
 
 
 def gated_delta_step(qkv, a, b, z, neg_a, dt_bias, norm_weight, norm_eps: float, l2_eps: float, q_scale: float,
-                     state_cache, slots, start, num_tokens, num_k_heads: int, conv=None):
+                     state_cache, slots, start, num_tokens, num_k_heads: int, conv=None, prefetch=None):
     """One in-place decode step of a Gated DeltaNet layer (one token a row: an AR step) from
     its conv output to its gated norm -> y [bs, 1, Hv, dv] in qkv's dtype:
     gated_rms_norm(gated_delta_recurrent(*gated_delta_prepare(qkv, a, b, ...), state_cache,
@@ -901,7 +904,8 @@ def gated_delta_step(qkv, a, b, z, neg_a, dt_bias, norm_weight, norm_eps: float,
     conv = (weight [C, 4], conv_cache [num_slots, 3, C], tickets [>= bs, Hk] int32 zeros, which
     the kernel leaves zero): qkv is the projection's output before the causal conv (its rows may
     be a view), and the step runs causal_conv(qkv, weight, conv_cache, None, slots, start,
-    num_tokens) first, in the same kernel on CUDA (the same bits).
+    num_tokens) first, in the same kernel on CUDA (the same bits). `prefetch` (a tensor, e.g.
+    out_proj's weight): the kernel pulls it into L2 while it runs (plugins/l2_prefetch.h), a hint.
     """
     bs, T = qkv.shape[:2]
     Hv, dv = z.shape[-2:]
@@ -912,7 +916,7 @@ def gated_delta_step(qkv, a, b, z, neg_a, dt_bias, norm_weight, norm_eps: float,
     if _gated_delta_step_fits(qkv, a, b, z, norm_weight, state_cache, dk, dv, conv):
         y = torch.ops.dflash.gated_delta_step(qkv[:, 0], a[:, 0], b[:, 0], z[:, 0], neg_a, dt_bias, norm_weight,
                                               float(norm_eps), float(l2_eps), float(q_scale), state_cache, slots,
-                                              start, num_tokens, int(num_k_heads), *(conv or ()))
+                                              start, num_tokens, int(num_k_heads), *(conv or (None,) * 3), prefetch)
         return y.unsqueeze(1)
     if conv is not None:
         weight, conv_cache, _ = conv

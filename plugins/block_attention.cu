@@ -324,6 +324,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   static_assert(NK % 16 == 0, "a warp's key slice must be whole k16 steps of P.V");
   pdl_wait();
   pdl_allow_dependents();
+  prefetch_range_l2(p.prefetch);
   static_assert(kTileKeys % TK == 0, "split chunks (multiples of kTileKeys) must be whole tiles");
   static_assert(TK * D / 8 % kThreads == 0, "every thread copies the same number of 16-byte chunks");
 

@@ -19,6 +19,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include "l2_prefetch.h"
+
 namespace dflash {
 
 enum class DType : int { kFloat16 = 0, kBFloat16 = 1, kFloat32 = 2 };
@@ -68,6 +70,7 @@ struct BlockAttentionParams {
   // rounded to the dtype, the product rounded. Null: no gate.
   const void* gate = nullptr;        // [bs, T, Hq, d], e.g. a view of the projection
   int64_t gate_stride[3] = {};       //   batch, token, head
+  L2Prefetch prefetch;               // bf16/fp16: e.g. o_proj's weight, for the projection after this
 
   bool causal = false;
   int window = 0;                  // <= 0: no window

@@ -725,6 +725,7 @@ __global__ void __launch_bounds__(kStepWarps * 32, 2) gated_delta_step_kernel(Ga
   };
   pdl_wait();  // the conv's output, or the projection's
   pdl_allow_dependents();
+  prefetch_range_l2(p.prefetch);
 
   // prepare (gated_delta_prepare_kernel's arithmetic): warp 0 the q head, warp 1 the k head,
   // warps 2-5 v, one thread the gates

@@ -31,6 +31,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include "l2_prefetch.h"
+
 #include "block_attention.h"  // dflash::DType
 
 namespace dflash {
@@ -156,6 +158,7 @@ struct GatedDeltaStepParams {
   const void* conv_weight = nullptr;  // [C, 4] contiguous, C = 2 Hk dk + Hv dv; null: qkv is the conv output
   void* conv_cache = nullptr;         // [num_slots, 3, C] contiguous
   int* conv_tickets = nullptr;        // [>= bs, Hk] int32 zeros; the launch leaves them zero
+  L2Prefetch prefetch;                // e.g. out_proj's weight, for the projection after this step
 };
 
 const char* gated_delta_step_check(const GatedDeltaStepParams& p);

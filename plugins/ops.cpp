@@ -55,6 +55,19 @@ void fill_strides3(int64_t (&dst)[3], const at::Tensor& t) {
   for (int i = 0; i < 3; ++i) dst[i] = t.stride(i);
 }
 
+// A tensor (the next projection's weight) for a kernel to pull into L2 (l2_prefetch.h): its
+// bytes, rounded down to 16; nothing where none is given.
+dflash::L2Prefetch l2_prefetch(const std::optional<at::Tensor>& t, const at::Tensor& like, const char* op) {
+  dflash::L2Prefetch r;
+  if (!t) return r;
+  DFLASH_CHECK(t->device() == like.device() && t->is_contiguous() &&
+                   reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0,
+               op, ": prefetch must be a contiguous, 16-byte aligned tensor on the same device");
+  r.ptr = t->data_ptr();
+  r.bytes = static_cast<int64_t>(t->numel() * t->element_size()) / 16 * 16;
+  return r;
+}
+
 void check_kv(const at::Tensor& t, const char* name, const at::Tensor& q) {
   DFLASH_CHECK(t.is_cuda() && t.device() == q.device(), name, " must be on q's CUDA device");
   DFLASH_CHECK(t.scalar_type() == q.scalar_type(), name, " must have q's dtype");
@@ -85,7 +98,7 @@ at::Tensor block_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache, 
                                 const at::Tensor& slots, const at::Tensor& ctx_len, const at::Tensor& q_start,
                                 const std::optional<at::Tensor>& k_blk, const std::optional<at::Tensor>& v_blk,
                                 bool causal, int64_t window, double scale, int64_t max_keys, int64_t num_splits,
-                                const std::optional<at::Tensor>& gate) {
+                                const std::optional<at::Tensor>& gate, const std::optional<at::Tensor>& prefetch) {
   DFLASH_CHECK(q.is_cuda(), "q must be a CUDA tensor");
   const std::optional<dflash::DType> dtype = attention_dtype(q.scalar_type());
   DFLASH_CHECK(dtype.has_value(), "q must be bf16, fp16 or fp32, got ", q.scalar_type());
@@ -142,6 +155,7 @@ at::Tensor block_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache, 
     p.gate = gate->data_ptr();
     fill_strides3(p.gate_stride, *gate);
   }
+  if (*dtype != dflash::DType::kFloat32) p.prefetch = l2_prefetch(prefetch, q, "block_attention");
   p.causal = causal;
   p.window = static_cast<int>(window);
   p.scale = static_cast<float>(scale);
@@ -164,7 +178,7 @@ at::Tensor block_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache, 
 at::Tensor block_attention_meta(const at::Tensor& q, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                 const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
                                 const std::optional<at::Tensor>&, bool, int64_t, double, int64_t, int64_t,
-                                const std::optional<at::Tensor>&) {
+                                const std::optional<at::Tensor>&, const std::optional<at::Tensor>&) {
   return at::empty(q.sizes(), q.options());
 }
 
@@ -770,7 +784,8 @@ at::Tensor gated_delta_step_cuda(const at::Tensor& qkv, const at::Tensor& a, con
                                  const at::Tensor& slots, const at::Tensor& start, const at::Tensor& num_tokens,
                                  int64_t num_k_heads, const std::optional<at::Tensor>& conv_weight,
                                  const std::optional<at::Tensor>& conv_cache,
-                                 const std::optional<at::Tensor>& conv_tickets) {
+                                 const std::optional<at::Tensor>& conv_tickets,
+                                 const std::optional<at::Tensor>& prefetch) {
   DFLASH_CHECK(qkv.is_cuda() && qkv.dim() == 2 && qkv.stride(1) == 1, "qkv must be a CUDA [bs, C] tensor with "
                "contiguous rows, got ", qkv.sizes());
   const std::optional<dflash::DType> dtype = attention_dtype(qkv.scalar_type());
@@ -843,6 +858,7 @@ at::Tensor gated_delta_step_cuda(const at::Tensor& qkv, const at::Tensor& a, con
     p.conv_cache = conv_cache->data_ptr();
     p.conv_tickets = conv_tickets->data_ptr<int>();
   }
+  p.prefetch = l2_prefetch(prefetch, qkv, "gated_delta_step");
   if (const char* why = dflash::gated_delta_step_check(p)) DFLASH_CHECK(false, "gated_delta_step: ", why);
   check_launch(dflash::gated_delta_step_launch(p, c10::cuda::getCurrentCUDAStream().stream()), "gated_delta_step");
   return y;
@@ -852,7 +868,7 @@ at::Tensor gated_delta_step_meta(const at::Tensor& qkv, const at::Tensor&, const
                                  const at::Tensor& neg_a, const at::Tensor&, const at::Tensor&, double, double, double,
                                  const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
                                  const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-                                 const std::optional<at::Tensor>&) {
+                                 const std::optional<at::Tensor>&, const std::optional<at::Tensor>&) {
   return at::empty({qkv.size(0), neg_a.numel(), dflash::kGatedDeltaStepDim}, qkv.options());
 }
 
@@ -1103,7 +1119,7 @@ TORCH_LIBRARY(dflash, m) {
   m.def(
       "block_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor ctx_len, Tensor q_start, "
       "Tensor? k_blk, Tensor? v_blk, bool causal, int window, float scale, int max_keys=0, int num_splits=0, "
-      "Tensor? gate=None) -> Tensor");
+      "Tensor? gate=None, Tensor? prefetch=None) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps, bool zero_centered=False) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps, bool zero_centered=False) -> (Tensor, Tensor)");
   m.def("gated_rms_norm(Tensor x, Tensor gate, Tensor weight, float eps) -> Tensor");
@@ -1129,7 +1145,7 @@ TORCH_LIBRARY(dflash, m) {
       "gated_delta_step(Tensor qkv, Tensor a, Tensor b, Tensor z, Tensor neg_a, Tensor dt_bias, Tensor norm_weight, "
       "float norm_eps, float l2_eps, float q_scale, Tensor(a!) state_cache, Tensor slots, Tensor start, "
       "Tensor num_tokens, int num_k_heads, Tensor? conv_weight=None, Tensor(b!)? conv_cache=None, "
-      "Tensor(c!)? conv_tickets=None) -> Tensor");
+      "Tensor(c!)? conv_tickets=None, Tensor? prefetch=None) -> Tensor");
   m.def(
       "gated_delta_prepare(Tensor qkv, Tensor a, Tensor b, Tensor neg_a, Tensor dt_bias, int num_k_heads, "
       "int key_dim, int value_dim, float eps, float q_scale) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");

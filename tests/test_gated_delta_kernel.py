@@ -637,3 +637,23 @@ def test_cuda_decode_step_refuses_a_conv_without_its_cache_or_tickets():
         op(*args, weight, window, torch.zeros(1, 8, dtype=torch.int32, device="cuda"))
     with pytest.raises(RuntimeError, match="conv_cache must be"):
         op(*args, weight, window[:, :2].contiguous(), torch.zeros(1, 16, dtype=torch.int32, device="cuda"))
+
+
+@pytest.mark.cuda
+def test_cuda_decode_step_prefetching_the_next_weight_keeps_its_bits():
+    """The step's L2 prefetch of out_proj's weight (plugins/l2_prefetch.h) is a hint: the same
+    output and state, with and without the conv."""
+    assert plugins.load() is not None
+    c = step_case(1, 16, 32, torch.bfloat16, seed=7)
+    raw, weight, window = conv_case(c)
+    out_proj = torch.randn(2048, 4096, device="cuda").to(torch.bfloat16)
+    args = dict(a=c["a"], b=c["b"], z=c["z"], neg_a=c["neg_a"], dt_bias=c["dt_bias"], norm_weight=c["norm_weight"],
+                norm_eps=1e-6, l2_eps=L2_EPS, q_scale=128 ** -0.5, slots=c["slots"], start=c["start"],
+                num_tokens=c["num_tokens"], num_k_heads=16)
+    for conv in (False, True):
+        states = [c["state"].clone(), c["state"].clone()]
+        windows = [window.clone(), window.clone()]
+        ys = [ops.gated_delta_step(raw if conv else c["qkv"], state_cache=states[i], prefetch=out_proj if i else None,
+                                   conv=(weight, windows[i], torch.zeros(1, 16, dtype=torch.int32, device="cuda"))
+                                   if conv else None, **args) for i in (0, 1)]
+        assert torch.equal(ys[0], ys[1]) and torch.equal(states[0], states[1]) and torch.equal(windows[0], windows[1])

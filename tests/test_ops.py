@@ -472,3 +472,25 @@ def test_paged_attention_with_a_gate_is_the_attention_then_sigmoid_gate_on_the_c
     assert torch.equal(got, ops.sigmoid_gate(ops.paged_block_attention(**c, **kwargs), gate))
     with pytest.raises(AssertionError, match="gate must be"):
         ops.paged_block_attention(**c, **kwargs, gate=gate[..., :8])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("num_splits", [1, 4, 40])
+def test_cuda_attention_prefetching_another_tensor_into_l2_keeps_its_bits(num_splits):
+    """The L2 prefetch of the next projection's weight (plugins/l2_prefetch.h) is a hint: the
+    same output; a prefetch tensor the kernel cannot take is refused by name."""
+    assert plugins.load() is not None
+    c = make_case(1, 1, 16, 2, 256, [700], "cached", dtype=torch.bfloat16, device="cuda", seed=num_splits)
+    weight = torch.randn(2048, 4096, device="cuda").to(torch.bfloat16)
+    args = (c["q"], c["k_cache"], c["v_cache"], c["slots"], c["ctx_len"], c["q_start"], None, None, True, 0, 0.1, 0,
+            num_splits)
+    op = torch.ops.dflash.block_attention
+    assert torch.equal(op(*args, None, weight), op(*args))
+    with pytest.raises(RuntimeError, match="prefetch must be"):
+        op(*args, None, weight.t())
+
+
+def test_prefetch_is_ignored_on_the_cpu():
+    c = make_case(1, 2, 8, 2, 16, [5], "given")
+    assert torch.equal(ops.paged_block_attention(**c, causal=True, prefetch=torch.zeros(64)),
+                       ops.paged_block_attention(**c, causal=True))

@@ -155,6 +155,9 @@ class GatedAttention(nn.Module):
     # The gate may run in the attention kernel's stores (paged_block_attention's gate) instead
     # of its own launch after it: the same bits, not yet timed against it, so off.
     gate_in_attention = False
+    # An AR step's attention, latency-bound, may pull o_proj's weight into L2 for the projection
+    # after it (paged_block_attention's prefetch): not yet timed, so off.
+    prefetch_o_proj = False
 
     def __init__(self, config: HybridTargetConfig, cache_layer: int):
         super().__init__()
@@ -183,7 +186,8 @@ class GatedAttention(nn.Module):
         gate = qkv[..., :2 * d.q_size].unflatten(-1, (d.num_attention_heads, 2 * d.head_dim))[..., d.head_dim:]
         out = paged_block_attention(q.unflatten(0, (bs, T)), cache.k[self.cache_layer], cache.v[self.cache_layer],
                                     slots, end, start, causal=True, scale=self.scale, max_keys=batch.max_end,
-                                    fa3_ok=batch.full_rows, gate=gate if self.gate_in_attention else None)
+                                    fa3_ok=batch.full_rows, gate=gate if self.gate_in_attention else None,
+                                    prefetch=self.o_proj.weight if self.prefetch_o_proj and T == 1 else None)
         if not self.gate_in_attention:  # one kernel on CUDA reads the gate where the projection left it
             out = ops.sigmoid_gate(out, gate)
         return self.o_proj.deferred(out.flatten(2))
@@ -195,6 +199,9 @@ class GatedDeltaNet(nn.Module):
     # An AR step may run the causal conv inside the delta-rule step's kernel (ops.gated_delta_step)
     # instead of as its own launch before it: the same bits, not yet timed against it, so off.
     conv_in_step = False
+    # That step, latency-bound, may pull out_proj's weight into L2 for the projection after it
+    # (ops.gated_delta_step's prefetch): not yet timed, so off.
+    prefetch_out_proj = False
 
     def __init__(self, config: HybridTargetConfig, cache_layer: int):
         super().__init__()
@@ -261,7 +268,8 @@ class GatedDeltaNet(nn.Module):
                 qkv = self._conv(qkv, batch, cache, lengths, True)
             out = ops.gated_delta_step(qkv, a, b, z.unflatten(-1, (lin.num_value_heads, lin.value_head_dim)), neg_a,
                                        dt_bias, self.norm.weight, self.norm.eps, L2_EPS, lin.key_head_dim**-0.5,
-                                       cache.state[layer], slots, start, num_tokens, lin.num_key_heads, conv)
+                                       cache.state[layer], slots, start, num_tokens, lin.num_key_heads, conv,
+                                       self.out_proj.weight if self.prefetch_out_proj else None)
             return self.out_proj.deferred(out.flatten(2))
         qkv = self._conv(qkv, batch, cache, lengths, in_place or prefill)
         if not prefill or in_place:
