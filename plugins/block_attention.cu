@@ -179,7 +179,9 @@ template <typename T>
 __device__ __forceinline__ void store_out4_gated(T* dst, float4 v, const T* gate) {
   if constexpr (!std::is_same_v<T, float>) {
     if (gate != nullptr) {
-      const auto gated = [](float x, T g) { return __fmul_rn(rounded<T>(x), rounded<T>(1.0f / (1.0f + expf(-to_float(g))))); };
+      const auto gated = [](float x, T g) {
+        return __fmul_rn(rounded<T>(x), rounded<T>(1.0f / (1.0f + expf(-to_float(g)))));
+      };
       v = make_float4(gated(v.x, gate[0]), gated(v.y, gate[1]), gated(v.z, gate[2]), gated(v.w, gate[3]));
     }
   }
@@ -286,8 +288,9 @@ __device__ __forceinline__ void combine_row(int num_splits, int head_dim, int la
 // global memory and no combine launch. Query rows first_row .. first_row + cta_rows - 1 are
 // the CTA's, those below `rows` real; out_row(r) is query row r's output row.
 template <typename T, int D, typename OutRow>
-__device__ __forceinline__ void merge_cluster(const BlockAttentionParams& p, const float* o_s, const float* lse_s, T* out,
-                                              int rows, int first_row, int cta_rows, OutRow out_row, int num_splits) {
+__device__ __forceinline__ void merge_cluster(const BlockAttentionParams& p, const float* o_s, const float* lse_s,
+                                              T* out, int rows, int first_row, int cta_rows, OutRow out_row,
+                                              int num_splits) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();

@@ -916,10 +916,10 @@ cudaError_t gated_delta_step_launch(const GatedDeltaStepParams& p, cudaStream_t 
   if (gated_delta_step_check(p) != nullptr) return cudaErrorInvalidValue;
   if (p.batch == 0) return cudaSuccess;
   const dim3 grid(p.num_v_heads, p.batch), block(kStepWarps * 32);
-  const bool conv = p.conv_weight != nullptr;
-  const auto kernel = p.dtype == DType::kBFloat16
-                          ? (conv ? gated_delta_step_kernel<__nv_bfloat16, true> : gated_delta_step_kernel<__nv_bfloat16, false>)
-                          : (conv ? gated_delta_step_kernel<__half, true> : gated_delta_step_kernel<__half, false>);
+  using Bf16 = __nv_bfloat16;
+  const bool conv = p.conv_weight != nullptr, bf16 = p.dtype == DType::kBFloat16;
+  const auto kernel = bf16 ? (conv ? gated_delta_step_kernel<Bf16, true> : gated_delta_step_kernel<Bf16, false>)
+                           : (conv ? gated_delta_step_kernel<__half, true> : gated_delta_step_kernel<__half, false>);
   return pdl_launch(kernel, grid, block, 0, stream, true, p);
 }
 
