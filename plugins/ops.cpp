@@ -897,7 +897,8 @@ struct RouteArgs {
 
 at::Tensor moe_experts_run(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down,
                            const at::Tensor& weights, const at::Tensor& ids, bool fp32_out, bool shared_last,
-                           const dflash::GemvNorm* norm, const RouteArgs* route, const char* op) {
+                           const dflash::GemvNorm* norm, const RouteArgs* route, const char* op,
+                           dflash::L2Prefetch prefetch = {}) {
   DFLASH_CHECK(x.is_cuda(), "x must be a CUDA tensor");
   const std::optional<dflash::DType> dtype = attention_dtype(x.scalar_type());
   DFLASH_CHECK(dtype.has_value(), "x must be bf16, fp16 or fp32, got ", x.scalar_type());
@@ -955,6 +956,7 @@ at::Tensor moe_experts_run(const at::Tensor& x, const at::Tensor& gate_up, const
     p.route_renormalize = route->renormalize;
     p.route_ids = ids.data_ptr<int32_t>();  // unread inputs: the routing's scratch
     p.route_weights = weights.data_ptr<float>();
+    p.prefetch = prefetch;
     p.weights = nullptr;
     p.ids = nullptr;
   }
@@ -978,7 +980,8 @@ std::tuple<at::Tensor, at::Tensor> moe_experts_add_rms_norm_cuda(const at::Tenso
                                                                  int64_t top_k, bool renormalize, bool shared,
                                                                  const at::Tensor& residual,
                                                                  const at::Tensor& norm_weight, double eps,
-                                                                 bool zero_centered, const at::Tensor& ticket) {
+                                                                 bool zero_centered, const at::Tensor& ticket,
+                                                                 const std::optional<at::Tensor>& prefetch) {
   DFLASH_CHECK(x.is_cuda() && x.dim() == 2 && x.size(0) == 1, "moe_experts_add_rms_norm takes one token, x [1, H], got ",
                x.sizes());
   DFLASH_CHECK(top_k >= 1 && top_k <= dflash::kMoeRouteMaxTopK, "moe_experts_add_rms_norm: top_k must be in [1, ",
@@ -989,7 +992,7 @@ std::tuple<at::Tensor, at::Tensor> moe_experts_add_rms_norm_cuda(const at::Tenso
   const RouteArgs route{logits, renormalize};
   moe_experts_run(x, gate_up, down, at::empty({1, picks}, x.options().dtype(at::kFloat)),
                   at::empty({1, picks}, x.options().dtype(at::kInt)), false, shared, &norm.params, &route,
-                  "moe_experts_add_rms_norm");
+                  "moe_experts_add_rms_norm", l2_prefetch(prefetch, x, "moe_experts_add_rms_norm"));
   return {norm.sum, norm.out};
 }
 
@@ -1099,7 +1102,8 @@ at::Tensor moe_experts_meta(const at::Tensor& x, const at::Tensor&, const at::Te
 std::tuple<at::Tensor, at::Tensor> moe_experts_add_rms_norm_meta(const at::Tensor& x, const at::Tensor&,
                                                                  const at::Tensor&, const at::Tensor&, int64_t, bool,
                                                                  bool, const at::Tensor& residual, const at::Tensor&,
-                                                                 double, bool, const at::Tensor&) {
+                                                                 double, bool, const at::Tensor&,
+                                                                 const std::optional<at::Tensor>&) {
   return {at::empty(residual.sizes(), residual.options()), at::empty(residual.sizes(), x.options())};
 }
 
@@ -1159,8 +1163,8 @@ TORCH_LIBRARY(dflash, m) {
       "bool shared_last=False) -> Tensor");
   m.def(
       "moe_experts_add_rms_norm(Tensor x, Tensor gate_up, Tensor down, Tensor logits, int top_k, bool renormalize, "
-      "bool shared, Tensor residual, Tensor norm_weight, float eps, bool zero_centered, Tensor(a!) ticket) "
-      "-> (Tensor, Tensor)");
+      "bool shared, Tensor residual, Tensor norm_weight, float eps, bool zero_centered, Tensor(a!) ticket, "
+      "Tensor? prefetch=None) -> (Tensor, Tensor)");
   m.def("moe_sort(Tensor ids, int num_experts) -> (Tensor, Tensor, Tensor)");
   m.def(
       "moe_combine(Tensor y, Tensor weights, Tensor ids, Tensor? rows, int num_experts, bool fp32_out=True) "

@@ -44,7 +44,7 @@ from dflash_trt.kv_cache import Batch, KVCache
 from dflash_trt.models.gated_delta import L2_EPS, gated_delta_rule
 from dflash_trt.models.layers import (DecoderLayer, Linear, LMHead, PackedLinear, RMSNorm, Rotary, apply_rope,
                                       run_layers)
-from dflash_trt.models.moe import feed_forward
+from dflash_trt.models.moe import SparseMoeBlock, feed_forward
 from dflash_trt.ops import causal_conv1d, gated_delta_prepare, gated_delta_recurrent, paged_block_attention
 
 log = logging.getLogger(__name__)
@@ -327,6 +327,10 @@ class Qwen3_5Model(nn.Module):
         )
         self.norm = ZeroCenteredRMSNorm(d.hidden_size, d.rms_norm_eps)
         self.rotary = Rotary(config.rotary_dim, d.rope_theta, d.rope_yarn)  # partial: only rotary_dim channels turn
+        for layer, after in zip(self.layers, self.layers[1:]):  # what an MoE block may prefetch
+            if isinstance(layer.mlp, SparseMoeBlock):
+                first = after.linear_attn.in_proj if after.linear_attn is not None else after.self_attn.qkv_proj
+                layer.mlp.next_projection = (first,)
 
     def forward(self, input_ids, batch: Batch, cache: HybridCache, taps: tuple[int, ...] = ()):
         """input_ids [bs, width] -> (final hidden [bs, width, H], taps [bs, width, K*H] or None)."""
