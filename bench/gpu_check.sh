@@ -296,7 +296,8 @@ fusions)
   step plugins 300 python3 -c 'from dflash_trt import plugins; print(plugins.load())'
   DFLASH_TEST_DEVICE=cuda step tests-fusions 300 python3 -m pytest -q -p no:cacheprovider \
     tests/test_gated_delta_kernel.py tests/test_qwen3_5_parity.py tests/test_layer_ops.py tests/test_ops.py \
-    tests/test_moe.py tests/test_moe_ops.py -k "decode_step or causal_conv or gate_in or fusion or prefetch or split or cluster or masked or combine or one_token"
+    tests/test_moe.py tests/test_moe_ops.py \
+    -k "decode_step or causal_conv or gate_in or fusion or prefetch or split or cluster or masked or combine or one_token"
   for round in 1 2; do
     for preset_arms in "qwen3.6-35b-a3b:none conv gate prefetch all next16 next32" "qwen3.5-9b:none all"; do
       preset=${preset_arms%%:*}
@@ -307,7 +308,8 @@ arm = '$arm'
 D.conv_in_step = arm in ('conv', 'all')
 A.gate_in_attention = arm in ('gate', 'all')
 D.prefetch_out_proj = A.prefetch_o_proj = arm in ('prefetch', 'all')
-S.prefetch_next_bytes = {'next16': 16, 'next32': 32}.get(arm, 0) << 20" "$preset" "$OUT/fusions_${preset}_${arm}_$round.json"
+S.prefetch_next_bytes = {'next16': 16, 'next32': 32}.get(arm, 0) << 20" \
+          "$preset" "$OUT/fusions_${preset}_${arm}_$round.json"
       done
     done
   done

@@ -333,7 +333,7 @@ def test_cuda_one_token_experts_prefetching_another_tensor_keep_their_bits():
     E, k, H, I, dtype = 256, 8, 2048, 512, torch.bfloat16
     gate_up, down = make_experts(E + 1, H, I, dtype, device="cuda", seed=5)
     g = torch.Generator(device="cuda").manual_seed(5)
-    x, logits = make_x(1, H, dtype, device="cuda", seed=5), (torch.randn(1, E + 1, generator=g, device="cuda")).to(dtype)
+    x, logits = make_x(1, H, dtype, device="cuda", seed=5), torch.randn(1, E + 1, generator=g, device="cuda").to(dtype)
     residual, norm_weight = torch.randn(1, 1, H, generator=g, device="cuda"), torch.ones(H, dtype=dtype, device="cuda")
     ticket = torch.zeros(1, dtype=torch.int32, device="cuda")
     nxt = torch.randn(12352, H, generator=g, device="cuda").to(dtype)
