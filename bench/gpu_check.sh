@@ -26,7 +26,6 @@
 #   bash bench/gpu_check.sh moe-bench  # MoE: Qwen3.6-35B-A3B AR vs DFlash, the 397B-A17B at 4 and 8 layers
 #   bash bench/gpu_check.sh moe-split  # MoE experts at TP2 per rank: tensor- vs expert-parallel
 #   bash bench/gpu_check.sh moe-norm   # MoE: the norms around an MoE block in its kernels (GPU tests, AR A/B)
-#   bash bench/gpu_check.sh fusions    # hybrids/MoE: conv in the delta step, gate in attention, L2 prefetches (A/B)
 #   bash bench/gpu_check.sh trace      # the 35B-A3B's AR step as a trace: each kernel's share by starts and ends
 #   bash bench/gpu_check.sh moe-flashinfer # MoE: the experts against FlashInfer's fused MoE (carry .fi)
 #   bash bench/gpu_check.sh tp         # (2 GPUs) a two-rank run exits; one rank vs two, Qwen3-1.7B pair
@@ -62,7 +61,7 @@
 # The machine has no `unzip`: zips are opened with `python3 -m zipfile`, which drops the
 # executable bits, so they are set again.
 set -u
-usage="usage: gpu_check.sh STAGE... (tests hybrid benches roofline bench8b goals overlap identity triton window flashinfer splits moe moe-models moe-bench moe-split moe-norm fusions trace moe-flashinfer tp draft-vocab prefill stall fa3 fa3-engine burst train-ranks demo-target demo-drafter demo-eval)"
+usage="usage: gpu_check.sh STAGE... (tests hybrid benches roofline bench8b goals overlap identity triton window flashinfer splits moe moe-models moe-bench moe-split moe-norm trace moe-flashinfer tp draft-vocab prefill stall fa3 fa3-engine burst train-ranks demo-target demo-drafter demo-eval)"
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
@@ -282,35 +281,6 @@ moe-norm)
       ab_step "ar35b-$flags-$round" "from dflash_trt.models.moe import SparseMoeBlock as B
 B.output_norm_in_experts, B.input_norm_in_projection = '$flags'[0] == '1', '$flags'[1] == '1'" \
         qwen3.6-35b-a3b "$OUT/norm_ar35b_${flags}_$round.json"
-    done
-  done
-  ;;
-fusions)
-  # the hybrids' prepared changes, off by default: an AR step's causal conv inside the delta-rule
-  # step (GatedDeltaNet.conv_in_step), the attention's sigmoid gate in its stores
-  # (GatedAttention.gate_in_attention), those two kernels pulling the next projection's weight
-  # into L2 (prefetch_out_proj, prefetch_o_proj: arm prefetch), and one token's experts pulling
-  # the first 16 / 32 MB of the next layer's first projection (SparseMoeBlock.prefetch_next_bytes:
-  # arms next16, next32). Their GPU tests, then the AR step at batch 1 of the 35B-A3B (every arm)
-  # and Qwen3.5-9B (none, all: the first three together), alternating twice
-  step plugins 300 python3 -c 'from dflash_trt import plugins; print(plugins.load())'
-  DFLASH_TEST_DEVICE=cuda step tests-fusions 300 python3 -m pytest -q -p no:cacheprovider \
-    tests/test_gated_delta_kernel.py tests/test_qwen3_5_parity.py tests/test_layer_ops.py tests/test_ops.py \
-    tests/test_moe.py tests/test_moe_ops.py \
-    -k "decode_step or causal_conv or gate_in or fusion or prefetch or split or cluster or masked or combine or one_token"
-  for round in 1 2; do
-    for preset_arms in "qwen3.6-35b-a3b:none conv gate prefetch all next16 next32" "qwen3.5-9b:none all"; do
-      preset=${preset_arms%%:*}
-      for arm in ${preset_arms#*:}; do
-        ab_step "ar-$preset-$arm-$round" "from dflash_trt.models.qwen3_5 import GatedAttention as A, GatedDeltaNet as D
-from dflash_trt.models.moe import SparseMoeBlock as S
-arm = '$arm'
-D.conv_in_step = arm in ('conv', 'all')
-A.gate_in_attention = arm in ('gate', 'all')
-D.prefetch_out_proj = A.prefetch_o_proj = arm in ('prefetch', 'all')
-S.prefetch_next_bytes = {'next16': 16, 'next32': 32}.get(arm, 0) << 20" \
-          "$preset" "$OUT/fusions_${preset}_${arm}_$round.json"
-      done
     done
   done
   ;;

@@ -104,8 +104,7 @@ def _cuda_block_attention_supported(q: torch.Tensor) -> bool:
 
 
 def paged_block_attention(q, k_cache, v_cache, slots, ctx_len, q_start, k_blk=None, v_blk=None, causal=False,
-                          window=None, scale=None, *, max_keys: int | None = None, fa3_ok: bool = False, gate=None,
-                          prefetch=None):
+                          window=None, scale=None, *, max_keys: int | None = None, fa3_ok: bool = False):
     """Block attention over a KV cache -> [bs, T, Hq, d]; semantics of the reference above.
 
     Runs the CUDA kernel on CUDA tensors once the plugins are built, for the dtypes and head
@@ -116,10 +115,6 @@ def paged_block_attention(q, k_cache, v_cache, slots, ctx_len, q_start, k_blk=No
     run the call where warm-up chose it for the shape (fa3.py); the caller vouches that every
     row's T tokens are real (a causal block in the cache: ctx_len = q_start + T) and, with
     k_blk (then q_start = ctx_len), that cache rows [ctx_len, ctx_len + T) may be written.
-    `gate` [bs, T, Hq, d] (gated attention; a view of the projection): the result is
-    sigmoid_gate(attention, gate), in the kernel's stores where the bf16/fp16 kernel runs.
-    `prefetch` (a tensor, e.g. the next projection's weight): the bf16/fp16 kernel pulls it into
-    L2 while it runs (plugins/l2_prefetch.h); a hint, results do not depend on it.
     """
     assert q.dim() == 4 and k_cache.dim() == 4 and k_cache.shape == v_cache.shape, (q.shape, k_cache.shape)
     bs, T, Hq, d = q.shape
@@ -138,22 +133,14 @@ def paged_block_attention(q, k_cache, v_cache, slots, ctx_len, q_start, k_blk=No
         assert k_blk.device == v_blk.device == q.device, f"k_blk and v_blk must be on q's {q.device}"
     scale = d ** -0.5 if scale is None else scale
     window = 0 if window is None else window
-    if gate is not None:
-        assert gate.shape == q.shape and gate.dtype == q.dtype and gate.stride(-1) == 1, \
-            f"gate must be [bs, T, Hq, d] like q with a contiguous last dim, got {tuple(gate.shape)} {gate.dtype}"
     if fa3_ok and fa3.runs(q, k_cache, causal, window, k_blk is not None):
-        out = fa3.attention(q, k_cache, v_cache, slots, ctx_len, scale, k_blk, v_blk)
-        return out if gate is None else sigmoid_gate(out, gate)
+        return fa3.attention(q, k_cache, v_cache, slots, ctx_len, scale, k_blk, v_blk)
     if _cuda_block_attention_supported(q) and q.numel() and k_cache.numel() and bs <= GRID_LIMIT:  # empty: no launch
-        in_kernel = gate is not None and q.dtype != torch.float32
-        out = torch.ops.dflash.block_attention(q, k_cache, v_cache, slots, ctx_len, q_start, k_blk, v_blk,
-                                               bool(causal), int(window), float(scale), int(max_keys or 0), 0,
-                                               gate if in_kernel else None, prefetch)
-        return out if gate is None or in_kernel else sigmoid_gate(out, gate)
+        return torch.ops.dflash.block_attention(q, k_cache, v_cache, slots, ctx_len, q_start, k_blk, v_blk,
+                                                bool(causal), int(window), float(scale), int(max_keys or 0))
     log_fallback("block_attention", q)
-    out = paged_block_attention_reference(q, k_cache, v_cache, slots, ctx_len, q_start, k_blk, v_blk, causal,
-                                          window, scale)
-    return out if gate is None else sigmoid_gate(out, gate)
+    return paged_block_attention_reference(q, k_cache, v_cache, slots, ctx_len, q_start, k_blk, v_blk, causal,
+                                           window, scale)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -620,7 +607,7 @@ MOE_NORM_MAX_HIDDEN = 4096  # plugins/moe.h kMoeNormMaxHidden
 
 def moe_experts_add_rms_norm(x, gate_up, down, logits, top_k: int, renormalize: bool, shared: bool, residual,
                              norm_weight, eps: float, zero_centered: bool = False,
-                             ticket: torch.Tensor | None = None, prefetch: torch.Tensor | None = None):
+                             ticket: torch.Tensor | None = None):
     """add_rms_norm(residual, moe_experts(x, gate_up, down, *moe_route(logits, top_k,
     renormalize, shared), out_dtype=x.dtype, shared_last=shared), norm_weight, eps,
     zero_centered) -> (s, y): an MoE block's routing, experts and the residual add + norm after
@@ -631,9 +618,7 @@ def moe_experts_add_rms_norm(x, gate_up, down, logits, top_k: int, renormalize: 
     pair with the same bits: each CTA of the experts' kernels routes the token itself
     (plugins/route_warp.h, moe_route's arithmetic), so no routing kernel runs, and the one-token
     down kernel's last CTA runs the add + norm (plugins/moe.h, MoeParams::norm) with
-    add_rms_norm's bits; `ticket` as for linear_add_rms_norm. Elsewhere the three ops.
-    `prefetch` (a tensor, e.g. the start of the next layer's first projection weight): that launch's
-    gate_up CTAs pull it into L2 beside the experts' reads (plugins/l2_prefetch.h), a hint."""
+    add_rms_norm's bits; `ticket` as for linear_add_rms_norm. Elsewhere the three ops."""
     H = x.shape[-1]
     E = logits.shape[-1] - shared
     if (ticket is not None and x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)
@@ -643,7 +628,7 @@ def moe_experts_add_rms_norm(x, gate_up, down, logits, top_k: int, renormalize: 
         _check_ticket(ticket, x.device)
         return torch.ops.dflash.moe_experts_add_rms_norm(x, gate_up, down, logits, int(top_k), bool(renormalize),
                                                          bool(shared), residual, norm_weight, float(eps), zero_centered,
-                                                         ticket, prefetch)
+                                                         ticket)
     out = moe_experts(x, gate_up, down, *moe_route(logits, top_k, renormalize, shared), x.dtype, shared)
     return add_rms_norm(residual, out.reshape(residual.shape), norm_weight, eps, zero_centered)
 
@@ -887,11 +872,10 @@ def gated_delta_recurrent_reference(q, k, v, g, beta, state_cache, snapshot_cach
 
 
 GATED_DELTA_STEP_DIM = 128  # plugins/gated_delta.h kGatedDeltaStepDim: the fused step's dk = dv
-CONV_STEP_TAPS = 4  # plugins/gated_delta.h kGatedDeltaStepConvTaps: the conv the step can run
 
 
 def gated_delta_step(qkv, a, b, z, neg_a, dt_bias, norm_weight, norm_eps: float, l2_eps: float, q_scale: float,
-                     state_cache, slots, start, num_tokens, num_k_heads: int, conv=None, prefetch=None):
+                     state_cache, slots, start, num_tokens, num_k_heads: int):
     """One in-place decode step of a Gated DeltaNet layer (one token a row: an AR step) from
     its conv output to its gated norm -> y [bs, 1, Hv, dv] in qkv's dtype:
     gated_rms_norm(gated_delta_recurrent(*gated_delta_prepare(qkv, a, b, ...), state_cache,
@@ -902,12 +886,6 @@ def gated_delta_step(qkv, a, b, z, neg_a, dt_bias, norm_weight, norm_eps: float,
     [bs] int32 (num_tokens 0: a padding row, its state kept, its y zeros). On CUDA in 16-bit
     with dk = dv = 128 one kernel (plugins/gated_delta.cu) with those three ops' arithmetic,
     the same bits; else the three ops.
-
-    conv = (weight [C, 4], conv_cache [num_slots, 3, C], tickets [>= bs, Hk] int32 zeros, which
-    the kernel leaves zero): qkv is the projection's output before the causal conv (its rows may
-    be a view), and the step runs causal_conv(qkv, weight, conv_cache, None, slots, start,
-    num_tokens) first, in the same kernel on CUDA (the same bits). `prefetch` (a tensor, e.g.
-    out_proj's weight): the kernel pulls it into L2 while it runs (plugins/l2_prefetch.h), a hint.
     """
     bs, T = qkv.shape[:2]
     Hv, dv = z.shape[-2:]
@@ -915,26 +893,20 @@ def gated_delta_step(qkv, a, b, z, neg_a, dt_bias, norm_weight, norm_eps: float,
     assert T == 1 and z.shape == (bs, 1, Hv, dv) and a.shape == b.shape == (bs, 1, Hv), \
         f"one token a row: qkv [bs, 1, C], a and b [bs, 1, {Hv}], z [bs, 1, {Hv}, {dv}], got " \
         f"{tuple(qkv.shape)}, {tuple(a.shape)}, {tuple(b.shape)}, {tuple(z.shape)}"
-    if _gated_delta_step_fits(qkv, a, b, z, norm_weight, state_cache, dk, dv, conv):
+    if _gated_delta_step_fits(qkv, a, b, z, norm_weight, state_cache, dk, dv):
         y = torch.ops.dflash.gated_delta_step(qkv[:, 0], a[:, 0], b[:, 0], z[:, 0], neg_a, dt_bias, norm_weight,
                                               float(norm_eps), float(l2_eps), float(q_scale), state_cache, slots,
-                                              start, num_tokens, int(num_k_heads), *(conv or (None,) * 3), prefetch)
+                                              start, num_tokens, int(num_k_heads))
         return y.unsqueeze(1)
-    if conv is not None:
-        weight, conv_cache, _ = conv
-        qkv = causal_conv(qkv, weight, conv_cache, None, slots, start, num_tokens)
     inputs = gated_delta_prepare(qkv, a, b, neg_a, dt_bias, num_k_heads, dk, dv, l2_eps, q_scale)
     out = gated_delta_recurrent(*inputs, state_cache, state_cache.unsqueeze(1), slots, start, num_tokens, qkv.dtype)
     return gated_rms_norm(out, z, norm_weight, norm_eps)
 
 
-def _gated_delta_step_fits(qkv, a, b, z, norm_weight, state_cache, dk: int, dv: int, conv=None) -> bool:
+def _gated_delta_step_fits(qkv, a, b, z, norm_weight, state_cache, dk: int, dv: int) -> bool:
     D = GATED_DELTA_STEP_DIM
-    # the conv's own input may be a view of the projection; its output is a contiguous tensor
-    rows_ok = qkv.stride(-1) == 1 if conv is not None else qkv.is_contiguous()
     return (qkv.is_cuda and qkv.dtype in (torch.bfloat16, torch.float16) and dk == dv == D
-            and rows_ok and (conv is None or conv[0].shape[-1] == CONV_STEP_TAPS)
-            and a.stride() == b.stride() and a.stride(-1) == 1
+            and qkv.is_contiguous() and a.stride() == b.stride() and a.stride(-1) == 1
             and z.stride(-1) == 1 and z.stride(-2) == D and z.stride(0) % 8 == 0 and z.data_ptr() % 16 == 0
             and norm_weight.dtype == qkv.dtype and norm_weight.is_contiguous() and norm_weight.data_ptr() % 16 == 0
             and state_cache.data_ptr() % 16 == 0 and max(qkv.shape[0], z.shape[2]) <= GRID_LIMIT

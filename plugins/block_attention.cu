@@ -36,7 +36,6 @@
 
 #include "cp_async.h"
 #include "device.h"
-#include "float_convert.h"
 #include "lanes.h"
 #include "pdl.h"
 
@@ -160,34 +159,6 @@ __device__ __forceinline__ void store_out4(T* dst, float4 v) {
   }
 }
 
-// Output row `row` ((b, t, head) flattened)'s gate at column 0, or null (no gate, fp32).
-template <typename T>
-__device__ __forceinline__ const T* gate_row(const BlockAttentionParams& p, int64_t row) {
-  if constexpr (std::is_same_v<T, float>) {
-    return nullptr;
-  } else {
-    if (p.gate == nullptr) return nullptr;
-    const int64_t token = row / p.num_q_heads, head = row % p.num_q_heads;
-    return static_cast<const T*>(p.gate) + token / p.num_tokens * p.gate_stride[0] +
-           token % p.num_tokens * p.gate_stride[1] + head * p.gate_stride[2];
-  }
-}
-
-// store_out4, times sigmoid of the gate's four values where a gate is given (sigmoid_gate's
-// arithmetic on the output as it would have been stored).
-template <typename T>
-__device__ __forceinline__ void store_out4_gated(T* dst, float4 v, const T* gate) {
-  if constexpr (!std::is_same_v<T, float>) {
-    if (gate != nullptr) {
-      const auto gated = [](float x, T g) {
-        return __fmul_rn(rounded<T>(x), rounded<T>(1.0f / (1.0f + expf(-to_float(g)))));
-      };
-      v = make_float4(gated(v.x, gate[0]), gated(v.y, gate[1]), gated(v.z, gate[2]), gated(v.w, gate[3]));
-    }
-  }
-  store_out4<T>(dst, v);
-}
-
 // ---------------------------------------------------------------------------------------------
 // Which keys a row can see at all, and which split of them this CTA takes.
 
@@ -243,7 +214,7 @@ __device__ __forceinline__ RowKeys row_keys(const BlockAttentionParams& p, int c
 // CTAs' shared memory (below), with the same arithmetic in the same order.
 template <typename T, int NC, typename Lse, typename Part>
 __device__ __forceinline__ void combine_row(int num_splits, int head_dim, int lane, Lse lse_at, Part o_at,
-                                            T* __restrict__ out, const T* gate) {
+                                            T* __restrict__ out) {
   float mx = -INFINITY;
   for (int s = lane; s < num_splits; s += 32) mx = fmaxf(mx, lse_at(s));
   mx = warp_max(mx);
@@ -275,9 +246,7 @@ __device__ __forceinline__ void combine_row(int num_splits, int head_dim, int la
 #pragma unroll
   for (int c = 0; c < NC; ++c) {
     const int col = 4 * lane + 128 * c;
-    if (col < head_dim)
-      store_out4_gated<T>(out + col, make_float4(o[c].x * inv, o[c].y * inv, o[c].z * inv, o[c].w * inv),
-                          gate != nullptr ? gate + col : nullptr);
+    if (col < head_dim) store_out4<T>(out + col, make_float4(o[c].x * inv, o[c].y * inv, o[c].z * inv, o[c].w * inv));
   }
 }
 
@@ -288,9 +257,8 @@ __device__ __forceinline__ void combine_row(int num_splits, int head_dim, int la
 // global memory and no combine launch. Query rows first_row .. first_row + cta_rows - 1 are
 // the CTA's, those below `rows` real; out_row(r) is query row r's output row.
 template <typename T, int D, typename OutRow>
-__device__ __forceinline__ void merge_cluster(const BlockAttentionParams& p, const float* o_s, const float* lse_s,
-                                              T* out, int rows, int first_row, int cta_rows, OutRow out_row,
-                                              int num_splits) {
+__device__ __forceinline__ void merge_cluster(const float* o_s, const float* lse_s, T* out, int rows, int first_row,
+                                              int cta_rows, OutRow out_row, int num_splits) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();
@@ -300,8 +268,7 @@ __device__ __forceinline__ void merge_cluster(const BlockAttentionParams& p, con
     for (int rr = warp; rr < cta_rows && first_row + rr < rows; rr += kWarps)
       combine_row<T, D <= 128 ? 1 : 2>(
           num_splits, D, lane, [&](int s) { return cluster.map_shared_rank(lse_s, s)[rr]; },
-          [&](int s) { return cluster.map_shared_rank(o_s, s) + rr * D; }, out + out_row(first_row + rr) * D,
-          gate_row<T>(p, out_row(first_row + rr)));
+          [&](int s) { return cluster.map_shared_rank(o_s, s) + rr * D; }, out + out_row(first_row + rr) * D);
   }
   cluster.sync();  // no CTA leaves while the first reads its shared memory
 #endif
@@ -327,7 +294,6 @@ __global__ void __launch_bounds__(kThreads, 2)
   static_assert(NK % 16 == 0, "a warp's key slice must be whole k16 steps of P.V");
   pdl_wait();
   pdl_allow_dependents();
-  prefetch_range_l2(p.prefetch);
   static_assert(kTileKeys % TK == 0, "split chunks (multiples of kTileKeys) must be whole tiles");
   static_assert(TK * D / 8 % kThreads == 0, "every thread copies the same number of 16-byte chunks");
 
@@ -602,8 +568,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     o.x *= inv; o.y *= inv; o.z *= inv; o.w *= inv;
     const int64_t row_index = (static_cast<int64_t>(b) * T_ + t) * p.num_q_heads + head;
     if (num_splits == 1) {
-      const T* gate = gate_row<T>(p, row_index);
-      store_out4_gated<T>(out + row_index * D + col, o, gate != nullptr ? gate + col : nullptr);
+      store4<T>(out + row_index * D + col, o);
     } else if (cluster_combine) {
       // Row rr of o_s is read only by this thread's item (the slices of the other warps sit
       // past row CR), so the partial can replace it in place.
@@ -619,16 +584,15 @@ __global__ void __launch_bounds__(kThreads, 2)
     const auto out_row = [&](int r) {
       return (static_cast<int64_t>(b) * T_ + r / group) * p.num_q_heads + kvh * group + r % group;
     };
-    merge_cluster<T, D>(p, o_s, lse_s, out, rows, q_chunk * CR, CR, out_row, num_splits);
+    merge_cluster<T, D>(o_s, lse_s, out, rows, q_chunk * CR, CR, out_row, num_splits);
   }
 }
 
 // ---------------------------------------------------------------------------------------------
 template <typename T, int NC>
 __global__ void __launch_bounds__(kThreads)
-    block_attention_combine_kernel(const BlockAttentionParams p, int64_t num_rows, int head_dim, int num_splits,
-                                   const float* __restrict__ o_part, const float* __restrict__ lse_part,
-                                   T* __restrict__ out) {
+    block_attention_combine_kernel(int64_t num_rows, int head_dim, int num_splits, const float* __restrict__ o_part,
+                                   const float* __restrict__ lse_part, T* __restrict__ out) {
   pdl_wait();
   pdl_allow_dependents();  // o_proj reads this output next (pdl.h)
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
@@ -636,7 +600,7 @@ __global__ void __launch_bounds__(kThreads)
   if (row >= num_rows) return;  // whole warps: the shuffles below see all 32 lanes
   combine_row<T, NC>(
       num_splits, head_dim, lane, [&](int s) { return lse_part[s * num_rows + row]; },
-      [&](int s) { return o_part + (s * num_rows + row) * head_dim; }, out + row * head_dim, gate_row<T>(p, row));
+      [&](int s) { return o_part + (s * num_rows + row) * head_dim; }, out + row * head_dim);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -975,8 +939,8 @@ void launch_combine(const BlockAttentionParams& p, int num_splits, const float* 
   const unsigned ctas = static_cast<unsigned>((num_rows + kWarps - 1) / kWarps);
   T* out = static_cast<T*>(p.out);
   const auto kernel = p.head_dim <= 128 ? block_attention_combine_kernel<T, 1> : block_attention_combine_kernel<T, 2>;
-  pdl_launch(kernel, dim3(ctas), dim3(kThreads), 0, stream, true, p, num_rows, p.head_dim, num_splits, o_part,
-             lse_part, out);
+  pdl_launch(kernel, dim3(ctas), dim3(kThreads), 0, stream, true, num_rows, p.head_dim, num_splits, o_part, lse_part,
+             out);
 }
 
 }  // namespace
@@ -1002,7 +966,6 @@ const char* block_attention_check(const BlockAttentionParams& p) {
   if (p.k_blk && (!rows16(p.k_blk, p.k_blk_stride) || !rows16(p.v_blk, p.v_blk_stride)))
     return "block K/V rows must be 16-byte aligned (pointer and strides multiples of 16 bytes)";
   if (fp32) {
-    if (p.gate) return "a gate is bf16/fp16 only";
     if (!rows16(p.q, p.q_stride)) return "fp32 q rows must be 16-byte aligned (pointer and strides multiples of 4)";
     if (!aligned(p.out, 16)) return "fp32 out must be 16-byte aligned";
     return nullptr;

@@ -19,8 +19,6 @@
 
 #include <cuda_runtime_api.h>
 
-#include "l2_prefetch.h"
-
 namespace dflash {
 
 enum class DType : int { kFloat16 = 0, kBFloat16 = 1, kFloat32 = 2 };
@@ -65,12 +63,6 @@ struct BlockAttentionParams {
   const void* v_blk = nullptr;
   int64_t v_blk_stride[3] = {};
   void* out = nullptr;               // [bs, T, Hq, d], contiguous, 8-byte aligned (fp32: 16)
-  // Gated attention (Qwen3.5/3.6), bf16/fp16 only: out = attention * sigmoid(gate), as
-  // sigmoid_gate (layer_ops.h) computes it on the attention's stored output: the sigmoid
-  // rounded to the dtype, the product rounded. Null: no gate.
-  const void* gate = nullptr;        // [bs, T, Hq, d], e.g. a view of the projection
-  int64_t gate_stride[3] = {};       //   batch, token, head
-  L2Prefetch prefetch;               // bf16/fp16: e.g. o_proj's weight, for the projection after this
 
   bool causal = false;
   int window = 0;                  // <= 0: no window

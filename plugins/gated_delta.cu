@@ -37,7 +37,6 @@
 
 #include "gated_delta.h"
 
-#include "conv_silu.h"
 #include "device.h"
 #include "float_convert.h"
 #include "lanes.h"
@@ -653,19 +652,12 @@ __global__ void __launch_bounds__(kPrepareThreads) gated_delta_prepare_kernel(Ga
 // and the state is read before the wait: no kernel of the pass before this one writes it (each
 // waits for its predecessor before it lets its own successor start, so all but the conv have
 // finished when this kernel starts).
-// kConv: the conv before it too (gated_delta.h), from the projection's output. A thread's conv
-// channels are the ones prepare reads (warps 0 / 1: 4 q / k channels a lane, warps 2-5: one v
-// channel a thread); their weights and windows load before the wait, as the state (this kernel
-// alone writes the window in a pass). The conv's launch and its wait on the chain go.
 
 constexpr int kStepWarps = kGatedDeltaStepDim / kWarpCols;  // 8
 
-template <typename T, bool kConv>
-__global__ void __launch_bounds__(kStepWarps * 32, 2) gated_delta_step_kernel(GatedDeltaStepParams p) {
+template <typename T>
+__global__ void __launch_bounds__(kStepWarps * 32) gated_delta_step_kernel(GatedDeltaStepParams p) {
   constexpr int D = kGatedDeltaStepDim, kRows = D / kRowLanes;
-  constexpr int kTaps = kGatedDeltaStepConvTaps, W = kTaps - 1, kQkChannels = D / 32;
-  __shared__ T window_s[kConv ? 2 : 1][W][D];  // the q / k channels' next window, for the last CTA to store
-  __shared__ bool last_s;
   __shared__ __align__(16) float q_s[D];
   __shared__ __align__(16) float k_s[D];
   __shared__ __align__(16) float v_s[D];
@@ -685,64 +677,20 @@ __global__ void __launch_bounds__(kStepWarps * 32, 2) gated_delta_step_kernel(Ga
   for (int m = 0; m < kRows; ++m)
     S[m] = fresh ? make_float4(0.0f, 0.0f, 0.0f, 0.0f)
                  : __ldcs(reinterpret_cast<const float4*>(state + static_cast<int64_t>(r + kRowLanes * m) * D));
-  // the conv: channel i of this thread, its weights, and its window with the token as tap W
-  const int64_t C = (2 * static_cast<int64_t>(Hk) + Hv) * D;
-  const auto channel = [&](int i) -> int64_t {
-    return warp < 2 ? static_cast<int64_t>(warp * Hk + kh) * D + lane + 32 * i
-                    : static_cast<int64_t>(2 * Hk + h) * D + (warp - 2) * 32 + lane;
-  };
-  T* window = kConv ? static_cast<T*>(p.conv_cache) + slot * W * C : nullptr;
-  float cw[kConv ? kQkChannels : 1][kTaps], cwin[kConv ? kQkChannels : 1][kTaps];
-  if constexpr (kConv) {
-    const int channels = warp < 2 ? kQkChannels : warp < 6 ? 1 : 0;
-#pragma unroll
-    for (int i = 0; i < kQkChannels; ++i) {
-      if (i >= channels) break;
-      const T* w = static_cast<const T*>(p.conv_weight) + channel(i) * kTaps;
-#pragma unroll
-      for (int j = 0; j < kTaps; ++j) {
-        cw[i][j] = to_float(w[j]);
-        cwin[i][j] = j < W && !fresh ? to_float(window[j * C + channel(i)]) : 0.0f;
-      }
-    }
-  }
-  // the value prepare reads at channel i: the conv output, or the conv run here on the input
-  // (rounded to T as the conv stores it), which also leaves the channel's next window in cwin
-  // (the window itself for a padding row, as the conv keeps it)
-  const T* x = static_cast<const T*>(p.qkv) + b * p.qkv_stride;
-  const auto input = [&](int i) -> float {
-    const float raw = to_float(x[channel(i)]);
-    if constexpr (!kConv) {
-      return raw;
-    } else {
-      cwin[i][W] = raw;
-      const float out = rounded<T>(conv_silu<T, kTaps>(cwin[i], cw[i], W));
-#pragma unroll
-      for (int j = 0; j < W; ++j)
-        if (live) cwin[i][j] = cwin[i][j + 1];
-      return out;
-    }
-  };
-  pdl_wait();  // the conv's output, or the projection's
+  pdl_wait();  // the conv's output
   pdl_allow_dependents();
-  prefetch_range_l2(p.prefetch);
 
   // prepare (gated_delta_prepare_kernel's arithmetic): warp 0 the q head, warp 1 the k head,
   // warps 2-5 v, one thread the gates
+  const T* x = static_cast<const T*>(p.qkv) + b * p.qkv_stride;
   if (warp < 2) {
     float xv[8];  // a lane holds elements lane + 32 i, as prepare's (its 8 slots: dk <= 256)
     float sq = 0.0f;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       const int e = lane + 32 * i;
-      xv[i] = i < kQkChannels && e < D ? input(i) : 0.0f;
+      xv[i] = e < D ? to_float(x[static_cast<int64_t>(warp * Hk + kh) * D + e]) : 0.0f;
       sq = __fadd_rn(sq, __fmul_rn(xv[i], xv[i]));
-      if constexpr (kConv) {
-        if (i < kQkChannels && e < D) {
-#pragma unroll
-          for (int j = 0; j < W; ++j) window_s[warp][j][e] = from_float<T>(cwin[i][j]);
-        }
-      }
     }
     const float rr = rsqrtf(__fadd_rn(warp_sum(sq), p.l2_eps));
 #pragma unroll
@@ -754,11 +702,8 @@ __global__ void __launch_bounds__(kStepWarps * 32, 2) gated_delta_step_kernel(Ga
       }
     }
   } else if (warp < 6) {
-    v_s[(warp - 2) * 32 + lane] = input(0);
-    if constexpr (kConv) {  // this head's v channels are this CTA's alone
-#pragma unroll
-      for (int j = 0; j < W; ++j) window[j * C + channel(0)] = from_float<T>(cwin[0][j]);
-    }
+    const int e = (warp - 2) * 32 + lane;
+    v_s[e] = to_float(x[2 * static_cast<int64_t>(Hk) * D + static_cast<int64_t>(h) * D + e]);
   } else if (warp == 6 && lane == 0) {
     const float xa = __fadd_rn(to_float(static_cast<const T*>(p.a)[b * p.ab_stride + h]), p.dt_bias[h]);
     const float softplus = xa > 20.0f ? xa : log1pf(expf(xa));  // torch's threshold
@@ -766,12 +711,6 @@ __global__ void __launch_bounds__(kStepWarps * 32, 2) gated_delta_step_kernel(Ga
     beta_s = 1.0f / (1.0f + expf(-to_float(static_cast<const T*>(p.b)[b * p.ab_stride + h])));
   }
   __syncthreads();
-  if (kConv && threadIdx.x == 0) {  // every window read of this CTA is done: count it in
-    int* ticket = p.conv_tickets + static_cast<int64_t>(b) * Hk + kh;  // rows, not slots: padding rows share one
-    __threadfence();
-    last_s = atomicAdd(ticket, 1) == Hv / Hk - 1;
-    if (last_s) *ticket = 0;  // the others have counted: zero for the next launch
-  }
 
   // the step (gated_delta_kernel's token loop at one token, outputs on, the state in place)
   float out4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -786,14 +725,6 @@ __global__ void __launch_bounds__(kStepWarps * 32, 2) gated_delta_step_kernel(Ga
     for (int e = 0; e < 4; ++e) o_s[col + e] = rounded<T>(out4[e]);
   }
   __syncthreads();
-  if constexpr (kConv) {  // the key head's CTAs have all read the q / k window: the last stores it
-    if (last_s) {
-      for (int i = threadIdx.x; i < 2 * W * D; i += kStepWarps * 32) {
-        const int which = i / (W * D), j = i / D % W, e = i % D;
-        window[j * C + static_cast<int64_t>(which * Hk + kh) * D + e] = window_s[which][j][e];
-      }
-    }
-  }
 
   // the gated norm (rms_norm_kernel, a row per warp, 16-byte vectors: lane l elements 8 l ..)
   if (warp != 0) return;
@@ -908,7 +839,6 @@ const char* gated_delta_step_check(const GatedDeltaStepParams& p) {
   if (!aligned16(p.z) || p.z_stride % 8 != 0 || !aligned16(p.norm_weight) || !aligned16(p.y) ||
       !aligned16(p.state_cache))
     return "z (and its row stride), norm_weight, y and state_cache must be 16-byte aligned";
-  if (p.conv_weight != nullptr && (!p.conv_cache || !p.conv_tickets)) return "the conv needs its cache and tickets";
   return nullptr;
 }
 
@@ -916,10 +846,7 @@ cudaError_t gated_delta_step_launch(const GatedDeltaStepParams& p, cudaStream_t 
   if (gated_delta_step_check(p) != nullptr) return cudaErrorInvalidValue;
   if (p.batch == 0) return cudaSuccess;
   const dim3 grid(p.num_v_heads, p.batch), block(kStepWarps * 32);
-  using Bf16 = __nv_bfloat16;
-  const bool conv = p.conv_weight != nullptr, bf16 = p.dtype == DType::kBFloat16;
-  const auto kernel = bf16 ? (conv ? gated_delta_step_kernel<Bf16, true> : gated_delta_step_kernel<Bf16, false>)
-                           : (conv ? gated_delta_step_kernel<__half, true> : gated_delta_step_kernel<__half, false>);
+  const auto kernel = p.dtype == DType::kBFloat16 ? gated_delta_step_kernel<__nv_bfloat16> : gated_delta_step_kernel<__half>;
   return pdl_launch(kernel, grid, block, 0, stream, true, p);
 }
 

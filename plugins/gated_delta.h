@@ -31,8 +31,6 @@
 
 #include <cuda_runtime_api.h>
 
-#include "l2_prefetch.h"
-
 #include "block_attention.h"  // dflash::DType
 
 namespace dflash {
@@ -123,14 +121,7 @@ cudaError_t gated_delta_prepare_launch(const GatedDeltaPrepareParams& p, cudaStr
 //   rounded to the dtype (a padding row, num_tokens[b] == 0, keeps its state, outputs zeros);
 //   y[b, h] = rms_norm(that output, norm_weight, norm_eps) times silu(z[b, h]), rounded.
 // dk = dv = 128 (every Qwen3.5/3.6 release), bf16 or fp16.
-// With conv_weight, qkv is the projection's output before the causal conv (kernel size 4), and
-// the launch runs the conv + SiLU too, as causal_conv (layer_ops.h) with num_tokens runs it: the
-// window conv_cache[slots[b]] is stepped in place (a padding row's kept, zeros where start[b]
-// is 0) and the conv output, rounded to the dtype, goes into the step. Value head h's CTA writes
-// its v channels' window; the q / k channels' window, which the key head's Hv / Hk CTAs all
-// read, is written by the last of them to count itself in conv_tickets[b, kh].
 constexpr int kGatedDeltaStepDim = 128;
-constexpr int kGatedDeltaStepConvTaps = 4;
 
 struct GatedDeltaStepParams {
   DType dtype = DType::kBFloat16;  // of qkv, a, b, z, norm_weight and y: bf16 or fp16
@@ -155,10 +146,6 @@ struct GatedDeltaStepParams {
   const int32_t* start = nullptr;  // [bs] device: 0 starts from zeros
   const int32_t* num_tokens = nullptr;  // [bs] device: 1, or 0 for a padding row
   void* y = nullptr;               // [bs, Hv, dv] contiguous
-  const void* conv_weight = nullptr;  // [C, 4] contiguous, C = 2 Hk dk + Hv dv; null: qkv is the conv output
-  void* conv_cache = nullptr;         // [num_slots, 3, C] contiguous
-  int* conv_tickets = nullptr;        // [>= bs, Hk] int32 zeros; the launch leaves them zero
-  L2Prefetch prefetch;                // e.g. out_proj's weight, for the projection after this step
 };
 
 const char* gated_delta_step_check(const GatedDeltaStepParams& p);

@@ -14,7 +14,6 @@
 
 #include "layer_ops.h"
 
-#include "conv_silu.h"
 #include "float_convert.h"
 #include "lanes.h"
 #include "pdl.h"
@@ -397,7 +396,12 @@ __global__ void __launch_bounds__(kConvThreads) causal_conv_kernel(CausalConvPar
       const int t = t0 + u;
       if (t >= T_) break;
       win[W] = to_float(ahead[u]);  // tap W meets the token itself
-      out[static_cast<int64_t>(t) * C] = from_float<T>(conv_silu<T, kConvMaxTaps>(win, w, W));
+      float acc = rounded<T>(__fmul_rn(win[0], w[0]));
+#pragma unroll
+      for (int j = 1; j < kConvMaxTaps; ++j) {
+        if (j <= W) acc = rounded<T>(__fadd_rn(acc, rounded<T>(__fmul_rn(win[j], w[j]))));
+      }
+      out[static_cast<int64_t>(t) * C] = from_float<T>(acc / (1.0f + expf(-acc)));
 #pragma unroll
       for (int j = 0; j + 1 < kConvMaxTaps; ++j) {
         if (j < W) win[j] = win[j + 1];

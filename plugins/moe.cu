@@ -652,7 +652,6 @@ __global__ void __launch_bounds__(kTokenThreads) moe_token_gate_up_kernel(MoePar
   }
   pdl_wait();  // the ids, or the router's logits, come from the kernel before
   pdl_allow_dependents();
-  prefetch_range_l2(p.prefetch);
   const int j = static_cast<int>(min(w / p.inter, static_cast<int64_t>(p.top_k - 1)));
   constexpr bool routes = kRouteV > 0;
   if constexpr (routes) {

@@ -34,7 +34,6 @@
 
 #include "block_attention.h"  // dflash::DType
 #include "gemv.h"             // dflash::GemvNorm
-#include "l2_prefetch.h"
 
 namespace dflash {
 
@@ -81,9 +80,6 @@ struct MoeParams {
   bool route_renormalize = false;
   int32_t* route_ids = nullptr;    // [k] scratch: gate_up writes the routing here for the down
   float* route_weights = nullptr;  // kernel's CTAs that start after it (moe.cu)
-  // One token: the gate_up kernel's CTAs pull this range into L2 after their wait (the next
-  // layer's first projection weight, or its start), beside the experts' reads. A hint.
-  L2Prefetch prefetch;
 };
 
 // Scratch ints of a launch (the sort's outputs and the chunk list).

@@ -55,19 +55,6 @@ void fill_strides3(int64_t (&dst)[3], const at::Tensor& t) {
   for (int i = 0; i < 3; ++i) dst[i] = t.stride(i);
 }
 
-// A tensor (the next projection's weight) for a kernel to pull into L2 (l2_prefetch.h): its
-// bytes, rounded down to 16; nothing where none is given.
-dflash::L2Prefetch l2_prefetch(const std::optional<at::Tensor>& t, const at::Tensor& like, const char* op) {
-  dflash::L2Prefetch r;
-  if (!t) return r;
-  DFLASH_CHECK(t->device() == like.device() && t->is_contiguous() &&
-                   reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0,
-               op, ": prefetch must be a contiguous, 16-byte aligned tensor on the same device");
-  r.ptr = t->data_ptr();
-  r.bytes = static_cast<int64_t>(t->numel() * t->element_size()) / 16 * 16;
-  return r;
-}
-
 void check_kv(const at::Tensor& t, const char* name, const at::Tensor& q) {
   DFLASH_CHECK(t.is_cuda() && t.device() == q.device(), name, " must be on q's CUDA device");
   DFLASH_CHECK(t.scalar_type() == q.scalar_type(), name, " must have q's dtype");
@@ -97,8 +84,7 @@ std::optional<dflash::DType> attention_dtype(at::ScalarType t) {
 at::Tensor block_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                 const at::Tensor& slots, const at::Tensor& ctx_len, const at::Tensor& q_start,
                                 const std::optional<at::Tensor>& k_blk, const std::optional<at::Tensor>& v_blk,
-                                bool causal, int64_t window, double scale, int64_t max_keys, int64_t num_splits,
-                                const std::optional<at::Tensor>& gate, const std::optional<at::Tensor>& prefetch) {
+                                bool causal, int64_t window, double scale, int64_t max_keys, int64_t num_splits) {
   DFLASH_CHECK(q.is_cuda(), "q must be a CUDA tensor");
   const std::optional<dflash::DType> dtype = attention_dtype(q.scalar_type());
   DFLASH_CHECK(dtype.has_value(), "q must be bf16, fp16 or fp32, got ", q.scalar_type());
@@ -146,16 +132,6 @@ at::Tensor block_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache, 
     fill_strides3(p.v_blk_stride, *v_blk);
   }
   p.out = out.data_ptr();
-  if (gate) {
-    DFLASH_CHECK(gate->device() == q.device() && gate->scalar_type() == q.scalar_type() && gate->dim() == 4 &&
-                     gate->size(0) == bs && gate->size(1) == T && gate->size(2) == Hq && gate->size(3) == d &&
-                     gate->stride(3) == 1,
-                 "gate must be [bs, T, Hq, d] in q's dtype on q's device with a contiguous last dim, got ",
-                 gate->sizes());
-    p.gate = gate->data_ptr();
-    fill_strides3(p.gate_stride, *gate);
-  }
-  if (*dtype != dflash::DType::kFloat32) p.prefetch = l2_prefetch(prefetch, q, "block_attention");
   p.causal = causal;
   p.window = static_cast<int>(window);
   p.scale = static_cast<float>(scale);
@@ -177,8 +153,7 @@ at::Tensor block_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache, 
 // Shape-only version for tracing (torch.compile, fake tensors).
 at::Tensor block_attention_meta(const at::Tensor& q, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                 const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                                const std::optional<at::Tensor>&, bool, int64_t, double, int64_t, int64_t,
-                                const std::optional<at::Tensor>&, const std::optional<at::Tensor>&) {
+                                const std::optional<at::Tensor>&, bool, int64_t, double, int64_t, int64_t) {
   return at::empty(q.sizes(), q.options());
 }
 
@@ -776,16 +751,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_del
 // output), a and b [bs, Hv] and z [bs, Hv, dv] (views of the projection: last dims contiguous) and
 // norm_weight [dv] in one 16-bit dtype; neg_a, dt_bias [Hv] fp32; state_cache [num_slots, Hv, dk,
 // dv] fp32, stepped in place; slots, start, num_tokens [bs] int32. Returns y [bs, Hv, dv].
-// With conv_weight [C, 4] (qkv then the projection's output before the conv), conv_cache
-// [num_slots, 3, C] in qkv's dtype and conv_tickets [>= bs, Hk] int32 zeros: the conv too.
 at::Tensor gated_delta_step_cuda(const at::Tensor& qkv, const at::Tensor& a, const at::Tensor& b, const at::Tensor& z,
                                  const at::Tensor& neg_a, const at::Tensor& dt_bias, const at::Tensor& norm_weight,
                                  double norm_eps, double l2_eps, double q_scale, const at::Tensor& state_cache,
                                  const at::Tensor& slots, const at::Tensor& start, const at::Tensor& num_tokens,
-                                 int64_t num_k_heads, const std::optional<at::Tensor>& conv_weight,
-                                 const std::optional<at::Tensor>& conv_cache,
-                                 const std::optional<at::Tensor>& conv_tickets,
-                                 const std::optional<at::Tensor>& prefetch) {
+                                 int64_t num_k_heads) {
   DFLASH_CHECK(qkv.is_cuda() && qkv.dim() == 2 && qkv.stride(1) == 1, "qkv must be a CUDA [bs, C] tensor with "
                "contiguous rows, got ", qkv.sizes());
   const std::optional<dflash::DType> dtype = attention_dtype(qkv.scalar_type());
@@ -808,25 +778,6 @@ at::Tensor gated_delta_step_cuda(const at::Tensor& qkv, const at::Tensor& a, con
   check_index(slots, "slots", qkv);
   check_index(start, "start", qkv);
   check_index(num_tokens, "num_tokens", qkv);
-  const bool conv = conv_weight.has_value();
-  DFLASH_CHECK(conv == conv_cache.has_value() && conv == conv_tickets.has_value(),
-               "gated_delta_step: conv_weight, conv_cache and conv_tickets come together");
-  if (conv) {
-    const int64_t C = qkv.size(1), taps = dflash::kGatedDeltaStepConvTaps;
-    DFLASH_CHECK(conv_weight->device() == qkv.device() && conv_weight->scalar_type() == qkv.scalar_type() &&
-                     conv_weight->dim() == 2 && conv_weight->size(0) == C && conv_weight->size(1) == taps &&
-                     conv_weight->is_contiguous(),
-                 "conv_weight must be a contiguous [", C, ", ", taps, "] in qkv's dtype, got ", conv_weight->sizes());
-    DFLASH_CHECK(conv_cache->device() == qkv.device() && conv_cache->scalar_type() == qkv.scalar_type() &&
-                     conv_cache->dim() == 3 && conv_cache->size(0) == state_cache.size(0) &&
-                     conv_cache->size(1) == taps - 1 && conv_cache->size(2) == C && conv_cache->is_contiguous(),
-                 "conv_cache must be a contiguous [num_slots, ", taps - 1, ", ", C, "] in qkv's dtype, got ",
-                 conv_cache->sizes());
-    DFLASH_CHECK(conv_tickets->device() == qkv.device() && conv_tickets->scalar_type() == at::kInt &&
-                     conv_tickets->dim() == 2 && conv_tickets->size(0) >= bs && conv_tickets->size(1) == num_k_heads &&
-                     conv_tickets->is_contiguous(),
-                 "conv_tickets must be a contiguous int32 [>= bs, num_k_heads], got ", conv_tickets->sizes());
-  }
 
   const c10::cuda::CUDAGuard guard(qkv.device());
   auto y = at::empty({bs, Hv, D}, qkv.options());
@@ -853,12 +804,6 @@ at::Tensor gated_delta_step_cuda(const at::Tensor& qkv, const at::Tensor& a, con
   p.start = start.data_ptr<int32_t>();
   p.num_tokens = num_tokens.data_ptr<int32_t>();
   p.y = y.data_ptr();
-  if (conv) {
-    p.conv_weight = conv_weight->data_ptr();
-    p.conv_cache = conv_cache->data_ptr();
-    p.conv_tickets = conv_tickets->data_ptr<int>();
-  }
-  p.prefetch = l2_prefetch(prefetch, qkv, "gated_delta_step");
   if (const char* why = dflash::gated_delta_step_check(p)) DFLASH_CHECK(false, "gated_delta_step: ", why);
   check_launch(dflash::gated_delta_step_launch(p, c10::cuda::getCurrentCUDAStream().stream()), "gated_delta_step");
   return y;
@@ -866,9 +811,7 @@ at::Tensor gated_delta_step_cuda(const at::Tensor& qkv, const at::Tensor& a, con
 
 at::Tensor gated_delta_step_meta(const at::Tensor& qkv, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                  const at::Tensor& neg_a, const at::Tensor&, const at::Tensor&, double, double, double,
-                                 const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
-                                 const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-                                 const std::optional<at::Tensor>&, const std::optional<at::Tensor>&) {
+                                 const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t) {
   return at::empty({qkv.size(0), neg_a.numel(), dflash::kGatedDeltaStepDim}, qkv.options());
 }
 
@@ -897,8 +840,7 @@ struct RouteArgs {
 
 at::Tensor moe_experts_run(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down,
                            const at::Tensor& weights, const at::Tensor& ids, bool fp32_out, bool shared_last,
-                           const dflash::GemvNorm* norm, const RouteArgs* route, const char* op,
-                           dflash::L2Prefetch prefetch = {}) {
+                           const dflash::GemvNorm* norm, const RouteArgs* route, const char* op) {
   DFLASH_CHECK(x.is_cuda(), "x must be a CUDA tensor");
   const std::optional<dflash::DType> dtype = attention_dtype(x.scalar_type());
   DFLASH_CHECK(dtype.has_value(), "x must be bf16, fp16 or fp32, got ", x.scalar_type());
@@ -956,7 +898,6 @@ at::Tensor moe_experts_run(const at::Tensor& x, const at::Tensor& gate_up, const
     p.route_renormalize = route->renormalize;
     p.route_ids = ids.data_ptr<int32_t>();  // unread inputs: the routing's scratch
     p.route_weights = weights.data_ptr<float>();
-    p.prefetch = prefetch;
     p.weights = nullptr;
     p.ids = nullptr;
   }
@@ -980,8 +921,7 @@ std::tuple<at::Tensor, at::Tensor> moe_experts_add_rms_norm_cuda(const at::Tenso
                                                                  int64_t top_k, bool renormalize, bool shared,
                                                                  const at::Tensor& residual,
                                                                  const at::Tensor& norm_weight, double eps,
-                                                                 bool zero_centered, const at::Tensor& ticket,
-                                                                 const std::optional<at::Tensor>& prefetch) {
+                                                                 bool zero_centered, const at::Tensor& ticket) {
   DFLASH_CHECK(x.is_cuda() && x.dim() == 2 && x.size(0) == 1, "moe_experts_add_rms_norm takes one token, x [1, H], got ",
                x.sizes());
   DFLASH_CHECK(top_k >= 1 && top_k <= dflash::kMoeRouteMaxTopK, "moe_experts_add_rms_norm: top_k must be in [1, ",
@@ -992,7 +932,7 @@ std::tuple<at::Tensor, at::Tensor> moe_experts_add_rms_norm_cuda(const at::Tenso
   const RouteArgs route{logits, renormalize};
   moe_experts_run(x, gate_up, down, at::empty({1, picks}, x.options().dtype(at::kFloat)),
                   at::empty({1, picks}, x.options().dtype(at::kInt)), false, shared, &norm.params, &route,
-                  "moe_experts_add_rms_norm", l2_prefetch(prefetch, x, "moe_experts_add_rms_norm"));
+                  "moe_experts_add_rms_norm");
   return {norm.sum, norm.out};
 }
 
@@ -1102,8 +1042,7 @@ at::Tensor moe_experts_meta(const at::Tensor& x, const at::Tensor&, const at::Te
 std::tuple<at::Tensor, at::Tensor> moe_experts_add_rms_norm_meta(const at::Tensor& x, const at::Tensor&,
                                                                  const at::Tensor&, const at::Tensor&, int64_t, bool,
                                                                  bool, const at::Tensor& residual, const at::Tensor&,
-                                                                 double, bool, const at::Tensor&,
-                                                                 const std::optional<at::Tensor>&) {
+                                                                 double, bool, const at::Tensor&) {
   return {at::empty(residual.sizes(), residual.options()), at::empty(residual.sizes(), x.options())};
 }
 
@@ -1122,8 +1061,8 @@ at::Tensor moe_combine_meta(const at::Tensor& y, const at::Tensor&, const at::Te
 TORCH_LIBRARY(dflash, m) {
   m.def(
       "block_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor ctx_len, Tensor q_start, "
-      "Tensor? k_blk, Tensor? v_blk, bool causal, int window, float scale, int max_keys=0, int num_splits=0, "
-      "Tensor? gate=None, Tensor? prefetch=None) -> Tensor");
+      "Tensor? k_blk, Tensor? v_blk, bool causal, int window, float scale, int max_keys=0, int num_splits=0) "
+      "-> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps, bool zero_centered=False) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps, bool zero_centered=False) -> (Tensor, Tensor)");
   m.def("gated_rms_norm(Tensor x, Tensor gate, Tensor weight, float eps) -> Tensor");
@@ -1148,8 +1087,7 @@ TORCH_LIBRARY(dflash, m) {
   m.def(
       "gated_delta_step(Tensor qkv, Tensor a, Tensor b, Tensor z, Tensor neg_a, Tensor dt_bias, Tensor norm_weight, "
       "float norm_eps, float l2_eps, float q_scale, Tensor(a!) state_cache, Tensor slots, Tensor start, "
-      "Tensor num_tokens, int num_k_heads, Tensor? conv_weight=None, Tensor(b!)? conv_cache=None, "
-      "Tensor(c!)? conv_tickets=None, Tensor? prefetch=None) -> Tensor");
+      "Tensor num_tokens, int num_k_heads) -> Tensor");
   m.def(
       "gated_delta_prepare(Tensor qkv, Tensor a, Tensor b, Tensor neg_a, Tensor dt_bias, int num_k_heads, "
       "int key_dim, int value_dim, float eps, float q_scale) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
@@ -1163,8 +1101,8 @@ TORCH_LIBRARY(dflash, m) {
       "bool shared_last=False) -> Tensor");
   m.def(
       "moe_experts_add_rms_norm(Tensor x, Tensor gate_up, Tensor down, Tensor logits, int top_k, bool renormalize, "
-      "bool shared, Tensor residual, Tensor norm_weight, float eps, bool zero_centered, Tensor(a!) ticket, "
-      "Tensor? prefetch=None) -> (Tensor, Tensor)");
+      "bool shared, Tensor residual, Tensor norm_weight, float eps, bool zero_centered, Tensor(a!) ticket) "
+      "-> (Tensor, Tensor)");
   m.def("moe_sort(Tensor ids, int num_experts) -> (Tensor, Tensor, Tensor)");
   m.def(
       "moe_combine(Tensor y, Tensor weights, Tensor ids, Tensor? rows, int num_experts, bool fp32_out=True) "

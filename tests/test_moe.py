@@ -10,7 +10,6 @@ from test_checkpoint_errors import edit_json
 from test_hybrid_lossless import ORACLES, dflash_with_oracle
 from test_qwen3_5_parity import forward
 
-from dflash_trt import ops
 from dflash_trt.build import _save_model
 from dflash_trt.errors import CheckpointError, ConfigError
 from dflash_trt.kv_cache import Batch
@@ -109,49 +108,6 @@ def test_cuda_bf16_decode_steps_are_the_same_bits_with_the_norm_in_the_experts(m
 
     for (logits, tapped), (want_logits, want_tapped) in zip(steps(True), steps(False)):
         assert torch.equal(logits, want_logits) and torch.equal(tapped, want_tapped)
-
-
-@pytest.mark.cuda
-def test_cuda_bf16_decode_steps_keep_their_bits_while_the_experts_prefetch_the_next_projection(make_pair,
-                                                                                                monkeypatch):
-    # SparseMoeBlock.prefetch_next_bytes: one token's experts pull the start of the next layer's
-    # first projection into L2; a hint, so logits and taps keep their bits
-    pair = make_pair(**CONFIGS["qwen3.5-moe-multimodal-packed"][0])
-    target = load_target(pair.target, device="cuda", dtype=torch.bfloat16)
-    ids = torch.randint(0, 500, (16,), generator=torch.Generator().manual_seed(3)).tolist()
-    prefetched = []
-    op = ops.moe_experts_add_rms_norm
-    monkeypatch.setattr(ops, "moe_experts_add_rms_norm",
-                        lambda *a, prefetch=None, **k: prefetched.append(prefetch is not None) or op(
-                            *a, prefetch=prefetch, **k))
-
-    def steps(nbytes: int):
-        monkeypatch.setattr(SparseMoeBlock, "prefetch_next_bytes", nbytes)
-        cache = target.new_cache(num_slots=1, capacity=16)
-        cuda_forward(target, cache, ids[:12], 0)
-        return [cuda_forward(target, cache, [ids[pos]], pos, taps=(1,)) for pos in range(12, 16)]
-
-    on = steps(1 << 20)
-    assert any(prefetched)
-    for (logits, tapped), (want_logits, want_tapped) in zip(on, steps(0)):
-        assert torch.equal(logits, want_logits) and torch.equal(tapped, want_tapped)
-
-
-def test_each_moe_block_but_the_last_knows_the_next_layers_first_projection(make_pair, monkeypatch):
-    target = load_target(make_pair(**CONFIGS["qwen3.5-moe-multimodal-packed"][0]).target)
-    layers = target.model.layers
-    for layer, after in zip(layers, layers[1:]):
-        if isinstance(layer.mlp, SparseMoeBlock):
-            first = after.linear_attn.in_proj if after.linear_attn is not None else after.self_attn.qkv_proj
-            assert layer.mlp.next_projection == (first,)
-    assert getattr(layers[-1].mlp, "next_projection", ()) == ()
-    assert "next_projection" not in "".join(name for name, _ in target.named_modules())  # not a submodule
-    block = next(layer.mlp for layer in layers[:-1] if isinstance(layer.mlp, SparseMoeBlock))
-    assert block._next_weight_start() is None  # off by default
-    monkeypatch.setattr(SparseMoeBlock, "prefetch_next_bytes", 64)
-    start = block._next_weight_start()
-    weight = block.next_projection[0].weight
-    assert start.data_ptr() == weight.data_ptr() and start.numel() * start.element_size() == 64
 
 
 def cuda_forward(target, cache, ids, start, taps=()):

@@ -326,26 +326,6 @@ def test_cuda_one_token_routing_experts_and_norm_equal_the_three_ops(dtype, zero
 
 
 @pytest.mark.cuda
-def test_cuda_one_token_experts_prefetching_another_tensor_keep_their_bits():
-    """The gate_up CTAs' L2 prefetch of the next projection's weight (plugins/l2_prefetch.h) is a
-    hint: the same sum and norm; a prefetch tensor the kernel cannot take is refused by name."""
-    assert plugins.load() is not None
-    E, k, H, I, dtype = 256, 8, 2048, 512, torch.bfloat16
-    gate_up, down = make_experts(E + 1, H, I, dtype, device="cuda", seed=5)
-    g = torch.Generator(device="cuda").manual_seed(5)
-    x, logits = make_x(1, H, dtype, device="cuda", seed=5), torch.randn(1, E + 1, generator=g, device="cuda").to(dtype)
-    residual, norm_weight = torch.randn(1, 1, H, generator=g, device="cuda"), torch.ones(H, dtype=dtype, device="cuda")
-    ticket = torch.zeros(1, dtype=torch.int32, device="cuda")
-    nxt = torch.randn(12352, H, generator=g, device="cuda").to(dtype)
-    op = torch.ops.dflash.moe_experts_add_rms_norm
-    args = (x, gate_up, down, logits, k, True, True, residual, norm_weight, 1e-6, True, ticket)
-    for got, want in zip(op(*args, nxt.view(-1)[: 8 << 19]), op(*args)):
-        assert torch.equal(got, want)
-    with pytest.raises(RuntimeError, match="prefetch must be"):
-        op(*args, nxt.t())
-
-
-@pytest.mark.cuda
 def test_cuda_experts_with_the_norm_name_what_they_do_not_take():
     assert plugins.load() is not None
     E, k, H, I = 16, 3, 64, 16

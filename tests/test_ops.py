@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from host_program import run_host_program
 
-from dflash_trt import ops, plugins
+from dflash_trt import plugins
 from dflash_trt.ops import (
     _cuda_block_attention_supported,
     block_attention_kernel_supports,
@@ -417,80 +417,3 @@ def test_cuda_kernel_replays_in_a_cuda_graph_with_new_lengths(dtype, d):
     graph.replay()
     expected = paged_block_attention_reference(**as_fp32(c), causal=False, window=None, scale=0.1)
     assert (out.float() - expected).abs().max().item() <= TOLERANCE[dtype]
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("num_splits", [1, 4, 40])  # one split's store, a cluster's merge (batch 1), the combine
-@pytest.mark.parametrize("bs, T", [(1, 1), (3, 4)])
-@pytest.mark.parametrize("dtype,d", [(torch.bfloat16, 256), (torch.float16, 128), (torch.bfloat16, 64)],
-                         ids=["bf16-d256", "fp16-d128", "bf16-d64"])
-def test_cuda_gate_in_the_attention_stores_is_sigmoid_gate_after_it_to_the_bit(dtype, d, bs, T, num_splits):
-    """Gated attention's sigmoid gate in the kernel's stores (the gate a strided view, as the
-    q projection leaves it) equals the attention then ops.sigmoid_gate, in every path's store,
-    also as a graph replay on new gates."""
-    assert plugins.load() is not None
-    Hq = 16
-    c = make_case(bs, T, Hq, 2, d, [700, 0, 37][:bs], "cached", dtype=dtype, device="cuda", seed=num_splits)
-    rows = torch.randn(bs, T, Hq, 2 * d, generator=torch.Generator(device="cuda").manual_seed(1),
-                       device="cuda").to(dtype)
-    gate = rows[..., d:]  # each head's query rows, then its gate rows
-    args = (c["q"], c["k_cache"], c["v_cache"], c["slots"], c["ctx_len"], c["q_start"], None, None, True, 0, 0.1, 0,
-            num_splits)
-    op = torch.ops.dflash.block_attention
-
-    def expected():
-        return ops.sigmoid_gate(op(*args), gate)
-
-    assert torch.equal(op(*args, gate), expected())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = op(*args, gate)
-    rows.copy_(torch.randn(rows.shape, generator=torch.Generator(device="cuda").manual_seed(2), device="cuda"))
-    graph.replay()
-    assert torch.equal(captured, expected())
-
-
-@pytest.mark.cuda
-def test_cuda_gate_in_the_attention_is_refused_where_it_cannot_run():
-    assert plugins.load() is not None
-    c = make_case(1, 1, 8, 2, 64, [10], "cached", dtype=torch.float32, device="cuda")
-    args = (c["q"], c["k_cache"], c["v_cache"], c["slots"], c["ctx_len"], c["q_start"], None, None, True, 0, 0.1, 0, 1)
-    with pytest.raises(RuntimeError, match="bf16/fp16 only"):
-        torch.ops.dflash.block_attention(*args, torch.zeros_like(c["q"]))
-    half = {k: v.to(torch.bfloat16) if v is not None and v.is_floating_point() else v for k, v in c.items()}
-    args = (half["q"], half["k_cache"], half["v_cache"], *args[3:])
-    with pytest.raises(RuntimeError, match="gate must be"):
-        torch.ops.dflash.block_attention(*args, torch.zeros(1, 1, 8, 32, dtype=torch.bfloat16, device="cuda"))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_paged_attention_with_a_gate_is_the_attention_then_sigmoid_gate_on_the_cpu(dtype):
-    c = make_case(2, 3, 8, 2, 16, [5, 0], "given", dtype=dtype)
-    gate = torch.randn(2, 3, 8, 32, generator=torch.Generator().manual_seed(3)).to(dtype)[..., 16:]
-    kwargs = dict(causal=True, scale=0.25)
-    got = ops.paged_block_attention(**c, **kwargs, gate=gate)
-    assert torch.equal(got, ops.sigmoid_gate(ops.paged_block_attention(**c, **kwargs), gate))
-    with pytest.raises(AssertionError, match="gate must be"):
-        ops.paged_block_attention(**c, **kwargs, gate=gate[..., :8])
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("num_splits", [1, 4, 40])
-def test_cuda_attention_prefetching_another_tensor_into_l2_keeps_its_bits(num_splits):
-    """The L2 prefetch of the next projection's weight (plugins/l2_prefetch.h) is a hint: the
-    same output; a prefetch tensor the kernel cannot take is refused by name."""
-    assert plugins.load() is not None
-    c = make_case(1, 1, 16, 2, 256, [700], "cached", dtype=torch.bfloat16, device="cuda", seed=num_splits)
-    weight = torch.randn(2048, 4096, device="cuda").to(torch.bfloat16)
-    args = (c["q"], c["k_cache"], c["v_cache"], c["slots"], c["ctx_len"], c["q_start"], None, None, True, 0, 0.1, 0,
-            num_splits)
-    op = torch.ops.dflash.block_attention
-    assert torch.equal(op(*args, None, weight), op(*args))
-    with pytest.raises(RuntimeError, match="prefetch must be"):
-        op(*args, None, weight.t())
-
-
-def test_prefetch_is_ignored_on_the_cpu():
-    c = make_case(1, 2, 8, 2, 16, [5], "given")
-    assert torch.equal(ops.paged_block_attention(**c, causal=True, prefetch=torch.zeros(64)),
-                       ops.paged_block_attention(**c, causal=True))

@@ -49,7 +49,6 @@ class ExpertsOut(NamedTuple):
     logits: torch.Tensor  # the router's, [bs T, E (+ 1: the shared expert's gate)]
     moe: MoEDims
     experts: Experts
-    prefetch: torch.Tensor | None = None  # for the experts' kernels to pull into L2 (SparseMoeBlock)
 
     def value(self) -> torch.Tensor:
         weights, ids = ops.moe_route(self.logits, self.moe.top_k, self.moe.norm_topk_prob, shared=self.experts.shared)
@@ -61,7 +60,7 @@ class ExpertsOut(NamedTuple):
         return ops.moe_experts_add_rms_norm(self.h.flatten(0, 1), self.experts.gate_up_proj, self.experts.down_proj,
                                             self.logits, self.moe.top_k, self.moe.norm_topk_prob, self.experts.shared,
                                             residual, norm.weight, norm.eps, norm.zero_centered,
-                                            norm.ticket_on(residual.device), prefetch=self.prefetch)
+                                            norm.ticket_on(residual.device))
 
 
 class SparseMoeBlock(nn.Module):
@@ -73,10 +72,6 @@ class SparseMoeBlock(nn.Module):
     # kernel (ExpertsOut): its consumer is a large projection that loads its weights while the
     # last CTA norms; measured faster (bench/gpu_check.sh moe-norm, BENCHMARKS.md).
     output_norm_in_experts = True
-    # One token's experts may pull the first bytes of the next layer's first projection weight
-    # into L2 beside their own reads (next_projection, set by the model; ExpertsOut.prefetch):
-    # how many, 0 for none. Not yet timed, so off.
-    prefetch_next_bytes = 0
 
     def __init__(self, dims: LayerDims, moe: MoEDims):
         super().__init__()
@@ -92,15 +87,6 @@ class SparseMoeBlock(nn.Module):
         if moe.shared_expert_size and not self.packed_shared:
             self.shared_expert = MLP(dims, moe.shared_expert_size)
             self.shared_expert_gate = Linear(H, 1, bias=False)
-        self.next_projection: tuple[nn.Module, ...] = ()  # in a tuple: not a submodule of this one
-
-    def _next_weight_start(self) -> torch.Tensor | None:
-        if not (self.prefetch_next_bytes > 0 and self.next_projection):
-            return None
-        weight = self.next_projection[0].weight
-        if not weight.is_contiguous():  # a tensor-parallel shard's view: no prefix of it to take
-            return None
-        return weight.view(-1)[: self.prefetch_next_bytes // weight.element_size()]
 
     def forward(self, h: torch.Tensor) -> torch.Tensor | ExpertsOut:
         """h [bs, T, H] (normed, model dtype) -> [bs, T, H] in the model dtype (one token with
@@ -108,7 +94,7 @@ class SparseMoeBlock(nn.Module):
         x = h.flatten(0, 1)
         logits = ops.router_logits(x, (self.router if self.packed_shared else self.gate).weight)
         if not (self.moe.shared_expert_size and not self.packed_shared):  # the sum rounded once, by the kernel
-            experts = ExpertsOut(h, logits, self.moe, self.experts, self._next_weight_start())
+            experts = ExpertsOut(h, logits, self.moe, self.experts)
             # not run yet only without hooks: tensor parallelism sums a tensor
             return experts if self.output_norm_in_experts and x.shape[0] == 1 and not self._forward_hooks \
                 else experts.value()

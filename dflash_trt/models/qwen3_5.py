@@ -44,7 +44,7 @@ from dflash_trt.kv_cache import Batch, KVCache
 from dflash_trt.models.gated_delta import L2_EPS, gated_delta_rule
 from dflash_trt.models.layers import (DecoderLayer, Linear, LMHead, PackedLinear, RMSNorm, Rotary, apply_rope,
                                       run_layers)
-from dflash_trt.models.moe import SparseMoeBlock, feed_forward
+from dflash_trt.models.moe import feed_forward
 from dflash_trt.ops import causal_conv1d, gated_delta_prepare, gated_delta_recurrent, paged_block_attention
 
 log = logging.getLogger(__name__)
@@ -84,9 +84,6 @@ class HybridCache(KVCache):
         self.state = torch.zeros((n, num_slots, *state), dtype=torch.float32, device=device)
         self.conv = torch.zeros((n, num_slots, *window), dtype=dtype, device=device)
         self.conv_snapshots = torch.zeros((n, num_slots, S, *window), dtype=dtype, device=device)
-        # an AR step's conv inside its delta-rule step (ops.gated_delta_step) counts each key
-        # head's CTAs of a row here; every launch leaves them zero, so the layers share them
-        self.conv_tickets = torch.zeros((num_slots, lin.num_key_heads), dtype=torch.int32, device=device)
         self.replay_shapes = ((lin.num_key_heads, lin.key_head_dim), (lin.num_key_heads, lin.key_head_dim),
                               (lin.num_value_heads, lin.value_head_dim), (lin.num_value_heads,), (lin.num_value_heads,))
         tokens = n * num_slots * S
@@ -152,13 +149,6 @@ def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
 class GatedAttention(nn.Module):
     """Full attention over the KV cache (HF `self_attn`), with a sigmoid output gate."""
 
-    # The gate may run in the attention kernel's stores (paged_block_attention's gate) instead
-    # of its own launch after it: the same bits, not yet timed against it, so off.
-    gate_in_attention = False
-    # An AR step's attention, latency-bound, may pull o_proj's weight into L2 for the projection
-    # after it (paged_block_attention's prefetch): not yet timed, so off.
-    prefetch_o_proj = False
-
     def __init__(self, config: HybridTargetConfig, cache_layer: int):
         super().__init__()
         d = self.dims = config.dims
@@ -186,22 +176,13 @@ class GatedAttention(nn.Module):
         gate = qkv[..., :2 * d.q_size].unflatten(-1, (d.num_attention_heads, 2 * d.head_dim))[..., d.head_dim:]
         out = paged_block_attention(q.unflatten(0, (bs, T)), cache.k[self.cache_layer], cache.v[self.cache_layer],
                                     slots, end, start, causal=True, scale=self.scale, max_keys=batch.max_end,
-                                    fa3_ok=batch.full_rows, gate=gate if self.gate_in_attention else None,
-                                    prefetch=self.o_proj.weight if self.prefetch_o_proj and T == 1 else None)
-        if not self.gate_in_attention:  # one kernel on CUDA reads the gate where the projection left it
-            out = ops.sigmoid_gate(out, gate)
-        return self.o_proj.deferred(out.flatten(2))
+                                    fa3_ok=batch.full_rows)
+        # one kernel on CUDA reads the gate where the projection left it (ops.sigmoid_gate)
+        return self.o_proj.deferred(ops.sigmoid_gate(out, gate).flatten(2))
 
 
 class GatedDeltaNet(nn.Module):
     """Linear attention (HF `linear_attn`): conv window + delta-rule state per slot."""
-
-    # An AR step may run the causal conv inside the delta-rule step's kernel (ops.gated_delta_step)
-    # instead of as its own launch before it: the same bits, not yet timed against it, so off.
-    conv_in_step = False
-    # That step, latency-bound, may pull out_proj's weight into L2 for the projection after it
-    # (ops.gated_delta_step's prefetch): not yet timed, so off.
-    prefetch_out_proj = False
 
     def __init__(self, config: HybridTargetConfig, cache_layer: int):
         super().__init__()
@@ -258,20 +239,14 @@ class GatedDeltaNet(nn.Module):
         # go straight to the cache. A verify keeps the window after each of its tokens.
         prefill = batch.width > S
         in_place = batch.width == 1 or (prefill and batch.width <= RECURRENT_PREFILL_TOKENS)
+        qkv = self._conv(qkv, batch, cache, lengths, in_place or prefill)
         neg_a, dt_bias = self._decay_constants()
-        if batch.width == 1:  # an AR step: the conv, the recurrence's inputs, its step and the gated norm in one op
+        if batch.width == 1:  # an AR step: the recurrence's inputs, its step and the gated norm in one op
             slots, _, start, num_tokens, _ = lengths
-            conv = None
-            if self.conv_in_step:
-                conv = self.conv1d.weight[:, 0], cache.conv[layer], cache.conv_tickets
-            else:
-                qkv = self._conv(qkv, batch, cache, lengths, True)
             out = ops.gated_delta_step(qkv, a, b, z.unflatten(-1, (lin.num_value_heads, lin.value_head_dim)), neg_a,
                                        dt_bias, self.norm.weight, self.norm.eps, L2_EPS, lin.key_head_dim**-0.5,
-                                       cache.state[layer], slots, start, num_tokens, lin.num_key_heads, conv,
-                                       self.out_proj.weight if self.prefetch_out_proj else None)
+                                       cache.state[layer], slots, start, num_tokens, lin.num_key_heads)
             return self.out_proj.deferred(out.flatten(2))
-        qkv = self._conv(qkv, batch, cache, lengths, in_place or prefill)
         if not prefill or in_place:
             # The recurrence's inputs in one kernel on CUDA (normalised q/k, v, gates, all fp32);
             # the state is read from the cache in place, never gathered. An AR step or a short
@@ -327,10 +302,6 @@ class Qwen3_5Model(nn.Module):
         )
         self.norm = ZeroCenteredRMSNorm(d.hidden_size, d.rms_norm_eps)
         self.rotary = Rotary(config.rotary_dim, d.rope_theta, d.rope_yarn)  # partial: only rotary_dim channels turn
-        for layer, after in zip(self.layers, self.layers[1:]):  # what an MoE block may prefetch
-            if isinstance(layer.mlp, SparseMoeBlock):
-                first = after.linear_attn.in_proj if after.linear_attn is not None else after.self_attn.qkv_proj
-                layer.mlp.next_projection = (first,)
 
     def forward(self, input_ids, batch: Batch, cache: HybridCache, taps: tuple[int, ...] = ()):
         """input_ids [bs, width] -> (final hidden [bs, width, H], taps [bs, width, K*H] or None)."""
