@@ -26,6 +26,10 @@
 #   bash bench/gpu_check.sh moe-bench  # MoE: Qwen3.6-35B-A3B AR vs DFlash, the 397B-A17B at 4 and 8 layers
 #   bash bench/gpu_check.sh moe-split  # MoE experts at TP2 per rank: tensor- vs expert-parallel
 #   bash bench/gpu_check.sh moe-norm   # MoE: the norms around an MoE block in its kernels (GPU tests, AR A/B)
+#   bash bench/gpu_check.sh context    # decode graphs per context bucket: GPU tests, batch-1 passes at context 448
+#                                      # of engines for 4096 tokens against .gpu/old (tree_ab.sh prepare REV)
+#   bash bench/gpu_check.sh context-bench # the same end to end (Qwen3-8B bench at concurrency 1, buckets off
+#                                      # and on) and warm-up's capture time and graph memory, off and on
 #   bash bench/gpu_check.sh trace      # the 35B-A3B's AR step as a trace: each kernel's share by starts and ends
 #   bash bench/gpu_check.sh moe-flashinfer # MoE: the experts against FlashInfer's fused MoE (carry .fi)
 #   bash bench/gpu_check.sh tp         # (2 GPUs) a two-rank run exits; one rank vs two, Qwen3-1.7B pair
@@ -61,7 +65,7 @@
 # The machine has no `unzip`: zips are opened with `python3 -m zipfile`, which drops the
 # executable bits, so they are set again.
 set -u
-usage="usage: gpu_check.sh STAGE... (tests hybrid benches roofline bench8b goals overlap identity triton window flashinfer splits moe moe-models moe-bench moe-split moe-norm trace moe-flashinfer tp draft-vocab prefill stall fa3 fa3-engine burst train-ranks demo-target demo-drafter demo-eval)"
+usage="usage: gpu_check.sh STAGE... (tests hybrid benches roofline bench8b goals overlap identity triton window flashinfer splits moe moe-models moe-bench moe-split moe-norm context context-bench trace moe-flashinfer tp draft-vocab prefill stall fa3 fa3-engine burst train-ranks demo-target demo-drafter demo-eval)"
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
@@ -282,6 +286,46 @@ moe-norm)
 B.output_norm_in_experts, B.input_norm_in_projection = '$flags'[0] == '1', '$flags'[1] == '1'" \
         qwen3.6-35b-a3b "$OUT/norm_ar35b_${flags}_$round.json"
     done
+  done
+  ;;
+context)
+  # a graph fixes the attention's bound on the keys, so decode graphs are captured per context
+  # bucket (graphs.CONTEXT_BUCKET_MIN): their GPU tests, then the batch-1 AR, draft and verify
+  # passes at context 448 of engines built for 4096 tokens (a served engine's capacity), this
+  # tree against .gpu/old (bash bench/tree_ab.sh prepare REV; carry .gpu/old), alternating twice
+  step plugins 300 python3 -c 'from dflash_trt import plugins; print(plugins.load())'
+  DFLASH_TEST_DEVICE=cuda step tests-context 300 python3 -m pytest -q -p no:cacheprovider tests/test_graphs.py \
+    tests/test_overlap.py
+  for preset in qwen3-8b qwen3.5-9b qwen3.6-35b-a3b; do
+    OUT=$OUT/ab_$preset step "ab-$preset" 200 bash bench/tree_ab.sh run 2 --preset $preset --batch 1 --context 448 \
+      --max-seq-len 4096
+  done
+  ;;
+context-bench)
+  # end to end at concurrency 1: Qwen3-8B's bench on engines for 4096 tokens with the buckets off
+  # (every graph on the capacity's plan, as before them) and on; then warm-up's capture time and
+  # graph memory at max_batch_size 32 and 4096 tokens, off and on
+  for arm in off on; do
+    pre=''; [ $arm = off ] && pre='import dflash_trt.graphs as g; g.CONTEXT_BUCKET_MIN = 1 << 40'
+    step "bench8b-$arm" 150 python3 -c "import sys
+$pre
+from dflash_trt.cli import main
+sys.argv = ['dflash-trt'] + sys.argv[1:]
+main()" bench --random-weights qwen3-8b --oracle-tau 6.5 --dataset gsm8k --num-prompts 16 --max-tokens 256 \
+      --concurrency 1 --max-seq-len 4096 --json "$OUT/bench8b_context_$arm.json"
+  done
+  for arm in off on; do
+    pre=''; [ $arm = off ] && pre='import dflash_trt.graphs as g; g.CONTEXT_BUCKET_MIN = 1 << 40'
+    step "warm-up-$arm" 120 python3 -c "import json, time, torch
+$pre
+from dflash_trt.benchmark.random_weights import random_engine
+engine = random_engine('qwen3-8b', max_batch_size=32, max_seq_len=4096).engine
+torch.cuda.synchronize(); reserved = torch.cuda.memory_reserved(); t0 = time.perf_counter()
+engine.warm_up()
+torch.cuda.synchronize()
+row = dict(arm='$arm', warm_up_s=time.perf_counter() - t0, graphs=len(engine.passes._graphs),
+           context_buckets=engine.passes.context_buckets, graph_pool_gb=(torch.cuda.memory_reserved() - reserved) / 1e9)
+print(row); json.dump(row, open('$OUT/warm_up_$arm.json', 'w'))"
   done
   ;;
 trace)

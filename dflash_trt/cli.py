@@ -434,7 +434,7 @@ def _random_weights_presets() -> list[str]:
     return list(PRESETS)
 
 
-def _bench_engine(output_dir, random_weights, device, draft_window, tensor_parallel):
+def _bench_engine(output_dir, random_weights, device, draft_window, tensor_parallel, max_seq_len):
     """The in-process engine of `bench`: a built OUTPUT_DIR, random weights, or None (--url only)."""
     if output_dir is not None:
         from dflash_trt.loading import load_engine
@@ -446,7 +446,8 @@ def _bench_engine(output_dir, random_weights, device, draft_window, tensor_paral
         from dflash_trt.benchmark.random_weights import random_engine
 
         # One slot is enough: run_bench makes an engine per concurrency from the shared models.
-        return random_engine(random_weights, device=device or "cuda", max_batch_size=1, draft_window=draft_window or 0)
+        return random_engine(random_weights, device=device or "cuda", max_batch_size=1, draft_window=draft_window or 0,
+                             max_seq_len=max(max_seq_len or 0, 4096))
     return None
 
 
@@ -483,6 +484,10 @@ def _bench_engine(output_dir, random_weights, device, draft_window, tensor_paral
 @click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True, metavar="N",
               help="Run AR and DFlash N times each per concurrency, alternating on one engine; the row is the run "
                    "of median speedup, with the lowest and highest: a change of a few percent told from noise.")
+@click.option("--max-seq-len", type=click.IntRange(min=1),
+              help="The engines' tokens a request (prompt + output), as a server built with it holds; attention "
+                   "plans its work by that capacity where the context is not known. Default: what the longest "
+                   "prompt and --max-tokens need.")
 @click.option("--stall-prompt", type=click.IntRange(min=1), metavar="N",
               help="Instead of the throughput rows: a prompt of N tokens arrives while --concurrency requests "
                    "decode; their token gaps during its prefill, in one pass and in --prefill-chunk-size chunks.")
@@ -490,7 +495,7 @@ def _bench_engine(output_dir, random_weights, device, draft_window, tensor_paral
 @_TENSOR_PARALLEL
 def bench(output_dir, random_weights, urls, compare_transformers, datasets, concurrency, num_prompts, max_tokens,
           oracle_tau, chat, thinking, device, json_file, prefill_chunk_size, verify_width, overlap, oracle_dist,
-          repeat, stall_prompt, draft_window_size, tensor_parallel):
+          repeat, max_seq_len, stall_prompt, draft_window_size, tensor_parallel):
     """Benchmark AR vs DFlash per dataset and concurrency; markdown tables on stdout.
 
     \b
@@ -523,13 +528,13 @@ def bench(output_dir, random_weights, urls, compare_transformers, datasets, conc
            if sys.stderr.isatty() and runs else None)
     progress = lambda n, msg: bar.update(n) if bar else (msg and click.echo(msg, err=True))  # noqa: E731
     with _errors():
-        loaded = _bench_engine(output_dir, random_weights, device, draft_window_size, tensor_parallel)
+        loaded = _bench_engine(output_dir, random_weights, device, draft_window_size, tensor_parallel, max_seq_len)
         report = bench_lib.run_report(loaded, datasets, urls=urls, concurrencies=levels, num_prompts=num_prompts,
                                       max_tokens=max_tokens, chat=chat, thinking=thinking, oracle_tau=oracle_tau,
                                       compare_transformers=compare_transformers, progress=progress,
                                       prefill_chunk=prefill_chunk_size, stall_prompt=stall_prompt or 0,
                                       verify_width=verify_width, oracle_dist=oracle_dist, overlap=overlap,
-                                      repeat=repeat)
+                                      repeat=repeat, max_seq_len=max_seq_len)
     if bar:
         bar.render_finish()
     click.echo(bench_lib.format_report(report))

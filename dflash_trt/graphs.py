@@ -14,9 +14,13 @@ overwrites before anything reads them, as a verify's rejected rows (kv_cache.py)
 target's recurrence stops at each row's last real token. Anything else (several prompts,
 a chunk of a longer one) runs eagerly.
 
-Nothing inside a pass reads device values on the host: lengths travel as device tensors,
-and the attention kernel gets the cache capacity as its bound on the keys a row may read.
-The engine reads results once per step (speculate.speculative_step, Engine._decode).
+Nothing inside a pass reads device values on the host: lengths travel as device tensors.
+The attention kernel cuts its work by a host-side bound on the keys a row may read, which a
+graph fixes at capture. So a decode graph is captured per context bucket too (from
+CONTEXT_BUCKET_MIN keys, doubling, up to the cache's capacity; a step takes the smallest above
+its longest row and block): a short context does not run the split plan of the longest one
+the cache can hold (BENCHMARKS.md, "Engine: AR vs DFlash"). The engine reads results once per
+step (speculate.speculative_step, Engine._decode).
 """
 
 from __future__ import annotations
@@ -35,15 +39,22 @@ from dflash_trt.speculate import accepted_length
 # would pad more compute (BENCHMARKS.md, "Prefill graphs").
 PREFILL_WIDTHS = (32, 64, 128, 256, 512)
 
+# The first context bucket of the decode graphs (DecodePasses.context_buckets); each next one
+# doubles, the last is the cache's capacity. Below this many keys the attention's plan hardly
+# changes with the bound.
+CONTEXT_BUCKET_MIN = 512
+
 
 @dataclass(frozen=True)
 class StepInputs:
     """Per running sequence, on the device: its slot, committed length and last token, as
     the rows of one [3, m] tensor (one copy moves them all); columns past `size` are a
-    graph bucket's padding rows."""
+    graph bucket's padding rows. `max_start`, on the host, bounds the rows' committed
+    lengths: what the attention's split plan is sized for."""
 
     packed: torch.Tensor  # [3, m] long, m >= size
     size: int
+    max_start: int
 
     @property
     def slots(self) -> torch.Tensor:
@@ -80,6 +91,11 @@ class DecodePasses:
         self.target_cache, self.draft_cache, self.taps = target_cache, draft_cache, taps
         self.block_size = block_size
         self.device = target_cache.k.device
+        capacity = target_cache.capacity
+        # doubling from CONTEXT_BUCKET_MIN while the next is no larger than the capacity, then
+        # the capacity (not a bucket just under it)
+        self.context_buckets = [c for c in (CONTEXT_BUCKET_MIN << i for i in range(capacity.bit_length()))
+                                if 2 * c <= capacity] + [capacity]
         # Pinned staging buffers: a step's inputs go to the device in one async copy, its
         # tokens come back in another. Two of each, used in turn: an AR step may be queued
         # before the previous one is read back (Engine, overlap), so one copy can still be
@@ -104,7 +120,7 @@ class DecodePasses:
 
     def inputs(self, seqs: list[Sequence]) -> StepInputs:
         rows = [[s.slot for s in seqs], [s.num_cached for s in seqs], [s.last_token for s in seqs]]
-        return StepInputs(self._upload(rows), len(seqs))
+        return StepInputs(self._upload(rows), len(seqs), max(rows[1], default=0))
 
     def next_inputs(self, seqs: list[Sequence], rows: list[int], tokens: torch.Tensor) -> StepInputs:
         """Inputs of the AR step after one the host has not read yet: each sequence one row
@@ -113,7 +129,7 @@ class DecodePasses:
         n = len(seqs)
         packed = self._upload([[s.slot for s in seqs], [s.num_cached + 1 for s in seqs], rows])
         packed[2, :n] = tokens[packed[2, :n]]
-        return StepInputs(packed, n)
+        return StepInputs(packed, n, max((s.num_cached + 1 for s in seqs), default=0))
 
     def _upload(self, rows: list[list[int]]) -> torch.Tensor:
         """The [3, n] rows staged in the next pinned buffer and copied to the device -> [3, m >= n]."""
@@ -123,13 +139,15 @@ class DecodePasses:
         host[:, :n] = torch.tensor(rows)
         return host.to(self.device, non_blocking=True)
 
-    def after_verify(self, x: StepInputs, accepted: torch.Tensor, bonus: torch.Tensor) -> StepInputs:
+    def after_verify(self, x: StepInputs, accepted: torch.Tensor, bonus: torch.Tensor, max_start: int) -> StepInputs:
         """The inputs of the step after a verify, from its outcome on the device: each row's
-        committed length past its accepted drafts and bonus, the bonus its last token."""
+        committed length past its accepted drafts and bonus, the bonus its last token.
+        `max_start` bounds the new lengths on the host (the verified rows' lengths before it
+        plus its width)."""
         packed = x.packed.clone()
         packed[1, : x.size] += accepted + 1
         packed[2, : x.size] = bonus
-        return StepInputs(packed, x.size)
+        return StepInputs(packed, x.size, max_start)
 
     def read_later(self, values: torch.Tensor) -> "Readback":
         """Start copying a step's results ([n] or [n, w] longs) to the host; Readback.tolist
@@ -168,8 +186,15 @@ class DecodePasses:
         last = hidden[rows, batch.num_tokens[rows] - 1]
         return last, self.target.lm_head.argmax(last)
 
-    def _batch(self, x: StepInputs, width: int, max_end: int | None = None) -> Batch:
-        return Batch.full(x.slots, x.start, width, max_end or self.target_cache.capacity)
+    def context_bucket(self, x: StepInputs) -> int:
+        """The bound on the keys a step's passes read (Batch.max_end): the context bucket above
+        its longest row and block. Eager passes take it too, so that they launch what the
+        graphs do."""
+        need = x.max_start + self.block_size
+        return next((c for c in self.context_buckets if c >= need), self.context_buckets[-1])
+
+    def _batch(self, x: StepInputs, width: int) -> Batch:
+        return Batch.full(x.slots, x.start, width, self.context_bucket(x))
 
     def ar(self, x: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """One target step -> (final hidden [n, 1, H], greedy next token [n])."""
@@ -227,7 +252,8 @@ class DecodePasses:
 
 
 class GraphedPasses(DecodePasses):
-    """The same passes captured as CUDA graphs, one per pass and batch-size bucket.
+    """The same passes captured as CUDA graphs, one per pass, batch-size bucket and context
+    bucket (the decode passes).
 
     Captured lazily on first use of a bucket. All graphs share one memory pool; each keeps
     references to its static inputs and outputs, so no capture reuses another's buffers.
@@ -240,8 +266,9 @@ class GraphedPasses(DecodePasses):
         self.buckets = [b for b in (1, 2, 4, 8, 16, 24, 32, 48) if b < max_batch_size] + [max_batch_size]
         self.scratch_slot = self.target_cache.k.shape[1] - 1
         self._pool = torch.cuda.graph_pool_handle()
-        # (pass, bucket, verify or prefill width, else 0) -> (graph, its static input, its outputs)
-        self._graphs: dict[tuple[str, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, object]] = {}
+        # (pass, bucket, verify or prefill width, else 0, context bucket) -> (graph, its static
+        # input, its outputs)
+        self._graphs: dict[tuple[str, int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, object]] = {}
         self._kept: dict[int, torch.Tensor] = {}  # per bucket: the commit graph's kept counts
         # A bucket wider than the target allows would read lengths on the host; for a stateful
         # target one no wider than the block would be taken for a verify (its state kept apart).
@@ -266,30 +293,37 @@ class GraphedPasses(DecodePasses):
 
     def capture_all(self, widths: tuple[int, ...] = ()) -> None:
         """Capture every bucket's graphs now (a capture costs about one eager pass), so no
-        request waits for one later: the verify (and a hybrid's commit) at the whole block
-        and at each of `widths`, and the prefills (with and without the drafter's context).
-        Padding rows write only the scratch slot."""
+        request waits for one later: per batch-size and context bucket the AR step, the
+        verify (and a hybrid's commit) at the whole block and at each of `widths`, and the
+        prefills (with and without the drafter's context). Padding rows write only the
+        scratch slot."""
         for dflash in (False, True) if self.drafter is not None else (False,):
             for width in self.prefill_widths:
                 self._prefill_graph(width, dflash)
         for size in self.buckets:
-            x = StepInputs(self._pad(torch.empty((3, size), dtype=torch.long, device=self.device), 0), size)
-            self.ar(x)
-            if self.drafter is not None:
-                for width in sorted({self.block_size, *widths}):
-                    self.verify(x, self.draft(x, width), width)
-                    self.commit(x, width, [1] * size)
+            for context in self.context_buckets:
+                x = self._padding(size, max(context - self.block_size, 0))
+                self.ar(x)
+                if self.drafter is not None:
+                    for width in sorted({self.block_size, *widths}):
+                        self.verify(x, self.draft(x, width), width)
+                        self.commit(x, width, [1] * size)
+
+    def _padding(self, size: int, max_start: int = 0) -> StepInputs:
+        """A bucket's worth of padding rows, in the context bucket of max_start."""
+        return StepInputs(self._pad(torch.empty((3, size), dtype=torch.long, device=self.device), 0), size, max_start)
 
     def step_ms(self, widths: tuple[int, ...], reps: int = 10) -> dict[int, dict[int, float]]:
         """Per bucket and verify width: a DFlash step's pass time (draft + verify + commit) in
         ms, from replays on padding rows (they write only the scratch slot) whose blocks hold
         random tokens: identical rows would route every token of a MoE verify to the same few
-        experts, and a wide verify would look as cheap as a narrow one."""
+        experts, and a wide verify would look as cheap as a narrow one. The shortest context
+        bucket's graphs: where most steps run."""
         self.capture_all(widths)
         times: dict[int, dict[int, float]] = {}
         vocab = self.target.config.vocab_size
         for size in self.buckets:
-            x = StepInputs(self._pad(torch.empty((3, size), dtype=torch.long, device=self.device), 0), size)
+            x = self._padding(size)
             times[size] = {}
             for width in widths:
                 noise = random_block(self.draft(x, width), vocab).clone()  # drawn once: no generator in the timing
@@ -315,9 +349,9 @@ class GraphedPasses(DecodePasses):
         prompt[2 + n:] = 0  # padding: any token, its rows are never read
         return self._replay_graph(self._prefill_graph(width, dflash), prompt)
 
-    def _prefill_graph(self, width: int, dflash: bool) -> tuple[str, int, int]:
+    def _prefill_graph(self, width: int, dflash: bool) -> tuple[str, int, int, int]:
         """The key of the prefill graph of one prompt padded to `width`, captured if new."""
-        key = ("prefill+context" if dflash else "prefill", 1, width)
+        key = ("prefill+context" if dflash else "prefill", 1, width, width)
         if key not in self._graphs:
             prompt = torch.zeros(2 + width, dtype=torch.long, device=self.device)
             prompt[0], prompt[1] = self.scratch_slot, width
@@ -342,8 +376,7 @@ class GraphedPasses(DecodePasses):
     def verify(self, x: StepInputs, block: torch.Tensor, width: int | None = None):
         # The block is the output buffer of the draft graph of this width: verify reads it in place.
         width = width or self.block_size
-        b = self.bucket(x.size)
-        static_block = self._graphs[("draft", b, width)][2]
+        static_block = self._graphs[("draft", self.bucket(x.size), width, self.context_bucket(x))][2]
         assert block.data_ptr() == static_block.data_ptr(), f"verify expects the block of the width-{width} draft graph"
         hidden, accepted, bonus = self._replay("verify", x, lambda s: DecodePasses.verify(self, s, static_block, width),
                                                width)
@@ -366,14 +399,14 @@ class GraphedPasses(DecodePasses):
         self._replay("commit", x, lambda s: self.target.commit(self.target_cache, self._batch(s, width), kept), width)
 
     def _replay(self, name: str, x: StepInputs, fn, width: int = 0):
-        key = (name, self.bucket(x.size), width)
+        key = (name, self.bucket(x.size), width, self.context_bucket(x))
         if key not in self._graphs:
-            size = key[1]
-            padding = self._pad(torch.empty((3, size), dtype=torch.long, device=self.device), 0)
-            self._graphs[key] = self._capture(padding, lambda packed: fn(StepInputs(packed, size)))
+            padding = self._padding(key[1], x.max_start)
+            self._graphs[key] = self._capture(padding.packed,
+                                              lambda packed: fn(StepInputs(packed, padding.size, padding.max_start)))
         return self._replay_graph(key, x.packed)  # padded to the bucket already (see inputs)
 
-    def _replay_graph(self, key: tuple[str, int, int], inputs: torch.Tensor):
+    def _replay_graph(self, key: tuple[str, int, int, int], inputs: torch.Tensor):
         graph, static_in, outputs = self._graphs[key]
         static_in.copy_(inputs, non_blocking=True)
         graph.replay()

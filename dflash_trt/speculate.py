@@ -153,7 +153,9 @@ def speculative_step(passes, seqs: list[Sequence], oracle: OracleDrafts | None =
     next_draft = None
     if draft_ahead:
         passes.commit(inputs, width, accepted + 1)
-        following, next_width = passes.after_verify(inputs, accepted, bonus), next_width or width
+        # the host knows each row's length before this verify, which keeps at most `width` more
+        bound = max(s.num_cached for s in seqs) + width
+        following, next_width = passes.after_verify(inputs, accepted, bonus, bound), next_width or width
         next_draft = Drafted(list(seqs), following, passes.draft(following, next_width), next_width)
 
     # accept: the step's one host sync; sampled rows redo acceptance with the lossless rule

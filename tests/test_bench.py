@@ -78,6 +78,26 @@ def test_ar_runs_overlapped_unless_told_not_to_with_the_same_tokens(loaded):
     assert outputs[None] == outputs[False]
 
 
+def test_the_engines_hold_max_seq_len_tokens_a_request_when_given_as_a_server_would(loaded, monkeypatch):
+    prompts = load_prompts("gsm8k", 2)
+    sizes, sibling = [], loaded.engine.sibling
+
+    def recorded(**changes):
+        sizes.append(changes["max_seq_len"])
+        return sibling(**changes)
+
+    monkeypatch.setattr(loaded.engine, "sibling", recorded)
+    need = max(len(p) for p in bench.encode_prompts(loaded.tokenizer, prompts, chat=True, thinking=False)) + 8
+    for max_seq_len, held in ((None, need), (loaded.engine.max_seq_len, loaded.engine.max_seq_len)):
+        sizes.clear()
+        (row,) = bench.run_bench(loaded, prompts, dataset="gsm8k", concurrencies=(2,), max_tokens=8,
+                                 max_seq_len=max_seq_len)
+        assert row.identical_share == 1.0 and set(sizes) == {held}
+    for bad in (need - 1, loaded.engine.max_seq_len + 1):
+        with pytest.raises(ConfigError, match=f"max_seq_len = {bad} must hold the longest prompt"):
+            bench.run_bench(loaded, prompts, concurrencies=(1,), max_tokens=8, max_seq_len=bad)
+
+
 def test_oracle_tau_sets_the_mean_acceptance_length(loaded):
     assert loaded.engine.block_size == 16  # the demo drafter's
     prompts = load_prompts("gsm8k", 4)

@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 
+from dflash_trt import graphs
 from dflash_trt.engine import Engine
 from dflash_trt.graphs import PREFILL_WIDTHS, DecodePasses, GraphedPasses
 from dflash_trt.loading import load_pair
@@ -95,13 +96,31 @@ def test_warm_up_captures_every_bucket_and_leaves_outputs_unchanged(loaded):
     prompts = _prompts(3, seed=11)
     sp = SamplingParams(max_tokens=20, ignore_eos=True)
     before = [r.token_ids for r in engine.generate(prompts, sp, mode="dflash")]
-    # draft and verify graphs are per verify width, the whole block here
+    # draft and verify graphs are per verify width, the whole block here; one context bucket,
+    # the cache's capacity (256 + the block: below the first bucket)
     width = {"ar": 0, "draft": cold.block_size, "verify": cold.block_size}
-    decode = [(name, b, width[name]) for name in width for b in (1, 2, 3)]
-    # one prompt at a time, padded to a width the cache holds (256 + the block)
-    prefill = [(name, 1, w) for name in ("prefill", "prefill+context") for w in (32, 64, 128, 256)]
+    assert cold.passes.context_buckets == [256 + cold.block_size]
+    decode = [(name, b, width[name], 256 + cold.block_size) for name in width for b in (1, 2, 3)]
+    # one prompt at a time, padded to a width the cache holds
+    prefill = [(name, 1, w, w) for name in ("prefill", "prefill+context") for w in (32, 64, 128, 256)]
     assert sorted(cold.passes._graphs) == sorted(decode + prefill)
     assert [r.token_ids for r in cold.generate(prompts, sp, mode="dflash")] == before
+
+
+@pytest.mark.parametrize("mode", ["ar", "dflash"])
+def test_rows_growing_past_a_context_bucket_replay_the_next_buckets_graphs(loaded, monkeypatch, mode):
+    """The attention's split plan follows a bound on the keys that a graph fixes at capture, so
+    each context bucket has graphs of its own: rows growing out of one replay the next one's,
+    and generate what the eager engine (the same buckets, so the same kernels) does, bit for bit."""
+    monkeypatch.setattr(graphs, "CONTEXT_BUCKET_MIN", 64)
+    prompts = _prompts(2, seed=17, lengths=[32])  # from the first bucket (32 + the block) to the last
+    sp = SamplingParams(max_tokens=100, ignore_eos=True)
+    graphed = Engine(loaded.target, loaded.drafter, max_batch_size=2, max_seq_len=256, mode=mode)
+    eager = Engine(loaded.target, loaded.drafter, max_batch_size=2, max_seq_len=256, mode=mode, cuda_graphs=False)
+    assert graphed.passes.context_buckets == [64, 128, 256 + graphed.block_size]
+    assert [r.token_ids for r in graphed.generate(prompts, sp)] == [r.token_ids for r in eager.generate(prompts, sp)]
+    decode = "ar" if mode == "ar" else "verify"
+    assert {key[3] for key in graphed.passes._graphs if key[0] == decode} == set(graphed.passes.context_buckets)
 
 
 def test_verify_widths_are_timed_on_blocks_of_distinct_tokens(loaded):
@@ -110,7 +129,8 @@ def test_verify_widths_are_timed_on_blocks_of_distinct_tokens(loaded):
     engine = Engine(loaded.target, loaded.drafter, max_batch_size=3, max_seq_len=256, verify_width="adaptive")
     engine.warm_up()
     assert engine.width_policy is not None
-    block = engine.passes._graphs[("draft", 3, engine.block_size)][2]  # the buffer the timed verifies read
+    key = ("draft", 3, engine.block_size, engine.passes.context_buckets[0])
+    block = engine.passes._graphs[key][2]  # the buffer the timed verifies read
     assert len({tuple(row) for row in block.tolist()}) == 3
 
 
@@ -195,5 +215,5 @@ def test_a_prefill_graphs_padding_leaves_the_prompts_cache_rows_as_an_unpadded_p
         rows[n] = [c[:, seq.slot, :20].clone() for c in caches]
         while engine.has_work():
             engine.step()
-    assert set(k for k in engine.passes._graphs if k[0].startswith("prefill")) == {("prefill+context", 1, 32)}
+    assert set(k for k in engine.passes._graphs if k[0].startswith("prefill")) == {("prefill+context", 1, 32, 32)}
     assert all(torch.equal(a, b) for a, b in zip(rows[32], rows[20]))

@@ -6,6 +6,8 @@ import random
 
 import pytest
 
+from dflash_trt import graphs
+from dflash_trt.engine import Engine
 from dflash_trt.loading import load_pair
 from dflash_trt.sampling import SamplingParams
 from dflash_trt.speculate import OracleDrafts
@@ -193,3 +195,30 @@ def test_a_stop_token_drops_the_draft_launched_ahead(make_pair, device):
     assert second.token_ids == alone
     assert verifies[0] == len(first.stats.acceptance_lengths) + len(second.stats.acceptance_lengths)
     assert drafts[0] == verifies[0] + 1  # the first request's last step drafted for nothing
+
+
+def test_each_pass_runs_in_the_context_bucket_of_its_rows_while_drafts_run_ahead(make_pair, device, monkeypatch):
+    """A pass's bound on the keys its rows read (Batch.max_end, the attention's split plan, fixed
+    by a CUDA graph at capture) is the context bucket above the rows' longest length + the
+    block. The engine knows lengths on the host one step late when it drafts ahead: the bound
+    must still cover every row, and stay within a block of the truth instead of drifting up
+    by the unaccepted drafts of each step (here: buckets of 16 and 32 keys, then the capacity)."""
+    monkeypatch.setattr(graphs, "CONTEXT_BUCKET_MIN", 16)
+    base, _ = dflash_engines(make_pair, device, "dense", max_batch_size=2)
+    engine = Engine(base.target, base.drafter, max_batch_size=2, max_seq_len=96, cuda_graphs=False)
+    assert engine.passes.context_buckets == [16, 32, 100]
+    seen, batch_of = [], engine.passes._batch
+
+    def recorded(x, width):
+        batch = batch_of(x, width)
+        seen.append((int(x.start.max()), x.max_start, width, batch.max_end))
+        return batch
+
+    engine.passes._batch = recorded
+    refs = {tuple(p): r.token_ids for p, r in zip(PROMPTS, base.generate(PROMPTS, PARAMS, mode="ar"))}
+    got = with_oracle(engine, refs).generate(PROMPTS, PARAMS, mode="dflash")
+    assert [g.token_ids for g in got] == list(refs.values())
+    assert {max_end for *_, max_end in seen} == {16, 32, 100}
+    for longest, bound, width, max_end in seen:
+        assert longest <= bound < longest + engine.block_size, (longest, bound)
+        assert longest + width <= max_end == next(c for c in (16, 32, 100) if c >= bound + engine.block_size)

@@ -187,14 +187,17 @@ def run_bench(loaded_engine, prompts: Sequence[str], *, dataset: str = "custom",
               thinking: bool = False, oracle_tau: float | None = None, seed: int = 0,
               progress: Progress | None = None, ar_outputs: dict | None = None,
               prefill_chunk: int | None = None, verify_width: str | None = None,
-              oracle_dist: str = "two-point", overlap: bool | None = None, repeat: int = 1) -> list[BenchRow]:
+              oracle_dist: str = "two-point", overlap: bool | None = None, repeat: int = 1,
+              max_seq_len: int | None = None) -> list[BenchRow]:
     """One BenchRow per concurrency: AR then DFlash over `prompts` (greedy, see the module doc).
 
     `ar_outputs`, when given, is filled with {concurrency: AR output ids per prompt};
     `prefill_chunk`, `verify_width` and `overlap`, when given, override the engine's. `repeat`:
     that many AR + DFlash pairs on one engine, alternating (runs after the first start from the
     acceptance statistics the earlier ones left, as a warm server does); the row is the pair of
-    median speedup, with the range of all, so a change of a few percent can be told from noise."""
+    median speedup, with the range of all, so a change of a few percent can be told from noise.
+    The engines hold `max_seq_len` tokens a request (as a server built for that serves), by
+    default what the longest prompt and max_tokens need."""
     base, tok = loaded_engine.engine, loaded_engine.tokenizer
     if base.drafter is None:
         raise ConfigError("the benchmark needs an engine with a drafter")
@@ -211,12 +214,15 @@ def run_bench(loaded_engine, prompts: Sequence[str], *, dataset: str = "custom",
     if need > base.max_seq_len:
         raise ConfigError(f"the longest prompt ({need - max_tokens} tokens) + max_tokens ({max_tokens}) exceeds the "
                           f"engine's max_seq_len = {base.max_seq_len}")
+    if max_seq_len is not None and not need <= max_seq_len <= base.max_seq_len:
+        raise ConfigError(f"max_seq_len = {max_seq_len} must hold the longest prompt ({need - max_tokens} tokens) + "
+                          f"max_tokens ({max_tokens}) and fit the engine's max_seq_len = {base.max_seq_len}")
 
     overrides = {k: v for k, v in (("prefill_chunk", prefill_chunk), ("verify_width", verify_width),
                                    ("overlap", overlap)) if v is not None}
 
     def new_engine(c: int) -> Engine:
-        engine = base.sibling(max_batch_size=c, max_seq_len=need, **overrides)
+        engine = base.sibling(max_batch_size=c, max_seq_len=max_seq_len or need, **overrides)
         engine.warm_up()  # CUDA graph captures stay out of the timings
         return engine
 
@@ -381,7 +387,8 @@ def run_report(loaded_engine, datasets: Sequence[str], *, urls: Sequence[str] = 
                chat: bool = True, thinking: bool = False, oracle_tau: float | None = None,
                compare_transformers: bool = False, progress: Progress | None = None,
                prefill_chunk: int | None = None, stall_prompt: int = 0, verify_width: str | None = None,
-               oracle_dist: str = "two-point", overlap: bool | None = None, repeat: int = 1) -> Report:
+               oracle_dist: str = "two-point", overlap: bool | None = None, repeat: int = 1,
+               max_seq_len: int | None = None) -> Report:
     """Per dataset: in-process rows (with an engine), the transformers row (if asked), and rows
     through each server URL (Triton's gRPC host:port, or the OpenAI API's http:// address), all
     over the same prompts. `stall_prompt` N > 0 runs prefill_stall.py's test instead (a prompt of
@@ -407,7 +414,7 @@ def run_report(loaded_engine, datasets: Sequence[str], *, urls: Sequence[str] = 
                              max_tokens=max_tokens, chat=chat, thinking=thinking, oracle_tau=oracle_tau,
                              progress=progress, ar_outputs=ar_outputs, prefill_chunk=prefill_chunk,
                              verify_width=verify_width, oracle_dist=oracle_dist, overlap=overlap,
-                             repeat=repeat)
+                             repeat=repeat, max_seq_len=max_seq_len)
             report.rows += rows
         if hf_model is not None:
             at_1 = next((r for r in rows if r.concurrency == 1), None)
