@@ -800,11 +800,181 @@ __global__ void __launch_bounds__(kDownThreads, kDownMinCtas)
                                                                                   p.norm);
 }
 
+// One token's experts as one kernel (MoeParams::sync): gate_up's warps and down's lane groups in
+// the same CTAs, so that down's weights stream in beside gate_up's instead of after gate_up's
+// last CTA (in the two kernels, about half of down's CTAs start only as gate_up's end and load
+// their weights then: moe35b_trace_h200.json). CTA b takes pick j = b / (I / 8): gate_up's
+// intermediate rows 8 c .. 8 c + 7 (c = b % (I / 8), a warp a row, as moe_token_gate_up_kernel),
+// and down's rows c D .. c D + D - 1 of that pick (D = H / (I / 8)), whose weights it copies to
+// shared memory (cp.async) as soon as it knows its expert. Its down dots wait for the whole of
+// the pick's activation row: for the pick's CTAs to have counted themselves in
+// sync[j]. So every CTA must be resident at once (checked at launch, else the two kernels run),
+// and none lets the next kernel start before the last, which runs the add + norm
+// (add_rms_norm_if_last). Each dot is the down kernel's (8 lanes, the same order), rounded to
+// the dtype into y; the last of the k CTAs of a row block (their ticket in sync) sums the k
+// picks of its rows in pick order with sum_picks' arithmetic. Same bits as the two kernels.
+// sync: [0, 32) the CTAs of each pick done with gate_up, [32, 64) those past their wait (the
+// last resets both), then a ticket a row block; zero before a launch and after it.
+constexpr int kFusedMinCtas = 5;  // an SM: the 35B-A3B's 9 picks x 64 CTAs fit 132 SMs at once
+constexpr int kFusedGroups = kTokenThreads / kDownLanes;  // dots a CTA runs at a time
+constexpr int kFusedMaxSmem = 48 * 1024;                  // down rows staged, without an opt-in
+static_assert(kTokenMaxPicks == kMoeSyncPicks, "sync's layout (moe.h, moe_sync_ints)");
+
+__device__ __forceinline__ int load_acquire(const int* ptr) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(ptr) : "memory");
+  return v;
+}
+
+template <typename T, int kRouteV>
+__global__ void __launch_bounds__(kTokenThreads, kFusedMinCtas) moe_token_fused_kernel(MoeParams p, int rows_per_cta) {
+  extern __shared__ uint4 down_s[];  // rows_per_cta rows of the pick's down matrix
+  __shared__ float route_w[kTokenMaxPicks];
+  __shared__ int32_t route_ids[kTokenMaxPicks];
+  __shared__ bool last;
+  const int lane = threadIdx.x % 32, per_pick = p.inter / kTokenWarps;
+  const int j = static_cast<int>(blockIdx.x) / per_pick, c = static_cast<int>(blockIdx.x) % per_pick;
+  const int r = c * kTokenWarps + static_cast<int>(threadIdx.x) / 32;  // this warp's intermediate row
+  const int64_t chunks = p.hidden / 8, i_chunks = p.inter / 8, h0 = static_cast<int64_t>(c) * rows_per_cta;
+  const bool shared_pick = p.shared_last && j == p.top_k - 1;
+  const auto stage_down = [&](int e) {
+    const uint4* src = static_cast<const uint4*>(p.down) + (static_cast<int64_t>(e) * p.hidden + h0) * i_chunks;
+    for (int64_t i = threadIdx.x; i < rows_per_cta * i_chunks; i += kTokenThreads) cp_async_16(down_s + i, src + i, 16);
+    cp_async_commit();
+  };
+  if (shared_pick) {  // known before the routing: its down rows in, its gate_up rows into L2
+    stage_down(p.experts - 1);
+    const int64_t row = static_cast<int64_t>(p.experts - 1) * 2 * p.inter + r;
+    const char* gate = reinterpret_cast<const char*>(static_cast<const uint4*>(p.gate_up) + row * chunks);
+    const char* up = gate + static_cast<int64_t>(p.inter) * chunks * 16;
+    for (int64_t b = 128 * lane; b < chunks * 16; b += 128 * 32) {
+      prefetch_l2(gate + b);
+      prefetch_l2(up + b);
+    }
+  }
+  pdl_wait();  // the router's logits (or ids); the next kernel starts only with the norm
+  constexpr bool routes = kRouteV > 0;
+  int e = p.experts - 1;
+  if constexpr (routes) {
+    if (!shared_pick) route_in_cta<T, kRouteV>(p, j + 1, route_w, route_ids);
+    const int routed = p.top_k - (p.shared_last ? 1 : 0);
+    if (j == routed - 1 && c == 0 && static_cast<int>(threadIdx.x) < p.top_k) {  // all of it: for the sums
+      p.route_ids[threadIdx.x] = route_ids[threadIdx.x];
+      p.route_weights[threadIdx.x] = route_w[threadIdx.x];
+    }
+    if (!shared_pick) e = route_ids[j];
+  } else {
+    e = p.ids[j];
+  }
+  const bool valid = e >= 0 && e < p.experts;  // else the pick adds nothing
+  if (valid && !shared_pick) stage_down(e);
+  if (valid) {
+    const uint4* gate = static_cast<const uint4*>(p.gate_up) + (static_cast<int64_t>(e) * 2 * p.inter + r) * chunks;
+    const uint4* const rows[2] = {gate, gate + static_cast<int64_t>(p.inter) * chunks};
+    float acc[2] = {};
+    lane_dots<T, 2, kTokenGateUpLoads>(rows, static_cast<const uint4*>(p.x), chunks, lane, acc);
+    const float g = rounded<T>(warp_sum(acc[0])), u = rounded<T>(warp_sum(acc[1]));
+    if (lane == 0) {
+      const float silu = rounded<T>(g / (1.0f + expf(-g)));
+      static_cast<T*>(p.act)[static_cast<int64_t>(j) * p.inter + r] = to_dtype<T>(__fmul_rn(silu, u));
+    }
+  }
+  int* const done = p.sync;
+  int* const past = p.sync + kTokenMaxPicks;
+  int* const row_tickets = p.sync + 2 * kTokenMaxPicks;
+  __threadfence();  // this CTA's activations before its count
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    atomicAdd(done + j, 1);
+    while (load_acquire(done + j) < per_pick) __nanosleep(32);
+    __threadfence();
+    if (atomicAdd(past + j, 1) == per_pick - 1) done[j] = past[j] = 0;  // every CTA of the pick is past
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+  const int group = threadIdx.x / kDownLanes, gl = threadIdx.x % kDownLanes;
+  const uint4* act = static_cast<const uint4*>(p.act) + j * i_chunks;
+  for (int rr = group; rr < rows_per_cta; rr += kFusedGroups) {
+    float dot = 0.0f;
+    for (int64_t c0 = gl; valid && c0 < i_chunks; c0 += kDownLanes * kDownLoads) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {  // moe_token_down_kernel's order
+        constexpr int U = kDownLoads / 2;
+        uint4 av[U], wv[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const int64_t cc = c0 + kDownLanes * (half * U + u);
+          av[u] = cc < i_chunks ? __ldcg(act + cc) : make_uint4(0, 0, 0, 0);
+          wv[u] = cc < i_chunks ? down_s[rr * i_chunks + cc] : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          float af[8], wf[8];
+          unpack8<T>(av[u], af);
+          unpack8<T>(wv[u], wf);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) dot = fmaf(af[i], wf[i], dot);
+        }
+      }
+    }
+#pragma unroll
+    for (int o = kDownLanes / 2; o > 0; o >>= 1) dot = __fadd_rn(dot, __shfl_xor_sync(0xffffffffu, dot, o));
+    if (gl == 0) static_cast<T*>(p.y)[static_cast<int64_t>(j) * p.hidden + h0 + rr] = to_dtype<T>(dot);
+  }
+  __threadfence();  // this pick's dots of the rows before the row block's ticket
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(row_tickets + c, 1) == p.top_k - 1;
+  __syncthreads();
+  if (last) {
+    __threadfence();
+    if (threadIdx.x == 0) row_tickets[c] = 0;
+    const T* y = static_cast<const T*>(p.y);
+    for (int rr = threadIdx.x; rr < rows_per_cta; rr += kTokenThreads) {
+      float out = 0.0f;
+      for (int jj = 0; jj < p.top_k; ++jj) {
+        const int ej = routes ? __ldcg(p.route_ids + jj) : p.ids[jj];
+        if (ej < 0 || ej >= p.experts) continue;
+        const float wj = routes ? __ldcg(p.route_weights + jj) : p.weights[jj];
+        out = __fadd_rn(out, __fmul_rn(wj, to_float(__ldcg(y + static_cast<int64_t>(jj) * p.hidden + h0 + rr))));
+      }
+      static_cast<T*>(p.out)[h0 + rr] = to_dtype<T>(out);
+    }
+  }
+  add_rms_norm_if_last<T, kTokenThreads, 1>(static_cast<const T*>(p.out), p.hidden, p.norm);
+}
+
+// Whether one token's experts run as moe_token_fused_kernel: sync given, routed with the norm,
+// the shapes as it cuts them (I a multiple of 8 warps' rows, H of I / 8 row blocks, each block's
+// down rows in 48 KB, the norm's row a vector a thread) and all of its CTAs resident at once on
+// this device.
+template <typename T, int kRouteV>
+cudaError_t launch_token_fused(const MoeParams& p, cudaStream_t stream, bool& launched) {
+  launched = false;
+  const int per_pick = p.inter / kTokenWarps, grid = p.top_k * per_pick;
+  if (p.inter % kTokenWarps || p.hidden % per_pick || p.hidden / 8 > kTokenThreads) return cudaSuccess;
+  const int rows = p.hidden / per_pick;
+  const size_t smem = static_cast<size_t>(rows) * p.inter * sizeof(T);
+  if (smem > kFusedMaxSmem) return cudaSuccess;
+  const auto kernel = moe_token_fused_kernel<T, kRouteV>;
+  int per_sm = 0;
+  const cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kTokenThreads, smem);
+  if (err != cudaSuccess) return err;
+  if (static_cast<int64_t>(per_sm) * device_sms() < grid) return cudaSuccess;
+  launched = true;
+  return pdl_launch(kernel, dim3(grid), dim3(kTokenThreads), smem, stream, true, p, rows);
+}
+
 template <typename T>
 cudaError_t project_token(const MoeParams& p, cudaStream_t stream) {
   const int64_t warps = static_cast<int64_t>(p.top_k) * p.inter;
   const dim3 block(kTokenThreads);
   const int rv = route_lanes(p);  // routing only with the norm (moe_check)
+  if (p.sync != nullptr && rv > 0) {  // one kernel where it fits
+    bool launched = false;
+    const cudaError_t err =
+        rv == 8 ? launch_token_fused<T, 8>(p, stream, launched) : launch_token_fused<T, 16>(p, stream, launched);
+    if (err != cudaSuccess || launched) return err;
+  }
   const auto gate_up = rv == 0 ? moe_token_gate_up_kernel<T, 0>
                                : rv == 8 ? moe_token_gate_up_kernel<T, 8> : moe_token_gate_up_kernel<T, 16>;
   const cudaError_t err =
@@ -961,6 +1131,9 @@ const char* moe_check(const MoeParams& p) {
       return "routing in the experts' kernels takes up to 512 routed experts and 1 to 16 routed picks";
     if (p.route_stride < 1) return "route_stride must be positive";
     if (p.route_ids == nullptr || p.route_weights == nullptr) return "null route_ids or route_weights";
+  }
+  if (p.sync != nullptr) {
+    if (p.route_logits == nullptr) return "sync comes with the routing and the add + norm in the experts' kernels";
   }
   if (p.tokens == 0) return nullptr;
   if (!p.out || !aligned16(p.out)) return "out must be 16-byte aligned";
