@@ -1,7 +1,7 @@
 """The passes of a step (prefill, AR step, draft, verify), eager or replayed as CUDA graphs.
 
 The decode passes have a fixed shape per batch size (and verify width), so on CUDA each is
-captured once per batch-size bucket (and width) and replayed: a replay is one launch instead
+captured once per batch-size bucket (and width, and context bucket: below) and replayed: a replay is one launch instead
 of thousands, which is most of the step time at small batch.
 Rows past the real batch size are padding: they point at a scratch cache slot (the last
 one, never given to a request) at position 0.
