@@ -820,10 +820,20 @@ constexpr int kFusedGroups = kTokenThreads / kDownLanes;  // dots a CTA runs at 
 constexpr int kFusedMaxSmem = 48 * 1024;                  // down rows staged, without an opt-in
 static_assert(kTokenMaxPicks == kMoeSyncPicks, "sync's layout (moe.h, moe_sync_ints)");
 
+// A pick's CTAs wait for each other at most this long: if they never all come (something the
+// occupancy check cannot see holds SMs, e.g. an MPS limit), the launch fails instead of hanging.
+constexpr uint64_t kFusedWaitLimitNs = 1000000000;
+
 __device__ __forceinline__ int load_acquire(const int* ptr) {
   int v;
   asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(ptr) : "memory");
   return v;
+}
+
+__device__ __forceinline__ uint64_t global_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
 }
 
 template <typename T, int kRouteV>
@@ -886,7 +896,11 @@ __global__ void __launch_bounds__(kTokenThreads, kFusedMinCtas) moe_token_fused_
   __syncthreads();
   if (threadIdx.x == 0) {
     atomicAdd(done + j, 1);
-    while (load_acquire(done + j) < per_pick) __nanosleep(32);
+    const uint64_t since = global_ns();
+    while (load_acquire(done + j) < per_pick) {
+      __nanosleep(32);
+      if (global_ns() - since > kFusedWaitLimitNs) __trap();
+    }
     __threadfence();
     if (atomicAdd(past + j, 1) == per_pick - 1) done[j] = past[j] = 0;  // every CTA of the pick is past
   }

@@ -160,6 +160,8 @@ def test_cli_rejects_bad_input(out, tmp_path):
     assert result.exit_code == 1 and "bad.jsonl:1:" in result.output
     result = CliRunner().invoke(cli, ["bench", str(out), "--concurrency", "1,x"])
     assert result.exit_code == 2 and "--concurrency" in result.output
+    result = CliRunner().invoke(cli, ["bench", str(out), "--num-prompts", "1", "--max-seq-len", "5"])
+    assert result.exit_code == 1 and "max_seq_len = 5 must hold the longest prompt" in result.output
 
 
 def test_cli_stall_prompt_prints_one_row_per_mode_and_chunk_setting(out, tmp_path):
