@@ -27,7 +27,7 @@
 #   bash bench/gpu_check.sh moe-split  # MoE experts at TP2 per rank: tensor- vs expert-parallel
 #   bash bench/gpu_check.sh moe-norm   # MoE: the norms around an MoE block in its kernels (GPU tests, AR A/B)
 #   bash bench/gpu_check.sh moe-one-kernel # MoE: one token's experts as one kernel (Experts.one_kernel): its GPU
-#                                      # tests, the 35B-A3B's AR step off / on, alternating twice
+#                                      # tests, the 35B-A3B's AR step off / on, alternating twice, a trace on
 #   bash bench/gpu_check.sh context    # decode graphs per context bucket: GPU tests, batch-1 passes at context 448
 #                                      # of engines for 4096 tokens against .gpu/old (tree_ab.sh prepare REV)
 #   bash bench/gpu_check.sh context-bench # the same end to end (Qwen3-8B bench at concurrency 1, buckets off
@@ -303,6 +303,14 @@ moe-one-kernel)
 Experts.one_kernel = '$arm' == 'on'" qwen3.6-35b-a3b "$OUT/one_kernel_${arm}_$round.json"
     done
   done
+  # the step with it on as a trace (gpu_check.sh trace's, for the kernels' shares)
+  step trace-35b-one-kernel 200 python3 -c "import runpy, sys
+from dflash_trt.models.moe import Experts
+Experts.one_kernel = True
+sys.argv = ['profile_step.py', '--preset', 'qwen3.6-35b-a3b', '--batch', '1', '--top-kernels', '40', '--trace',
+            '$OUT/trace_35b_one_kernel.json', '--json', '$OUT/trace_35b_one_kernel_profile.json']
+runpy.run_path('bench/profile_step.py', run_name='__main__')"
+  gzip -f "$OUT/trace_35b_one_kernel.json"
   ;;
 context)
   # a graph fixes the attention's bound on the keys, so decode graphs are captured per context
