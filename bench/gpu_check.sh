@@ -329,8 +329,9 @@ context-bench)
   # end to end at concurrency 1: Qwen3-8B's bench on engines for 4096 tokens with the buckets off
   # (every graph on the capacity's plan, as before them) and on; then warm-up's capture time and
   # graph memory at max_batch_size 32 and 4096 tokens, off and on
+  buckets_off='import dflash_trt.graphs as g; g.CONTEXT_BUCKET_MIN = 1 << 40'  # one bucket, the capacity
   for arm in off on; do
-    pre=''; [ $arm = off ] && pre='import dflash_trt.graphs as g; g.CONTEXT_BUCKET_MIN = 1 << 40'
+    pre=''; [ $arm = off ] && pre=$buckets_off
     step "bench8b-$arm" 150 python3 -c "import sys
 $pre
 from dflash_trt.cli import main
@@ -339,7 +340,7 @@ main()" bench --random-weights qwen3-8b --oracle-tau 6.5 --dataset gsm8k --num-p
       --concurrency 1 --max-seq-len 4096 --json "$OUT/bench8b_context_$arm.json"
   done
   for arm in off on; do
-    pre=''; [ $arm = off ] && pre='import dflash_trt.graphs as g; g.CONTEXT_BUCKET_MIN = 1 << 40'
+    pre=''; [ $arm = off ] && pre=$buckets_off
     step "warm-up-$arm" 120 python3 -c "import json, time, torch
 $pre
 from dflash_trt.benchmark.random_weights import random_engine
