@@ -26,8 +26,6 @@
 #   bash bench/gpu_check.sh moe-bench  # MoE: Qwen3.6-35B-A3B AR vs DFlash, the 397B-A17B at 4 and 8 layers
 #   bash bench/gpu_check.sh moe-split  # MoE experts at TP2 per rank: tensor- vs expert-parallel
 #   bash bench/gpu_check.sh moe-norm   # MoE: the norms around an MoE block in its kernels (GPU tests, AR A/B)
-#   bash bench/gpu_check.sh moe-one-kernel # MoE: one token's experts as one kernel (Experts.one_kernel): its GPU
-#                                      # tests, the 35B-A3B's AR step off / on, alternating twice, a trace on
 #   bash bench/gpu_check.sh context    # decode graphs per context bucket: GPU tests, batch-1 passes at context 448
 #                                      # of engines for 4096 tokens against .gpu/old (tree_ab.sh prepare REV)
 #   bash bench/gpu_check.sh context-bench # the same end to end (Qwen3-8B bench at concurrency 1, buckets off
@@ -67,7 +65,7 @@
 # The machine has no `unzip`: zips are opened with `python3 -m zipfile`, which drops the
 # executable bits, so they are set again.
 set -u
-usage="usage: gpu_check.sh STAGE... (tests hybrid benches roofline bench8b goals overlap identity triton window flashinfer splits moe moe-models moe-bench moe-split moe-norm moe-one-kernel context context-bench trace moe-flashinfer tp draft-vocab prefill stall fa3 fa3-engine burst train-ranks demo-target demo-drafter demo-eval)"
+usage="usage: gpu_check.sh STAGE... (tests hybrid benches roofline bench8b goals overlap identity triton window flashinfer splits moe moe-models moe-bench moe-split moe-norm context context-bench trace moe-flashinfer tp draft-vocab prefill stall fa3 fa3-engine burst train-ranks demo-target demo-drafter demo-eval)"
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
@@ -289,28 +287,6 @@ B.output_norm_in_experts, B.input_norm_in_projection = '$flags'[0] == '1', '$fla
         qwen3.6-35b-a3b "$OUT/norm_ar35b_${flags}_$round.json"
     done
   done
-  ;;
-moe-one-kernel)
-  # one token's gate_up and down as one kernel whose CTAs copy their down rows to shared memory
-  # beside gate_up's loads (Experts.one_kernel, off by default): its GPU tests, then the
-  # 35B-A3B's AR step at batch 1 off and on, alternating twice
-  step plugins 300 python3 -c 'from dflash_trt import plugins; print(plugins.load())'
-  DFLASH_TEST_DEVICE=cuda step tests-one-kernel 300 python3 -m pytest -q -p no:cacheprovider tests/test_moe_ops.py \
-    tests/test_moe.py -k "one_token_routing or one_kernel or bf16_decode_steps"
-  for round in 1 2; do
-    for arm in off on; do
-      ab_step "ar-35b-one-kernel-$arm-$round" "from dflash_trt.models.moe import Experts
-Experts.one_kernel = '$arm' == 'on'" qwen3.6-35b-a3b "$OUT/one_kernel_${arm}_$round.json"
-    done
-  done
-  # the step with it on as a trace (gpu_check.sh trace's, for the kernels' shares)
-  step trace-35b-one-kernel 200 python3 -c "import runpy, sys
-from dflash_trt.models.moe import Experts
-Experts.one_kernel = True
-sys.argv = ['profile_step.py', '--preset', 'qwen3.6-35b-a3b', '--batch', '1', '--top-kernels', '40', '--trace',
-            '$OUT/trace_35b_one_kernel.json', '--json', '$OUT/trace_35b_one_kernel_profile.json']
-runpy.run_path('bench/profile_step.py', run_name='__main__')"
-  gzip -f "$OUT/trace_35b_one_kernel.json"
   ;;
 context)
   # a graph fixes the attention's bound on the keys, so decode graphs are captured per context

@@ -180,7 +180,7 @@ def _no_experts(x, gate_up, down, weights, ids, out_dtype=torch.float32, shared_
 
 
 def _no_experts_before_norm(x, gate_up, down, logits, top_k, renormalize, shared, residual, norm_weight, eps,
-                            zero_centered=False, ticket=None, sync=None):
+                            zero_centered=False, ticket=None):
     # moe_experts_add_rms_norm with the routing and experts left out, the add + norm after them kept
     zeros = torch.zeros(residual.shape, dtype=x.dtype, device=x.device)
     return ops.add_rms_norm(residual, zeros, norm_weight, eps, zero_centered)

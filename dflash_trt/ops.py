@@ -605,14 +605,9 @@ def moe_experts(x, gate_up, down, weights, ids, out_dtype=torch.float32, shared_
 MOE_NORM_MAX_HIDDEN = 4096  # plugins/moe.h kMoeNormMaxHidden
 
 
-def moe_sync_ints(inter: int) -> int:
-    """The int32s moe_experts_add_rms_norm's `sync` holds for expert width `inter` (plugins/moe.h)."""
-    return 2 * 32 + inter // 8
-
-
 def moe_experts_add_rms_norm(x, gate_up, down, logits, top_k: int, renormalize: bool, shared: bool, residual,
                              norm_weight, eps: float, zero_centered: bool = False,
-                             ticket: torch.Tensor | None = None, sync: torch.Tensor | None = None):
+                             ticket: torch.Tensor | None = None):
     """add_rms_norm(residual, moe_experts(x, gate_up, down, *moe_route(logits, top_k,
     renormalize, shared), out_dtype=x.dtype, shared_last=shared), norm_weight, eps,
     zero_centered) -> (s, y): an MoE block's routing, experts and the residual add + norm after
@@ -623,9 +618,7 @@ def moe_experts_add_rms_norm(x, gate_up, down, logits, top_k: int, renormalize: 
     pair with the same bits: each CTA of the experts' kernels routes the token itself
     (plugins/route_warp.h, moe_route's arithmetic), so no routing kernel runs, and the one-token
     down kernel's last CTA runs the add + norm (plugins/moe.h, MoeParams::norm) with
-    add_rms_norm's bits; `ticket` as for linear_add_rms_norm. With `sync` (moe_sync_ints(I)
-    int32 zeros, left zero), where all of its CTAs fit the GPU at once, one kernel instead of
-    the pair, the same bits (plugins/moe.cu, moe_token_fused_kernel). Elsewhere the three ops."""
+    add_rms_norm's bits; `ticket` as for linear_add_rms_norm. Elsewhere the three ops."""
     H = x.shape[-1]
     E = logits.shape[-1] - shared
     if (ticket is not None and x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)
@@ -635,7 +628,7 @@ def moe_experts_add_rms_norm(x, gate_up, down, logits, top_k: int, renormalize: 
         _check_ticket(ticket, x.device)
         return torch.ops.dflash.moe_experts_add_rms_norm(x, gate_up, down, logits, int(top_k), bool(renormalize),
                                                          bool(shared), residual, norm_weight, float(eps), zero_centered,
-                                                         ticket, sync)
+                                                         ticket)
     out = moe_experts(x, gate_up, down, *moe_route(logits, top_k, renormalize, shared), x.dtype, shared)
     return add_rms_norm(residual, out.reshape(residual.shape), norm_weight, eps, zero_centered)
 

@@ -80,17 +80,7 @@ struct MoeParams {
   bool route_renormalize = false;
   int32_t* route_ids = nullptr;    // [k] scratch: gate_up writes the routing here for the down
   float* route_weights = nullptr;  // kernel's CTAs that start after it (moe.cu)
-  // With sync set (with route_logits): moe_sync_ints(I) ints, zero before the launch and left
-  // zero; launches running at the same time need their own. Where all of its CTAs fit the
-  // device at once, one token's experts then run as one kernel instead of two, the same bits
-  // (moe.cu, moe_token_fused_kernel).
-  int32_t* sync = nullptr;
 };
-
-// The ints MoeParams::sync holds for an expert width I: two counts for each of up to
-// kMoeSyncPicks picks, then a ticket for each of I / 8 row blocks.
-constexpr int kMoeSyncPicks = 32;
-constexpr int64_t moe_sync_ints(int64_t inter) { return 2 * kMoeSyncPicks + inter / 8; }
 
 // Scratch ints of a launch (the sort's outputs and the chunk list).
 int64_t moe_work_ints(const MoeParams& p);

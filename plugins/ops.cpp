@@ -832,11 +832,10 @@ at::Tensor gated_delta_recurrent_meta(const at::Tensor& q, const at::Tensor&, co
 // shared_last: a hint (moe.h) that every token's last pick is expert E - 1.
 // norm: the residual add + norm after it (MoeParams::norm), or null.
 // route: the router's logits and routing the kernels route from (MoeParams::route_logits; then
-// weights and ids are not read and may be empty [N, k] tensors), and MoeParams::sync or null; or null.
+// weights and ids are not read and may be empty [N, k] tensors), or null.
 struct RouteArgs {
   const at::Tensor& logits;
   bool renormalize;
-  int32_t* sync;
 };
 
 at::Tensor moe_experts_run(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down,
@@ -901,7 +900,6 @@ at::Tensor moe_experts_run(const at::Tensor& x, const at::Tensor& gate_up, const
     p.route_weights = weights.data_ptr<float>();
     p.weights = nullptr;
     p.ids = nullptr;
-    p.sync = route->sync;
   }
   if (const char* why = dflash::moe_check(p)) DFLASH_CHECK(false, op, ": ", why);
   check_launch(dflash::moe_launch(p, c10::cuda::getCurrentCUDAStream().stream()), op);
@@ -917,15 +915,13 @@ at::Tensor moe_experts_cuda(const at::Tensor& x, const at::Tensor& gate_up, cons
 // dtype, then the residual add + norm after it, in one launch pair (the routing in the experts'
 // kernels, the add + norm as linear_add_rms_norm's after its matmul): logits [1, E] in x's dtype
 // (E counting a shared expert's gate, packed last in gate_up and down when `shared`), top_k the
-// routed picks; residual [..., H] fp32, norm_weight [H], ticket one int32 zero; sync, if given,
-// moe_sync_ints(I) int32 zeros (MoeParams::sync: one kernel where it fits). Returns (sum, out).
+// routed picks; residual [..., H] fp32, norm_weight [H], ticket one int32 zero. Returns (sum, out).
 std::tuple<at::Tensor, at::Tensor> moe_experts_add_rms_norm_cuda(const at::Tensor& x, const at::Tensor& gate_up,
                                                                  const at::Tensor& down, const at::Tensor& logits,
                                                                  int64_t top_k, bool renormalize, bool shared,
                                                                  const at::Tensor& residual,
                                                                  const at::Tensor& norm_weight, double eps,
-                                                                 bool zero_centered, const at::Tensor& ticket,
-                                                                 const std::optional<at::Tensor>& sync) {
+                                                                 bool zero_centered, const at::Tensor& ticket) {
   DFLASH_CHECK(x.is_cuda() && x.dim() == 2 && x.size(0) == 1, "moe_experts_add_rms_norm takes one token, x [1, H], got ",
                x.sizes());
   DFLASH_CHECK(top_k >= 1 && top_k <= dflash::kMoeRouteMaxTopK, "moe_experts_add_rms_norm: top_k must be in [1, ",
@@ -933,14 +929,7 @@ std::tuple<at::Tensor, at::Tensor> moe_experts_add_rms_norm_cuda(const at::Tenso
   const c10::cuda::CUDAGuard guard(x.device());
   RowNorm norm(x, x.size(1), residual, norm_weight, eps, zero_centered, ticket, "moe_experts_add_rms_norm");
   const int64_t picks = top_k + (shared ? 1 : 0);  // the kernels' k; weights and ids their scratch
-  if (sync.has_value()) {
-    const int64_t need = dflash::moe_sync_ints(gate_up.dim() == 3 ? gate_up.size(1) / 2 : 0);
-    DFLASH_CHECK(sync->device() == x.device() && sync->scalar_type() == at::kInt && sync->is_contiguous() &&
-                     sync->numel() >= need,
-                 "moe_experts_add_rms_norm: sync must be at least ", need, " contiguous int32 on x's device, got ",
-                 sync->sizes(), " ", sync->scalar_type());
-  }
-  const RouteArgs route{logits, renormalize, sync.has_value() ? sync->data_ptr<int32_t>() : nullptr};
+  const RouteArgs route{logits, renormalize};
   moe_experts_run(x, gate_up, down, at::empty({1, picks}, x.options().dtype(at::kFloat)),
                   at::empty({1, picks}, x.options().dtype(at::kInt)), false, shared, &norm.params, &route,
                   "moe_experts_add_rms_norm");
@@ -1053,8 +1042,7 @@ at::Tensor moe_experts_meta(const at::Tensor& x, const at::Tensor&, const at::Te
 std::tuple<at::Tensor, at::Tensor> moe_experts_add_rms_norm_meta(const at::Tensor& x, const at::Tensor&,
                                                                  const at::Tensor&, const at::Tensor&, int64_t, bool,
                                                                  bool, const at::Tensor& residual, const at::Tensor&,
-                                                                 double, bool, const at::Tensor&,
-                                                                 const std::optional<at::Tensor>&) {
+                                                                 double, bool, const at::Tensor&) {
   return {at::empty(residual.sizes(), residual.options()), at::empty(residual.sizes(), x.options())};
 }
 
@@ -1113,8 +1101,8 @@ TORCH_LIBRARY(dflash, m) {
       "bool shared_last=False) -> Tensor");
   m.def(
       "moe_experts_add_rms_norm(Tensor x, Tensor gate_up, Tensor down, Tensor logits, int top_k, bool renormalize, "
-      "bool shared, Tensor residual, Tensor norm_weight, float eps, bool zero_centered, Tensor(a!) ticket, "
-      "Tensor(b!)? sync=None) -> (Tensor, Tensor)");
+      "bool shared, Tensor residual, Tensor norm_weight, float eps, bool zero_centered, Tensor(a!) ticket) "
+      "-> (Tensor, Tensor)");
   m.def("moe_sort(Tensor ids, int num_experts) -> (Tensor, Tensor, Tensor)");
   m.def(
       "moe_combine(Tensor y, Tensor weights, Tensor ids, Tensor? rows, int num_experts, bool fp32_out=True) "

@@ -10,7 +10,6 @@ from test_checkpoint_errors import edit_json
 from test_hybrid_lossless import ORACLES, dflash_with_oracle
 from test_qwen3_5_parity import forward
 
-from dflash_trt import ops
 from dflash_trt.build import _save_model
 from dflash_trt.errors import CheckpointError, ConfigError
 from dflash_trt.kv_cache import Batch
@@ -74,14 +73,12 @@ def test_prefill_decode_and_verify_passes_match_transformers(make_pair, name):
 
 @pytest.mark.parametrize("name", ["qwen3-moe-per-expert-dense-layer", "qwen3.5-moe-multimodal-packed",
                                   "qwen3.5-moe-wider-shared-expert"])
-@pytest.mark.parametrize("one_kernel", [False, True], ids=["kernel-pair", "one-kernel"])
-def test_one_token_experts_left_for_the_norm_after_them_change_no_result(make_pair, name, monkeypatch, one_kernel):
+def test_one_token_experts_left_for_the_norm_after_them_change_no_result(make_pair, name, monkeypatch):
     # SparseMoeBlock.output_norm_in_experts: a decode step's experts come out not run
     # (ExpertsOut) and the next layer's input norm, a tap or the final norm runs them
     # (ops.moe_experts_add_rms_norm); where a dense shared expert adds to them, they run at once
     target, ids, expected = target_and_logits(make_pair, name, 16, seed=2)
     monkeypatch.setattr(SparseMoeBlock, "output_norm_in_experts", True)
-    monkeypatch.setattr(moe_module.Experts, "one_kernel", one_kernel)
     taken = []
     monkeypatch.setattr(moe_module.ExpertsOut, "add_rms_norm",
                         lambda self, *a, _f=moe_module.ExpertsOut.add_rms_norm: taken.append(1) or _f(self, *a))
@@ -90,24 +87,15 @@ def test_one_token_experts_left_for_the_norm_after_them_change_no_result(make_pa
     for pos in range(12, 16):
         step, tapped = forward(target, cache, slot=0, ids=[ids[pos]], start=pos, taps=(0,))
         assert (step[0] - expected[pos]).abs().max() <= ATOL, pos
-    sparse = [layer.mlp for layer in target.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
-    assert len(taken) == (0 if "wider" in name else 4 * len(sparse) - (0 in target.config.moe.sparse_layers) * 4)
-    # with one_kernel the blocks that took that path have counts of their own, sized for their width
-    synced = [block for block in sparse if block.experts._sync is not None]
-    assert bool(synced) == (one_kernel and bool(taken))
-    for block in synced:
-        assert block.experts._sync.shape == (ops.moe_sync_ints(block.moe.expert_size),)
+    sparse = sum(isinstance(layer.mlp, SparseMoeBlock) for layer in target.model.layers)
+    assert len(taken) == (0 if "wider" in name else 4 * sparse - (0 in target.config.moe.sparse_layers) * 4)
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("name", ["qwen3-moe-per-expert-dense-layer", "qwen3.5-moe-multimodal-packed"])
-@pytest.mark.parametrize("one_kernel", [False, True], ids=["kernel-pair", "one-kernel"])
-def test_cuda_bf16_decode_steps_are_the_same_bits_with_the_norm_in_the_experts(make_pair, name, monkeypatch,
-                                                                               one_kernel):
+def test_cuda_bf16_decode_steps_are_the_same_bits_with_the_norm_in_the_experts(make_pair, name, monkeypatch):
     # on the GPU in bf16 a decode step's experts and the norm after them are one launch pair
-    # (ops.moe_experts_add_rms_norm), or with Experts.one_kernel one kernel where it fits: the
-    # logits and taps keep their bits
-    monkeypatch.setattr(moe_module.Experts, "one_kernel", one_kernel)
+    # (ops.moe_experts_add_rms_norm): the logits and taps keep their bits
     pair = make_pair(**CONFIGS[name][0])
     target = load_target(pair.target, device="cuda", dtype=torch.bfloat16)
     ids = torch.randint(0, 500, (16,), generator=torch.Generator().manual_seed(3)).tolist()

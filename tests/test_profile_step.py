@@ -50,7 +50,7 @@ def repeatable_ar_step(engine):
 
 
 def experts_and_norm_as_one_kernel(x, gate_up, down, logits, top_k, renormalize, shared, residual, norm_weight, eps,
-                                   zero_centered=False, ticket=None, sync=None):
+                                   zero_centered=False, ticket=None):
     """ops.moe_experts_add_rms_norm as the GPU runs it: one launch pair that calls no other op,
     so an ablation that patches only moe_experts or add_rms_norm leaves it whole (on the CPU the
     op falls back to the three ops)."""

@@ -32,27 +32,12 @@ class Experts(nn.Module):
     """All routed experts of one layer (HF `mlp.experts`), and with `shared` the shared expert
     (HF `mlp.shared_expert`) as expert number `num_experts`."""
 
-    # Prepared, off until timed (bench/gpu_check.sh moe-one-kernel): one token's gate_up and
-    # down as one kernel whose CTAs stage their down rows beside gate_up's loads, where the
-    # launch fits the GPU at once (ops.moe_experts_add_rms_norm's sync; the same bits).
-    one_kernel = False
-
     def __init__(self, num_experts: int, hidden_size: int, expert_size: int, shared: bool = False):
         super().__init__()
         self.num_experts, self.shared = num_experts, shared
         n = num_experts + shared
         self.gate_up_proj = nn.Parameter(torch.empty(n, 2 * expert_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(n, hidden_size, expert_size))
-        self._sync: torch.Tensor | None = None
-
-    def sync_on(self, device: torch.device) -> torch.Tensor | None:
-        """The one kernel's counts (ops.moe_experts_add_rms_norm's sync), this layer's own; None
-        while one_kernel is off."""
-        if not self.one_kernel:
-            return None
-        if self._sync is None or self._sync.device != device:
-            self._sync = torch.zeros(ops.moe_sync_ints(self.down_proj.shape[-1]), dtype=torch.int32, device=device)
-        return self._sync
 
 
 class ExpertsOut(NamedTuple):
@@ -75,7 +60,7 @@ class ExpertsOut(NamedTuple):
         return ops.moe_experts_add_rms_norm(self.h.flatten(0, 1), self.experts.gate_up_proj, self.experts.down_proj,
                                             self.logits, self.moe.top_k, self.moe.norm_topk_prob, self.experts.shared,
                                             residual, norm.weight, norm.eps, norm.zero_centered,
-                                            norm.ticket_on(residual.device), self.experts.sync_on(residual.device))
+                                            norm.ticket_on(residual.device))
 
 
 class SparseMoeBlock(nn.Module):
