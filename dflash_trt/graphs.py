@@ -266,8 +266,8 @@ class GraphedPasses(DecodePasses):
         self.buckets = [b for b in (1, 2, 4, 8, 16, 24, 32, 48) if b < max_batch_size] + [max_batch_size]
         self.scratch_slot = self.target_cache.k.shape[1] - 1
         self._pool = torch.cuda.graph_pool_handle()
-        # (pass, bucket, verify or prefill width, else 0, context bucket) -> (graph, its static
-        # input, its outputs)
+        # (pass, bucket, verify or prefill width, else 0, context bucket or 0 for a commit) ->
+        # (graph, its static input, its outputs)
         self._graphs: dict[tuple[str, int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, object]] = {}
         self._kept: dict[int, torch.Tensor] = {}  # per bucket: the commit graph's kept counts
         # A bucket wider than the target allows would read lengths on the host; for a stateful
@@ -385,8 +385,8 @@ class GraphedPasses(DecodePasses):
     def commit(self, x: StepInputs, width: int, num_committed: list[int] | torch.Tensor) -> None:
         """A hybrid target's commit after a verify (the kept tokens replayed over every linear
         layer in one kernel, the conv windows copied back, and the small ops that index them)
-        runs as a graph too, one per verify width: eagerly, launching it cost more than its
-        work at batch 1. The kept counts go to a static buffer; padding rows (on
+        runs as a graph too, one per batch-size bucket and verify width (every context bucket's
+        passes share it): eagerly, launching it cost more than its work at batch 1. The kept counts go to a static buffer; padding rows (on
         the scratch slot) keep whatever valid count it holds. Everything else commits eagerly
         (nothing, or an in-place AR step)."""
         if not self.target.stateful or width == 1:
@@ -399,7 +399,10 @@ class GraphedPasses(DecodePasses):
         self._replay("commit", x, lambda s: self.target.commit(self.target_cache, self._batch(s, width), kept), width)
 
     def _replay(self, name: str, x: StepInputs, fn, width: int = 0):
-        key = (name, self.bucket(x.size), width, self.context_bucket(x))
+        # a hybrid's commit reads no keys (it replays the linear layers' recurrence): one graph
+        # serves every context bucket
+        context = 0 if name == "commit" else self.context_bucket(x)
+        key = (name, self.bucket(x.size), width, context)
         if key not in self._graphs:
             padding = self._padding(key[1], x.max_start)
             self._graphs[key] = self._capture(padding.packed,
