@@ -340,7 +340,8 @@ commit-graphs)
   for round in 1 2; do
     for arm in old new; do
       path=/tmp/site; [ $arm = old ] && path=.gpu/old:/tmp/site
-      PYTHONPATH=$path step "warm-up-9b-$arm-$round" 150 python3 -c "import json, time, torch
+      # -P: not the working directory first on the path (its dflash_trt would shadow .gpu/old's)
+      PYTHONPATH=$path step "warm-up-9b-$arm-$round" 150 python3 -P -c "import json, time, torch
 from dflash_trt.benchmark.random_weights import random_engine
 engine = random_engine('qwen3.5-9b', max_batch_size=32, max_seq_len=4096).engine
 torch.cuda.synchronize(); reserved = torch.cuda.memory_reserved(); t0 = time.perf_counter()
