@@ -30,8 +30,6 @@
 #                                      # of engines for 4096 tokens against .gpu/old (tree_ab.sh prepare REV)
 #   bash bench/gpu_check.sh context-bench # the same end to end (Qwen3-8B bench at concurrency 1, buckets off
 #                                      # and on) and warm-up's capture time and graph memory, off and on
-#   bash bench/gpu_check.sh commit-graphs # a hybrid's commit graph shared by the context buckets: GPU
-#                                      # tests, warm-up's graphs and time against .gpu/old (tree_ab.sh prepare REV)
 #   bash bench/gpu_check.sh trace      # the 35B-A3B's AR step as a trace: each kernel's share by starts and ends
 #   bash bench/gpu_check.sh moe-flashinfer # MoE: the experts against FlashInfer's fused MoE (carry .fi)
 #   bash bench/gpu_check.sh tp         # (2 GPUs) a two-rank run exits; one rank vs two, Qwen3-1.7B pair
@@ -67,7 +65,7 @@
 # The machine has no `unzip`: zips are opened with `python3 -m zipfile`, which drops the
 # executable bits, so they are set again.
 set -u
-usage="usage: gpu_check.sh STAGE... (tests hybrid benches roofline bench8b goals overlap identity triton window flashinfer splits moe moe-models moe-bench moe-split moe-norm context context-bench commit-graphs trace moe-flashinfer tp draft-vocab prefill stall fa3 fa3-engine burst train-ranks demo-target demo-drafter demo-eval)"
+usage="usage: gpu_check.sh STAGE... (tests hybrid benches roofline bench8b goals overlap identity triton window flashinfer splits moe moe-models moe-bench moe-split moe-norm context context-bench trace moe-flashinfer tp draft-vocab prefill stall fa3 fa3-engine burst train-ranks demo-target demo-drafter demo-eval)"
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
@@ -329,30 +327,6 @@ torch.cuda.synchronize()
 row = dict(arm='$arm', warm_up_s=time.perf_counter() - t0, graphs=len(engine.passes._graphs),
            context_buckets=engine.passes.context_buckets, graph_pool_gb=(torch.cuda.memory_reserved() - reserved) / 1e9)
 print(row); json.dump(row, open('$OUT/warm_up_$arm.json', 'w'))"
-  done
-  ;;
-commit-graphs)
-  # a hybrid's commit reads no keys, so one graph per batch bucket and width serves every context
-  # bucket: the GPU tests, then warm-up at max_batch_size 32 and 4096 tokens (Qwen3.5-9B) with
-  # .gpu/old's tree and this one, alternating twice: its time, graphs and graph pool
-  step plugins 300 python3 -c 'from dflash_trt import plugins; print(plugins.load())'
-  DFLASH_TEST_DEVICE=cuda step tests-graphs 300 python3 -m pytest -q -p no:cacheprovider tests/test_graphs.py
-  for round in 1 2; do
-    for arm in old new; do
-      path=/tmp/site; [ $arm = old ] && path=.gpu/old:/tmp/site
-      # -P: not the working directory first on the path (its dflash_trt would shadow .gpu/old's)
-      PYTHONPATH=$path step "warm-up-9b-$arm-$round" 150 python3 -P -c "import json, time, torch
-from dflash_trt.benchmark.random_weights import random_engine
-engine = random_engine('qwen3.5-9b', max_batch_size=32, max_seq_len=4096).engine
-torch.cuda.synchronize(); reserved = torch.cuda.memory_reserved(); t0 = time.perf_counter()
-engine.warm_up()
-torch.cuda.synchronize()
-names = [key[0] for key in engine.passes._graphs]
-row = dict(arm='$arm', round=$round, warm_up_s=time.perf_counter() - t0, graphs=len(names),
-           commit_graphs=names.count('commit'), context_buckets=engine.passes.context_buckets,
-           graph_pool_gb=(torch.cuda.memory_reserved() - reserved) / 1e9)
-print(row); json.dump(row, open('$OUT/warm_up_9b_${arm}_$round.json', 'w'))"
-    done
   done
   ;;
 trace)

@@ -255,9 +255,8 @@ class GraphedPasses(DecodePasses):
     """The same passes captured as CUDA graphs, one per pass, batch-size bucket and context
     bucket (the decode passes).
 
-    Captured lazily on first use of a bucket. The graphs share one memory pool (a hybrid's
-    commit graphs one of their own: __init__); each keeps references to its static inputs and
-    outputs, so no capture reuses another's buffers.
+    Captured lazily on first use of a bucket. All graphs share one memory pool; each keeps
+    references to its static inputs and outputs, so no capture reuses another's buffers.
     The draft graph's output block is the verify graph's input (an oracle edits it in
     between). Outputs are views of static buffers, valid until the same graph replays.
     """
@@ -267,14 +266,8 @@ class GraphedPasses(DecodePasses):
         self.buckets = [b for b in (1, 2, 4, 8, 16, 24, 32, 48) if b < max_batch_size] + [max_batch_size]
         self.scratch_slot = self.target_cache.k.shape[1] - 1
         self._pool = torch.cuda.graph_pool_handle()
-        # A graph may reuse what the graphs captured before it in its pool freed, so a pool's
-        # graphs must replay in the order of their capture: a step's passes do, but the shared
-        # commit graph (captured in the first context bucket) follows later buckets' verify
-        # graphs, whose outputs would sit where it keeps its intermediates. It has no outputs,
-        # so a pool of its own costs only its intermediates.
-        self._commit_pool = torch.cuda.graph_pool_handle()
-        # (pass, bucket, verify or prefill width, else 0, context bucket or 0 for a commit) ->
-        # (graph, its static input, its outputs)
+        # (pass, bucket, verify or prefill width, else 0, context bucket) -> (graph, its static
+        # input, its outputs)
         self._graphs: dict[tuple[str, int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, object]] = {}
         self._kept: dict[int, torch.Tensor] = {}  # per bucket: the commit graph's kept counts
         # A bucket wider than the target allows would read lengths on the host; for a stateful
@@ -362,7 +355,7 @@ class GraphedPasses(DecodePasses):
         if key not in self._graphs:
             prompt = torch.zeros(2 + width, dtype=torch.long, device=self.device)
             prompt[0], prompt[1] = self.scratch_slot, width
-            self._graphs[key] = self._capture(prompt, lambda p: self._padded_prefill(p, dflash), self._pool)
+            self._graphs[key] = self._capture(prompt, lambda p: self._padded_prefill(p, dflash))
         return key
 
     def _padded_prefill(self, prompt: torch.Tensor, dflash: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -392,8 +385,8 @@ class GraphedPasses(DecodePasses):
     def commit(self, x: StepInputs, width: int, num_committed: list[int] | torch.Tensor) -> None:
         """A hybrid target's commit after a verify (the kept tokens replayed over every linear
         layer in one kernel, the conv windows copied back, and the small ops that index them)
-        runs as a graph too, one per batch-size bucket and verify width (every context bucket's
-        passes share it): eagerly, launching it cost more than its work at batch 1. The kept counts go to a static buffer; padding rows (on
+        runs as a graph too, one per verify width: eagerly, launching it cost more than its
+        work at batch 1. The kept counts go to a static buffer; padding rows (on
         the scratch slot) keep whatever valid count it holds. Everything else commits eagerly
         (nothing, or an in-place AR step)."""
         if not self.target.stateful or width == 1:
@@ -406,15 +399,11 @@ class GraphedPasses(DecodePasses):
         self._replay("commit", x, lambda s: self.target.commit(self.target_cache, self._batch(s, width), kept), width)
 
     def _replay(self, name: str, x: StepInputs, fn, width: int = 0):
-        # a hybrid's commit reads no keys (it replays the linear layers' recurrence): one graph
-        # serves every context bucket
-        context = 0 if name == "commit" else self.context_bucket(x)
-        key = (name, self.bucket(x.size), width, context)
+        key = (name, self.bucket(x.size), width, self.context_bucket(x))
         if key not in self._graphs:
             padding = self._padding(key[1], x.max_start)
             self._graphs[key] = self._capture(padding.packed,
-                                              lambda packed: fn(StepInputs(packed, padding.size, padding.max_start)),
-                                              self._commit_pool if name == "commit" else self._pool)
+                                              lambda packed: fn(StepInputs(packed, padding.size, padding.max_start)))
         return self._replay_graph(key, x.packed)  # padded to the bucket already (see inputs)
 
     def _replay_graph(self, key: tuple[str, int, int, int], inputs: torch.Tensor):
@@ -423,9 +412,9 @@ class GraphedPasses(DecodePasses):
         graph.replay()
         return outputs
 
-    def _capture(self, static_in: torch.Tensor, fn, pool):
-        """The graph of fn(static_in) in memory pool `pool`, static_in's values those of padding
-        (the scratch slot): the warm-up run and the capture write nothing a request owns."""
+    def _capture(self, static_in: torch.Tensor, fn):
+        """The graph of fn(static_in), static_in's values those of padding (the scratch slot):
+        the warm-up run and the capture write nothing a request owns."""
         dev = self.device
         # Warm up on a side stream (lazy initialisation, cuBLAS workspaces) before capturing.
         side = torch.cuda.Stream(dev)
@@ -434,7 +423,7 @@ class GraphedPasses(DecodePasses):
             fn(static_in)
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        with torch.cuda.graph(graph, pool=self._pool):
             outputs = fn(static_in)
         return graph, static_in, outputs
 

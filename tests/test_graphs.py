@@ -167,19 +167,15 @@ def test_hybrid_padding_rows_on_the_scratch_slot_do_not_change_real_rows(hybrid,
     assert padded == full[:3]
 
 
-def test_a_hybrids_commit_graph_serves_every_context_bucket(hybrid, monkeypatch):
-    """A commit replays the recurrence over the kept tokens and reads no keys, so rows growing
-    through the context buckets replay one commit graph per batch bucket and width, and still
-    generate what the eager engine does."""
+def test_hybrid_rows_growing_past_context_buckets_generate_what_the_eager_engine_does(hybrid, monkeypatch):
+    """A hybrid's verify and commit graphs per context bucket: rows growing out of one replay
+    the next one's and generate what the eager engine does, in fp32 and bf16."""
     monkeypatch.setattr(graphs, "CONTEXT_BUCKET_MIN", 64)
     prompts, sp = _prompts(2, seed=21, lengths=[32]), SamplingParams(max_tokens=100, ignore_eos=True)
     graphed = Engine(hybrid.target, hybrid.drafter, max_batch_size=2, max_seq_len=256, mode="dflash")
     eager = Engine(hybrid.target, hybrid.drafter, max_batch_size=2, max_seq_len=256, mode="dflash", cuda_graphs=False)
     assert [r.token_ids for r in graphed.generate(prompts, sp)] == [r.token_ids for r in eager.generate(prompts, sp)]
-    keys = graphed.passes._graphs
-    assert {key[3] for key in keys if key[0] == "verify"} == set(graphed.passes.context_buckets)
-    commits = [key for key in keys if key[0] == "commit"]
-    assert commits and {key[3] for key in commits} == {0}
+    assert {key[3] for key in graphed.passes._graphs if key[0] == "commit"} == set(graphed.passes.context_buckets)
 
 
 # -- prefill graphs --------------------------------------------------------------------------
