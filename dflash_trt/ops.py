@@ -617,7 +617,7 @@ def moe_experts_add_rms_norm(x, gate_up, down, logits, top_k: int, renormalize: 
     One token in bf16 or fp16 on CUDA with `ticket` given (an AR step at batch 1): one launch
     pair with the same bits: each CTA of the experts' kernels routes the token itself
     (plugins/route_warp.h, moe_route's arithmetic), so no routing kernel runs, and the one-token
-    down kernel's last CTA runs the add + norm (plugins/moe.h, MoeParams::norm) with
+    down kernel's last CTA runs the add + norm (plugins/moe.h, MoeTokenFusion::norm) with
     add_rms_norm's bits; `ticket` as for linear_add_rms_norm. Elsewhere the three ops."""
     H = x.shape[-1]
     E = logits.shape[-1] - shared

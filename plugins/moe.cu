@@ -26,7 +26,7 @@
 // Overlap. For one token (either kernel pair) the down kernel is launched as a programmatic
 // dependent of gate_up (pdl.h): its experts are known before gate_up ends (the ids come from
 // the kernel before it), so its CTAs pull their weight rows into L2 while gate_up's last CTAs
-// run, then wait. With MoeParams::route_logits each CTA of both routes the token itself
+// run, then wait. With MoeTokenFusion::route_logits each CTA of both routes the token itself
 // (route_warp.h) and no routing kernel runs before them: gate_up's CTAs after their wait, up
 // to their own pick, down's in full before theirs.
 // With more tokens the grids run in several waves, and the same launch was slower
@@ -608,23 +608,24 @@ constexpr int kTokenWarps = kTokenThreads / 32;
 constexpr int kTokenGateUpLoads = 2;  // per row (gate, up) and lane in flight: more CTAs resident beat more loads
 constexpr int kTokenMaxPicks = 32;  // k of the one-token kernels (their shared memory); more take the tiles
 
-// One token's routing inside the expert kernels (MoeParams::route_logits): warp 0 of the CTA
+// One token's routing inside the expert kernels (MoeTokenFusion::route_logits): warp 0 of the CTA
 // routes it into shared memory (route_warp.h) for the first `rounds` picks (the weights with
 // all of them), while the other warps wait at the barrier. The kernels take route_warp's V
 // (kRouteV: 8 up to 256 experts, else 16, whose registers cost the down kernel a spill) as a
 // template argument, 0 for ids read from memory, which compiles the routing out.
 static_assert(kTokenMaxPicks >= kMoeRouteMaxTopK + 1, "a routed token's picks fit the shared arrays");
 
-inline int route_lanes(const MoeParams& p) {
-  return p.route_logits == nullptr ? 0 : p.experts - (p.shared_last ? 1 : 0) <= 256 ? 8 : 16;
+inline int route_lanes(const MoeParams& p, const MoeTokenFusion& f) {
+  return f.route_logits == nullptr ? 0 : p.experts - (p.shared_last ? 1 : 0) <= 256 ? 8 : 16;
 }
 
 template <typename T, int kRouteV>
-__device__ __forceinline__ void route_in_cta(const MoeParams& p, int rounds, float* w, int32_t* ids) {
+__device__ __forceinline__ void route_in_cta(const MoeParams& p, const MoeTokenFusion& f, int rounds, float* w,
+                                             int32_t* ids) {
   const int s = p.shared_last ? 1 : 0;
   if (threadIdx.x < 32)
-    route_warp<T, kRouteV>(static_cast<const T*>(p.route_logits), p.route_stride, p.experts - s, p.top_k - s,
-                               rounds, p.route_renormalize, p.shared_last, w, ids);
+    route_warp<T, kRouteV>(static_cast<const T*>(f.route_logits), f.route_stride, p.experts - s, p.top_k - s,
+                               rounds, f.route_renormalize, p.shared_last, w, ids);
   __syncthreads();
 }
 
@@ -633,7 +634,7 @@ __device__ __forceinline__ void route_in_cta(const MoeParams& p, int rounds, flo
 // here (route_logits), a CTA routes up to its own pick (I is a multiple of 8: one pick a CTA),
 // a shared expert's CTA not at all.
 template <typename T, int kRouteV>
-__global__ void __launch_bounds__(kTokenThreads) moe_token_gate_up_kernel(MoeParams p) {
+__global__ void __launch_bounds__(kTokenThreads) moe_token_gate_up_kernel(MoeParams p, MoeTokenFusion f) {
   __shared__ float route_w[kTokenMaxPicks];
   __shared__ int32_t route_ids[kTokenMaxPicks];
   const int lane = threadIdx.x % 32;
@@ -655,12 +656,12 @@ __global__ void __launch_bounds__(kTokenThreads) moe_token_gate_up_kernel(MoePar
   const int j = static_cast<int>(min(w / p.inter, static_cast<int64_t>(p.top_k - 1)));
   constexpr bool routes = kRouteV > 0;
   if constexpr (routes) {
-    if (!shared_pick) route_in_cta<T, kRouteV>(p, j + 1, route_w, route_ids);  // the CTA is one pick's
+    if (!shared_pick) route_in_cta<T, kRouteV>(p, f, j + 1, route_w, route_ids);  // the CTA is one pick's
     // the last routed pick's first CTA has all of it: for the down CTAs that do not route
     const int routed = p.top_k - (p.shared_last ? 1 : 0);
     if (j == routed - 1 && w == static_cast<int64_t>(j) * p.inter && static_cast<int>(threadIdx.x) < p.top_k) {
-      p.route_ids[threadIdx.x] = route_ids[threadIdx.x];
-      p.route_weights[threadIdx.x] = route_w[threadIdx.x];
+      f.route_ids[threadIdx.x] = route_ids[threadIdx.x];
+      f.route_weights[threadIdx.x] = route_w[threadIdx.x];
     }
   }
   if (!live) return;
@@ -706,22 +707,22 @@ __device__ __forceinline__ void load_down_chunks(const uint4* row, int64_t c0, i
   }
 }
 
-// kNormPlays > 0: launched with kDownThreads threads, the add + norm after it (MoeParams::norm)
+// kNormPlays > 0: launched with kDownThreads threads, the add + norm after it (MoeTokenFusion::norm)
 // by its last CTA, each thread over kNormPlays vectors of the row.
 // With the routing here (kRouteV > 0) the first route_ctas CTAs, those that start while
 // gate_up runs (about one an SM beside its CTAs), route the token before their wait; the
 // others start as gate_up's CTAs end, where routing would be in the way, and read the routing
-// gate_up wrote (MoeParams::route_ids, route_weights) after the wait.
+// gate_up wrote (MoeTokenFusion::route_ids, route_weights) after the wait.
 template <typename T, int kNormPlays, int kRouteV>
 __global__ void __launch_bounds__(kDownThreads, kDownMinCtas)
-    moe_token_down_kernel(MoeParams p, int rows_per_cta, int route_ctas) {
+    moe_token_down_kernel(MoeParams p, MoeTokenFusion f, int rows_per_cta, int route_ctas) {
   __shared__ float part[kDownGroups];
   __shared__ float route_w[kTokenMaxPicks];
   __shared__ int32_t route_ids[kTokenMaxPicks];
   constexpr bool routes = kRouteV > 0;
   const bool self_routed = routes && static_cast<int>(blockIdx.x) < route_ctas;
   if constexpr (routes) {
-    if (self_routed) route_in_cta<T, kRouteV>(p, p.top_k - (p.shared_last ? 1 : 0), route_w, route_ids);
+    if (self_routed) route_in_cta<T, kRouteV>(p, f, p.top_k - (p.shared_last ? 1 : 0), route_w, route_ids);
   }
   const int k = p.top_k, group = threadIdx.x / kDownLanes, gl = threadIdx.x % kDownLanes;
   const int r = group / k, j = group % k;
@@ -739,8 +740,8 @@ __global__ void __launch_bounds__(kDownThreads, kDownMinCtas)
   if constexpr (routes) {
     if (!self_routed) {
       if (static_cast<int>(threadIdx.x) < k) {
-        route_ids[threadIdx.x] = p.route_ids[threadIdx.x];
-        route_w[threadIdx.x] = p.route_weights[threadIdx.x];
+        route_ids[threadIdx.x] = f.route_ids[threadIdx.x];
+        route_w[threadIdx.x] = f.route_weights[threadIdx.x];
       }
       __syncthreads();
       e = live ? route_ids[j] : -1;
@@ -797,31 +798,31 @@ __global__ void __launch_bounds__(kDownThreads, kDownMinCtas)
     else static_cast<T*>(p.out)[hr] = to_dtype<T>(out);
   }
   if constexpr (kNormPlays > 0) add_rms_norm_if_last<T, kDownThreads, kNormPlays>(static_cast<const T*>(p.out), p.hidden,
-                                                                                  p.norm);
+                                                                                  f.norm);
 }
 
 template <typename T>
-cudaError_t project_token(const MoeParams& p, cudaStream_t stream) {
+cudaError_t project_token(const MoeParams& p, const MoeTokenFusion& f, cudaStream_t stream) {
   const int64_t warps = static_cast<int64_t>(p.top_k) * p.inter;
   const dim3 block(kTokenThreads);
-  const int rv = route_lanes(p);  // routing only with the norm (moe_check)
+  const int rv = route_lanes(p, f);  // routing only with the norm (moe_check)
   const auto gate_up = rv == 0 ? moe_token_gate_up_kernel<T, 0>
                                : rv == 8 ? moe_token_gate_up_kernel<T, 8> : moe_token_gate_up_kernel<T, 16>;
   const cudaError_t err =
-      pdl_launch(gate_up, dim3(static_cast<unsigned>(ceil_div(warps, kTokenWarps))), block, 0, stream, true, p);
+      pdl_launch(gate_up, dim3(static_cast<unsigned>(ceil_div(warps, kTokenWarps))), block, 0, stream, true, p, f);
   if (err != cudaSuccess) return err;
   const int rows = down_rows_per_cta(p.top_k);
   const dim3 grid(static_cast<unsigned>(ceil_div(p.hidden, rows)));
-  if (p.norm.ticket != nullptr) {
+  if (f.norm.ticket != nullptr) {
     const bool one_play = p.hidden / 8 <= kDownThreads;
     const auto kernel = rv == 0    ? (one_play ? moe_token_down_kernel<T, 1, 0> : moe_token_down_kernel<T, 2, 0>)
                         : rv == 8  ? (one_play ? moe_token_down_kernel<T, 1, 8> : moe_token_down_kernel<T, 2, 8>)
                                    : (one_play ? moe_token_down_kernel<T, 1, 16> : moe_token_down_kernel<T, 2, 16>);
     // about one down CTA an SM starts beside gate_up's CTAs (moe_token_down_kernel)
-    return pdl_launch(kernel, grid, dim3(kDownThreads), 0, stream, true, p, rows, device_sms());
+    return pdl_launch(kernel, grid, dim3(kDownThreads), 0, stream, true, p, f, rows, device_sms());
   }
   const int threads = static_cast<int>(ceil_div(static_cast<int64_t>(rows) * p.top_k * kDownLanes, 32)) * 32;
-  return pdl_launch(moe_token_down_kernel<T, 0, 0>, grid, dim3(threads), 0, stream, true, p, rows, 0);
+  return pdl_launch(moe_token_down_kernel<T, 0, 0>, grid, dim3(threads), 0, stream, true, p, f, rows, 0);
 }
 
 // --------------------------------------------------------------------------------------------
@@ -936,7 +937,7 @@ Layout launch_layout(const MoeParams& p) {
 
 int64_t moe_work_ints(const MoeParams& p) { return launch_layout(p).total; }
 
-const char* moe_check(const MoeParams& p) {
+const char* moe_check(const MoeParams& p, const MoeTokenFusion* fusion) {
   if (!known_dtype(p.dtype)) return "dtype must be bf16, fp16 or fp32";
   if (p.out_dtype != DType::kFloat32 && p.out_dtype != p.dtype) return "out_dtype must be fp32 or the dtype";
   if (p.tokens < 0 || p.top_k < 0) return "tokens and top_k must be non-negative";
@@ -946,21 +947,22 @@ const char* moe_check(const MoeParams& p) {
   const int64_t slots = static_cast<int64_t>(p.tokens) * p.top_k;
   if (slots > (int64_t{1} << 30)) return "too many slots (tokens * top_k)";
   if (launch_chunks(p) > kMaxGridY) return "too many slots for one launch";
-  if (p.norm.ticket != nullptr) {
+  const MoeTokenFusion f = fusion != nullptr ? *fusion : MoeTokenFusion{};
+  if (f.norm.ticket != nullptr) {
     if (p.tokens != 1 || p.top_k > kTokenMaxPicks || (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16))
       return "the add + norm after the experts takes one token in bf16 or fp16 with at most 32 picks";
     if (p.out_dtype != p.dtype || p.hidden > kMoeNormMaxHidden) return "the add + norm needs out in the dtype, H <= 4096";
-    if (!p.norm.residual || !p.norm.weight || !p.norm.sum || !p.norm.out) return "null norm pointer";
-    if (!aligned16(p.norm.residual) || !aligned16(p.norm.weight) || !aligned16(p.norm.sum) || !aligned16(p.norm.out))
+    if (!f.norm.residual || !f.norm.weight || !f.norm.sum || !f.norm.out) return "null norm pointer";
+    if (!aligned16(f.norm.residual) || !aligned16(f.norm.weight) || !aligned16(f.norm.sum) || !aligned16(f.norm.out))
       return "the norm's residual, weight, sum and out must be 16-byte aligned";
   }
-  if (p.route_logits != nullptr) {
+  if (f.route_logits != nullptr) {
     const int s = p.shared_last ? 1 : 0;
-    if (p.norm.ticket == nullptr) return "routing in the experts' kernels comes with the add + norm after them";
+    if (f.norm.ticket == nullptr) return "routing in the experts' kernels comes with the add + norm after them";
     if (p.experts - s > kMoeRouteMaxExperts || p.top_k - s < 1 || p.top_k - s > kMoeRouteMaxTopK)
       return "routing in the experts' kernels takes up to 512 routed experts and 1 to 16 routed picks";
-    if (p.route_stride < 1) return "route_stride must be positive";
-    if (p.route_ids == nullptr || p.route_weights == nullptr) return "null route_ids or route_weights";
+    if (f.route_stride < 1) return "route_stride must be positive";
+    if (f.route_ids == nullptr || f.route_weights == nullptr) return "null route_ids or route_weights";
   }
   if (p.tokens == 0) return nullptr;
   if (!p.out || !aligned16(p.out)) return "out must be 16-byte aligned";
@@ -968,19 +970,20 @@ const char* moe_check(const MoeParams& p) {
   const void* const buffers[] = {p.x, p.gate_up, p.down, p.work, p.act, p.y};
   for (const void* ptr : buffers)
     if (ptr == nullptr || !aligned16(ptr)) return "x, gate_up, down, work, act and y must be 16-byte aligned";
-  if (p.route_logits == nullptr && (!p.weights || !p.ids)) return "null pointer";
+  if (f.route_logits == nullptr && (!p.weights || !p.ids)) return "null pointer";
   return nullptr;
 }
 
-cudaError_t moe_launch(const MoeParams& p, cudaStream_t stream) {
-  if (moe_check(p) != nullptr) return cudaErrorInvalidValue;
+cudaError_t moe_launch(const MoeParams& p, cudaStream_t stream, const MoeTokenFusion* fusion) {
+  if (moe_check(p, fusion) != nullptr) return cudaErrorInvalidValue;
   if (p.tokens == 0) return cudaSuccess;
   const int slots = p.tokens * p.top_k;
   if (slots == 0)
     return cudaMemsetAsync(p.out, 0, static_cast<size_t>(p.tokens) * p.hidden * dtype_bytes(p.out_dtype), stream);
   const bool one_token = p.tokens == 1 && p.top_k <= kTokenMaxPicks;
-  if (one_token && p.dtype == DType::kBFloat16) return project_token<__nv_bfloat16>(p, stream);
-  if (one_token && p.dtype == DType::kFloat16) return project_token<__half>(p, stream);
+  const MoeTokenFusion f = fusion != nullptr ? *fusion : MoeTokenFusion{};
+  if (one_token && p.dtype == DType::kBFloat16) return project_token<__nv_bfloat16>(p, f, stream);
+  if (one_token && p.dtype == DType::kFloat16) return project_token<__half>(p, f, stream);
   const int tiles = tiles_per_chunk(p);
   const int64_t chunks = launch_chunks(p);
   const Layout l = launch_layout(p);

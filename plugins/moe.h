@@ -41,7 +41,7 @@ constexpr int kMoeMaxExperts = 2048;  // the sort keeps three ints per expert in
 // Up to this many tokens the weighted sum runs in the down kernel: its serial tail on one CTA
 // per row tile is then shorter than a kernel of its own.
 constexpr int kMoeFusedCombineTokens = 16;
-// One token's experts with the residual add + norm after them (MoeParams::norm): H at most this.
+// One token's experts with the residual add + norm after them (MoeTokenFusion::norm): H at most this.
 constexpr int kMoeNormMaxHidden = 4096;
 
 struct MoeParams {
@@ -65,12 +65,21 @@ struct MoeParams {
   // the one-token gate_up pulls its rows into L2 before the ids are ready. A hint: the ids
   // decide what is computed.
   bool shared_last = false;
+};
+// A kernel parameter struct of more than 128 bytes is read through a generic address (nvcc
+// takes the parameter's address), which changed the tile kernels' code and slowed them down
+// (BENCHMARKS.md, "Mixture of experts"): what only one token's kernels read is MoeTokenFusion.
+static_assert(sizeof(MoeParams) <= 128, "MoeParams is every MoE kernel's parameter: keep it to 128 bytes");
+
+// One token's routing and the residual add + norm after its experts, run inside the expert
+// kernels (an AR step at batch 1), a parameter of those kernels only.
+struct MoeTokenFusion {
   // With norm.ticket set (one token in bf16 or fp16, out in the dtype, H <= kMoeNormMaxHidden):
   // the residual add + RMSNorm after the experts, norm.sum = norm.residual + out and norm.out
   // its norm, run by the down kernel's last CTA (gemv.h's GemvNorm, with add_rms_norm's bits).
   GemvNorm norm;
-  // With route_logits set (one token, with the norm above): weights and ids are not read (may
-  // be null): the kernels route the token themselves from the router's logits, with
+  // With route_logits set (one token, with the norm above): MoeParams' weights and ids are not
+  // read (may be null): the kernels route the token themselves from the router's logits, with
   // moe_route's semantics and bits (moe_route.h: route_logits[e route_stride] for e < E - s,
   // s = 1 with shared_last, which then holds the shared expert's gate at e = E - 1, picked last
   // as expert E - 1; top_k counts it): no routing launch, and the down kernel routes before
@@ -81,12 +90,14 @@ struct MoeParams {
   int32_t* route_ids = nullptr;    // [k] scratch: gate_up writes the routing here for the down
   float* route_weights = nullptr;  // kernel's CTAs that start after it (moe.cu)
 };
+static_assert(sizeof(MoeTokenFusion) <= 128, "a kernel parameter: keep it to 128 bytes (MoeParams)");
 
 // Scratch ints of a launch (the sort's outputs and the chunk list).
 int64_t moe_work_ints(const MoeParams& p);
 // nullptr when the launch would be valid, else why not. All pointers 16-byte aligned.
-const char* moe_check(const MoeParams& p);
-cudaError_t moe_launch(const MoeParams& p, cudaStream_t stream);
+// `fusion` (may be null: none) only for one token.
+const char* moe_check(const MoeParams& p, const MoeTokenFusion* fusion = nullptr);
+cudaError_t moe_launch(const MoeParams& p, cudaStream_t stream, const MoeTokenFusion* fusion = nullptr);
 
 // The sort alone: slots grouped by expert, in expert order, then the slots with an id
 // outside [0, E). Writes, from `work` (moe_sort_work_ints ints, 16-byte aligned):

@@ -830,8 +830,8 @@ at::Tensor gated_delta_recurrent_meta(const at::Tensor& q, const at::Tensor&, co
 // x [N, H] bf16, fp16 or fp32; gate_up [E, 2I, H], down [E, H, I] in x's dtype; weights [N, k]
 // fp32; ids [N, k] int32; all contiguous. Returns [N, H] in fp32, or in x's dtype with fp32_out false.
 // shared_last: a hint (moe.h) that every token's last pick is expert E - 1.
-// norm: the residual add + norm after it (MoeParams::norm), or null.
-// route: the router's logits and routing the kernels route from (MoeParams::route_logits; then
+// norm: the residual add + norm after it (MoeTokenFusion::norm), or null.
+// route: the router's logits and routing the kernels route from (MoeTokenFusion::route_logits; then
 // weights and ids are not read and may be empty [N, k] tensors), or null.
 struct RouteArgs {
   const at::Tensor& logits;
@@ -886,23 +886,24 @@ at::Tensor moe_experts_run(const at::Tensor& x, const at::Tensor& gate_up, const
   p.y = y.data_ptr();
   p.out = out.data_ptr();
   p.shared_last = shared_last;
-  if (norm != nullptr) p.norm = *norm;
+  dflash::MoeTokenFusion fusion;
+  if (norm != nullptr) fusion.norm = *norm;
   if (route != nullptr) {
     const at::Tensor& logits = route->logits;
     DFLASH_CHECK(logits.device() == x.device() && logits.scalar_type() == x.scalar_type() && logits.dim() == 2 &&
                      logits.size(0) == N && logits.size(1) == E && logits.stride(1) >= 1,
                  op, ": logits must be [N, E] = [", N, ", ", E, "] (E counting a shared expert's gate) in x's dtype "
                  "on x's device, got ", logits.sizes(), " ", logits.scalar_type());
-    p.route_logits = logits.data_ptr();
-    p.route_stride = logits.stride(1);
-    p.route_renormalize = route->renormalize;
-    p.route_ids = ids.data_ptr<int32_t>();  // unread inputs: the routing's scratch
-    p.route_weights = weights.data_ptr<float>();
+    fusion.route_logits = logits.data_ptr();
+    fusion.route_stride = logits.stride(1);
+    fusion.route_renormalize = route->renormalize;
+    fusion.route_ids = ids.data_ptr<int32_t>();  // unread inputs: the routing's scratch
+    fusion.route_weights = weights.data_ptr<float>();
     p.weights = nullptr;
     p.ids = nullptr;
   }
-  if (const char* why = dflash::moe_check(p)) DFLASH_CHECK(false, op, ": ", why);
-  check_launch(dflash::moe_launch(p, c10::cuda::getCurrentCUDAStream().stream()), op);
+  if (const char* why = dflash::moe_check(p, &fusion)) DFLASH_CHECK(false, op, ": ", why);
+  check_launch(dflash::moe_launch(p, c10::cuda::getCurrentCUDAStream().stream(), &fusion), op);
   return out;
 }
 

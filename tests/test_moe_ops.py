@@ -276,7 +276,7 @@ def test_cuda_one_token_matches_the_reference_at_any_width_and_pick_count(exact_
 @pytest.mark.cuda
 # One token's routing, experts and the norm after them in one launch pair: each CTA routes the
 # token (route_warp.h) and the down kernel's last CTA adds the residual and norms the row
-# (MoeParams::norm): the bits of moe_route, moe_experts, then add_rms_norm, with a shared expert
+# (MoeTokenFusion::norm): the bits of moe_route, moe_experts, then add_rms_norm, with a shared expert
 # packed last or none, 256 routed experts (route_warp's V 8) or 512 (V 16), the weights
 # renormalised or not, logits with ties; one play a thread (H 2048), two (H 4096) and a row
 # shorter than a CTA (H 40); both norms; graph replays with new logits, the ticket left zero
