@@ -30,6 +30,9 @@
 #                                      # of engines for 4096 tokens against .gpu/old (tree_ab.sh prepare REV)
 #   bash bench/gpu_check.sh context-bench # the same end to end (Qwen3-8B bench at concurrency 1, buckets off
 #                                      # and on) and warm-up's capture time and graph memory, off and on
+#   bash bench/gpu_check.sh moe-params # MoE kernels' parameters back to 128 bytes (ac3c384): GPU tests, then the
+#                                      # 35B-A3B's AR step at batch 1 and DFlash at concurrency 32 against .gpu/old
+#                                      # (tree_ab.sh prepare ed4bbeb), alternating twice
 #   bash bench/gpu_check.sh trace      # the 35B-A3B's AR step as a trace: each kernel's share by starts and ends
 #   bash bench/gpu_check.sh moe-flashinfer # MoE: the experts against FlashInfer's fused MoE (carry .fi)
 #   bash bench/gpu_check.sh tp         # (2 GPUs) a two-rank run exits; one rank vs two, Qwen3-1.7B pair
@@ -65,7 +68,7 @@
 # The machine has no `unzip`: zips are opened with `python3 -m zipfile`, which drops the
 # executable bits, so they are set again.
 set -u
-usage="usage: gpu_check.sh STAGE... (tests hybrid benches roofline bench8b goals overlap identity triton window flashinfer splits moe moe-models moe-bench moe-split moe-norm context context-bench trace moe-flashinfer tp draft-vocab prefill stall fa3 fa3-engine burst train-ranks demo-target demo-drafter demo-eval)"
+usage="usage: gpu_check.sh STAGE... (tests hybrid benches roofline bench8b goals overlap identity triton window flashinfer splits moe moe-models moe-bench moe-split moe-norm moe-params context context-bench trace moe-flashinfer tp draft-vocab prefill stall fa3 fa3-engine burst train-ranks demo-target demo-drafter demo-eval)"
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
@@ -285,6 +288,25 @@ moe-norm)
       ab_step "ar35b-$flags-$round" "from dflash_trt.models.moe import SparseMoeBlock as B
 B.output_norm_in_experts, B.input_norm_in_projection = '$flags'[0] == '1', '$flags'[1] == '1'" \
         qwen3.6-35b-a3b "$OUT/norm_ar35b_${flags}_$round.json"
+    done
+  done
+  ;;
+moe-params)
+  # MoeParams over 128 bytes (3902c18) changed the tile kernels' code and slowed DFlash at 32
+  # (moe35b_c32_bisect_h200.json); ac3c384 moves one token's extras into MoeTokenFusion. Its GPU
+  # tests, then this tree against .gpu/old: the AR step at batch 1 (whose one-token kernels
+  # compile differently too) and the c32 bench, alternating twice
+  step plugins 300 python3 -c 'from dflash_trt import plugins; print(plugins.load())'
+  DFLASH_TEST_DEVICE=cuda step tests-moe 300 python3 -m pytest -q -p no:cacheprovider tests/test_moe_ops.py \
+    tests/test_moe.py
+  OUT=$OUT/ab_ar step ab-ar-35b 200 bash bench/tree_ab.sh run 2 --preset qwen3.6-35b-a3b --batch 1
+  for round in 1 2; do
+    for arm in old new; do
+      path=/tmp/site; [ $arm = old ] && path=.gpu/old:/tmp/site
+      # -P: the working directory not first on the path (its dflash_trt would shadow .gpu/old's)
+      PYTHONPATH=$path step "c32-$arm-$round" 120 python3 -P -c "from dflash_trt.cli import main
+main()" bench --random-weights qwen3.6-35b-a3b --oracle-tau 6.7 --dataset gsm8k --num-prompts 32 --max-tokens 256 \
+        --concurrency 32 --json "$OUT/c32_${arm}_$round.json"
     done
   done
   ;;
