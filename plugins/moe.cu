@@ -615,6 +615,15 @@ constexpr int kTokenMaxPicks = 32;  // k of the one-token kernels (their shared 
 // template argument, 0 for ids read from memory, which compiles the routing out.
 static_assert(kTokenMaxPicks >= kMoeRouteMaxTopK + 1, "a routed token's picks fit the shared arrays");
 
+// The one-token kernels' parameter: both structs in one, over 128 bytes, so that nvcc reads it
+// through its address as it did when they were tuned and measured (BENCHMARKS.md, "Mixture of
+// experts"): it keeps the values out of registers, and by value the down kernel spills under
+// its register cap. The tile kernels take MoeParams alone (moe.h).
+struct MoeTokenArgs {
+  MoeParams p;
+  MoeTokenFusion f;
+};
+
 inline int route_lanes(const MoeParams& p, const MoeTokenFusion& f) {
   return f.route_logits == nullptr ? 0 : p.experts - (p.shared_last ? 1 : 0) <= 256 ? 8 : 16;
 }
@@ -634,7 +643,9 @@ __device__ __forceinline__ void route_in_cta(const MoeParams& p, const MoeTokenF
 // here (route_logits), a CTA routes up to its own pick (I is a multiple of 8: one pick a CTA),
 // a shared expert's CTA not at all.
 template <typename T, int kRouteV>
-__global__ void __launch_bounds__(kTokenThreads) moe_token_gate_up_kernel(MoeParams p, MoeTokenFusion f) {
+__global__ void __launch_bounds__(kTokenThreads) moe_token_gate_up_kernel(MoeTokenArgs a) {
+  const MoeParams& p = a.p;
+  const MoeTokenFusion& f = a.f;
   __shared__ float route_w[kTokenMaxPicks];
   __shared__ int32_t route_ids[kTokenMaxPicks];
   const int lane = threadIdx.x % 32;
@@ -715,7 +726,9 @@ __device__ __forceinline__ void load_down_chunks(const uint4* row, int64_t c0, i
 // gate_up wrote (MoeTokenFusion::route_ids, route_weights) after the wait.
 template <typename T, int kNormPlays, int kRouteV>
 __global__ void __launch_bounds__(kDownThreads, kDownMinCtas)
-    moe_token_down_kernel(MoeParams p, MoeTokenFusion f, int rows_per_cta, int route_ctas) {
+    moe_token_down_kernel(MoeTokenArgs a, int rows_per_cta, int route_ctas) {
+  const MoeParams& p = a.p;
+  const MoeTokenFusion& f = a.f;
   __shared__ float part[kDownGroups];
   __shared__ float route_w[kTokenMaxPicks];
   __shared__ int32_t route_ids[kTokenMaxPicks];
@@ -803,13 +816,14 @@ __global__ void __launch_bounds__(kDownThreads, kDownMinCtas)
 
 template <typename T>
 cudaError_t project_token(const MoeParams& p, const MoeTokenFusion& f, cudaStream_t stream) {
+  const MoeTokenArgs args{p, f};
   const int64_t warps = static_cast<int64_t>(p.top_k) * p.inter;
   const dim3 block(kTokenThreads);
   const int rv = route_lanes(p, f);  // routing only with the norm (moe_check)
   const auto gate_up = rv == 0 ? moe_token_gate_up_kernel<T, 0>
                                : rv == 8 ? moe_token_gate_up_kernel<T, 8> : moe_token_gate_up_kernel<T, 16>;
   const cudaError_t err =
-      pdl_launch(gate_up, dim3(static_cast<unsigned>(ceil_div(warps, kTokenWarps))), block, 0, stream, true, p, f);
+      pdl_launch(gate_up, dim3(static_cast<unsigned>(ceil_div(warps, kTokenWarps))), block, 0, stream, true, args);
   if (err != cudaSuccess) return err;
   const int rows = down_rows_per_cta(p.top_k);
   const dim3 grid(static_cast<unsigned>(ceil_div(p.hidden, rows)));
@@ -819,10 +833,10 @@ cudaError_t project_token(const MoeParams& p, const MoeTokenFusion& f, cudaStrea
                         : rv == 8  ? (one_play ? moe_token_down_kernel<T, 1, 8> : moe_token_down_kernel<T, 2, 8>)
                                    : (one_play ? moe_token_down_kernel<T, 1, 16> : moe_token_down_kernel<T, 2, 16>);
     // about one down CTA an SM starts beside gate_up's CTAs (moe_token_down_kernel)
-    return pdl_launch(kernel, grid, dim3(kDownThreads), 0, stream, true, p, f, rows, device_sms());
+    return pdl_launch(kernel, grid, dim3(kDownThreads), 0, stream, true, args, rows, device_sms());
   }
   const int threads = static_cast<int>(ceil_div(static_cast<int64_t>(rows) * p.top_k * kDownLanes, 32)) * 32;
-  return pdl_launch(moe_token_down_kernel<T, 0, 0>, grid, dim3(threads), 0, stream, true, p, f, rows, 0);
+  return pdl_launch(moe_token_down_kernel<T, 0, 0>, grid, dim3(threads), 0, stream, true, args, rows, 0);
 }
 
 // --------------------------------------------------------------------------------------------

@@ -72,7 +72,7 @@ struct MoeParams {
 static_assert(sizeof(MoeParams) <= 128, "MoeParams is every MoE kernel's parameter: keep it to 128 bytes");
 
 // One token's routing and the residual add + norm after its experts, run inside the expert
-// kernels (an AR step at batch 1), a parameter of those kernels only.
+// kernels (an AR step at batch 1): read by those kernels only (moe.cu, MoeTokenArgs).
 struct MoeTokenFusion {
   // With norm.ticket set (one token in bf16 or fp16, out in the dtype, H <= kMoeNormMaxHidden):
   // the residual add + RMSNorm after the experts, norm.sum = norm.residual + out and norm.out
@@ -90,7 +90,6 @@ struct MoeTokenFusion {
   int32_t* route_ids = nullptr;    // [k] scratch: gate_up writes the routing here for the down
   float* route_weights = nullptr;  // kernel's CTAs that start after it (moe.cu)
 };
-static_assert(sizeof(MoeTokenFusion) <= 128, "a kernel parameter: keep it to 128 bytes (MoeParams)");
 
 // Scratch ints of a launch (the sort's outputs and the chunk list).
 int64_t moe_work_ints(const MoeParams& p);
