@@ -30,7 +30,7 @@
 #                                      # of engines for 4096 tokens against .gpu/old (tree_ab.sh prepare REV)
 #   bash bench/gpu_check.sh context-bench # the same end to end (Qwen3-8B bench at concurrency 1, buckets off
 #                                      # and on) and warm-up's capture time and graph memory, off and on
-#   bash bench/gpu_check.sh moe-params # MoE kernels' parameters back to 128 bytes (ac3c384): GPU tests, then the
+#   bash bench/gpu_check.sh moe-params # MoE tile kernels' parameter back to 128 bytes (ac3c384): GPU tests, then the
 #                                      # 35B-A3B's AR step at batch 1 and DFlash at concurrency 32 against .gpu/old
 #                                      # (tree_ab.sh prepare ed4bbeb), alternating twice
 #   bash bench/gpu_check.sh trace      # the 35B-A3B's AR step as a trace: each kernel's share by starts and ends
@@ -293,9 +293,10 @@ B.output_norm_in_experts, B.input_norm_in_projection = '$flags'[0] == '1', '$fla
   ;;
 moe-params)
   # MoeParams over 128 bytes (3902c18) changed the tile kernels' code and slowed DFlash at 32
-  # (moe35b_c32_bisect_h200.json); ac3c384 moves one token's extras into MoeTokenFusion. Its GPU
-  # tests, then this tree against .gpu/old: the AR step at batch 1 (whose one-token kernels
-  # compile differently too) and the c32 bench, alternating twice
+  # (moe35b_c32_bisect_h200.json); ac3c384 / b681fc9 move one token's extras into MoeTokenFusion
+  # (the tile kernels' PTX is 53f3882's again, the one-token kernels' unchanged). Its GPU tests,
+  # then this tree against .gpu/old: the AR step at batch 1 (expected unchanged) and the c32
+  # bench, alternating twice
   step plugins 300 python3 -c 'from dflash_trt import plugins; print(plugins.load())'
   DFLASH_TEST_DEVICE=cuda step tests-moe 300 python3 -m pytest -q -p no:cacheprovider tests/test_moe_ops.py \
     tests/test_moe.py
