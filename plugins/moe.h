@@ -66,8 +66,8 @@ struct MoeParams {
   // decide what is computed.
   bool shared_last = false;
 };
-// A kernel parameter struct of more than 128 bytes is read through a generic address (nvcc
-// takes the parameter's address), which changed the tile kernels' code and slowed them down
+// nvcc reads a kernel parameter struct of more than 128 bytes through its address (loads from
+// a register-held parameter address), which changed the tile kernels' code and slowed them down
 // (BENCHMARKS.md, "Mixture of experts"): what only one token's kernels read is MoeTokenFusion.
 static_assert(sizeof(MoeParams) <= 128, "MoeParams is every MoE kernel's parameter: keep it to 128 bytes");
 
