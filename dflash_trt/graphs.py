@@ -126,10 +126,10 @@ class DecodePasses:
         """Inputs of the AR step after one the host has not read yet: each sequence one row
         past its num_cached, its last token the queued step's greedy token tokens[rows[i]],
         gathered on the device (no host sync)."""
-        n = len(seqs)
-        packed = self._upload([[s.slot for s in seqs], [s.num_cached + 1 for s in seqs], rows])
+        n, lengths = len(seqs), [s.num_cached + 1 for s in seqs]
+        packed = self._upload([[s.slot for s in seqs], lengths, rows])
         packed[2, :n] = tokens[packed[2, :n]]
-        return StepInputs(packed, n, max((s.num_cached + 1 for s in seqs), default=0))
+        return StepInputs(packed, n, max(lengths, default=0))
 
     def _upload(self, rows: list[list[int]]) -> torch.Tensor:
         """The [3, n] rows staged in the next pinned buffer and copied to the device -> [3, m >= n]."""
