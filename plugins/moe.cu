@@ -427,7 +427,7 @@ __global__ void __launch_bounds__(kGateUpWarps * 32) moe_gate_up_kernel(MoeParam
 // kSum: the last CTA of each row tile to finish also sums that tile's rows for every token
 // (a CTA a row tile then, as for one token, whose CTAs prefetch their tile).
 template <typename T, int NT, bool kSum>
-__global__ void __launch_bounds__(kDownWarps * 32) moe_down_kernel(MoeParams p, Layout l) {
+__device__ __forceinline__ void down_tiles(const MoeParams& p, const Layout& l) {
   __shared__ float part[kDownWarps - 1][2][NT][4][32];
   int4 chunk;
   const bool routed = read_chunk(p, l, chunk);
@@ -471,6 +471,24 @@ __global__ void __launch_bounds__(kDownWarps * 32) moe_down_kernel(MoeParams p, 
       store_sum<T>(p.out, p.out_dtype, tok * p.hidden + c, acc);
     }
   }
+}
+
+template <typename T, int NT>
+__global__ void __launch_bounds__(kDownWarps * 32) moe_down_kernel(MoeParams p, Layout l) {
+  down_tiles<T, NT, false>(p, l);
+}
+
+// The summing down kernel (at most kMoeFusedCombineTokens tokens: a verify at batch 1) takes
+// both as one struct over 128 bytes, which nvcc reads through its address: there this ran
+// faster than the values in registers (BENCHMARKS.md, "Mixture of experts").
+struct DownSumArgs {
+  MoeParams p;
+  Layout l;
+};
+
+template <typename T, int NT>
+__global__ void __launch_bounds__(kDownWarps * 32) moe_down_sum_kernel(DownSumArgs a) {
+  down_tiles<T, NT, true>(a.p, a.l);
 }
 
 // --------------------------------------------------------------------------------------------
@@ -911,8 +929,9 @@ cudaError_t project(const MoeParams& p, const Layout& l, int64_t chunks, cudaStr
   if (err != cudaSuccess) return err;
   const dim3 block(kDownWarps * 32);
   const bool overlap = p.tokens == 1;
-  if (fused_combine(p)) return pdl_launch(moe_down_kernel<T, NT, true>, down_grid, block, 0, stream, overlap, p, l);
-  return pdl_launch(moe_down_kernel<T, NT, false>, down_grid, block, 0, stream, overlap, p, l);
+  if (fused_combine(p))
+    return pdl_launch(moe_down_sum_kernel<T, NT>, down_grid, block, 0, stream, overlap, DownSumArgs{p, l});
+  return pdl_launch(moe_down_kernel<T, NT>, down_grid, block, 0, stream, overlap, p, l);
 }
 
 template <typename T>

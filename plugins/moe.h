@@ -69,6 +69,8 @@ struct MoeParams {
 // nvcc reads a kernel parameter struct of more than 128 bytes through its address (loads from
 // a register-held parameter address), which changed the tile kernels' code and slowed them down
 // (BENCHMARKS.md, "Mixture of experts"): what only one token's kernels read is MoeTokenFusion.
+// Which form is faster depends on the kernel, so moe.cu picks it per kernel (MoeTokenArgs,
+// DownSumArgs).
 static_assert(sizeof(MoeParams) <= 128, "MoeParams is every MoE kernel's parameter: keep it to 128 bytes");
 
 // One token's routing and the residual add + norm after its experts, run inside the expert
