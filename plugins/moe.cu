@@ -485,6 +485,7 @@ struct DownSumArgs {
   MoeParams p;
   Layout l;
 };
+static_assert(sizeof(DownSumArgs) > 128, "the summing down kernel was measured reading its parameter by address");
 
 template <typename T, int NT>
 __global__ void __launch_bounds__(kDownWarps * 32) moe_down_sum_kernel(DownSumArgs a) {
@@ -641,6 +642,7 @@ struct MoeTokenArgs {
   MoeParams p;
   MoeTokenFusion f;
 };
+static_assert(sizeof(MoeTokenArgs) > 128, "the one-token kernels were tuned reading their parameter by address");
 
 inline int route_lanes(const MoeParams& p, const MoeTokenFusion& f) {
   return f.route_logits == nullptr ? 0 : p.experts - (p.shared_last ? 1 : 0) <= 256 ? 8 : 16;
