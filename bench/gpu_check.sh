@@ -303,7 +303,7 @@ moe-params)
   OUT=$OUT/ab_ar step ab-ar-35b 200 bash bench/tree_ab.sh run 2 --preset qwen3.6-35b-a3b --batch 1
   for round in 1 2; do
     for arm in old new; do
-      path=/tmp/site; [ $arm = old ] && path=.gpu/old:/tmp/site
+      path=/tmp/site; [ $arm = old ] && path=${OLD:-.gpu/old}:/tmp/site  # the tree tree_ab.sh runs as old
       # -P: the working directory not first on the path (its dflash_trt would shadow .gpu/old's)
       PYTHONPATH=$path step "c32-$arm-$round" 120 python3 -P -c "from dflash_trt.cli import main
 main()" bench --random-weights qwen3.6-35b-a3b --oracle-tau 6.7 --dataset gsm8k --num-prompts 32 --max-tokens 256 \
