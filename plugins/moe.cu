@@ -715,7 +715,7 @@ __global__ void __launch_bounds__(kTokenThreads) moe_token_gate_up_kernel(MoeTok
 // r k + j), so that a lane has kDownLoads weight chunks in flight and a dot costs three shuffles.
 // Two warps a row, a chunk a lane and pick, spent most of their issue slots beside the loads
 // (addresses, a 32-lane butterfly per pick, the activations unpacked again by every warp): ncu
-// found them issue-bound, not waiting on memory (BENCHMARKS.md, "Mixture of experts"). The ids
+// found them issue-bound, not waiting on memory (benchmarks/moe_token_ncu_h200.json). The ids
 // were written two kernels back (routing; gate_up lets this kernel start only after its own
 // wait), so the first weight chunks load into registers before the wait, while gate_up runs;
 // the ids are read again after it. With route_logits the router's logits are the ones two
