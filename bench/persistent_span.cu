@@ -10,19 +10,15 @@
 // boundaries, launch ramps and tails) would a persistent design win back (issue 18's roofline
 // goal)?
 //
-// One CTA an SM (the grid is what the GPU holds at once, so grid barriers cannot deadlock).
-// In each CTA a producer thread streams the CTA's share of every matmul's weight rows, in the
-// order the matmuls run, through a ring of shared-memory stages with bulk copies (the Hopper
-// copy engine: many bytes in flight for one thread's instructions), and runs ahead of the
-// consumers across grid barriers, as far as the ring and the routing allow: the next matmul's
-// first rows are in shared memory when the barrier before it opens. Consumer warps take whole
-// rows (a row's dot in one warp, written once: no atomics, a fixed order). A CTA's share of the
-// gate_up rows is a slice of every pick's, the shared expert's first: those stream before the
-// routing is known. The work between matmuls (norms, top-k, SiLU) runs in every CTA on what it
-// needs, read from L2, so only the matmuls' outputs need a grid barrier.
-//
-// (A first design, warps streaming with loads into registers and adding row sums with atomics,
-// ran slower than the engine's kernels: benchmarks/persistent_span_h200.json at eeacb99.)
+// The grid is every CTA the GPU holds at once (so grid barriers cannot deadlock); a phase's
+// weights are split evenly over all warps in 32-chunk groups (a chunk is 16 bytes), each warp
+// streaming its groups with kLoads loads a lane in flight and adding its rows' fp32 sums into
+// the phase's accumulators with atomics (a row split between two warps gets two adds: the sums'
+// order is not fixed, unlike the engine's). The work between matmuls (norms, top-k, SiLU) runs
+// in every CTA on what it needs, read from L2, so only the matmuls' outputs need a barrier.
+// Before each barrier a CTA may prefetch into L2 the first bytes of its share of the next
+// phase's weights, where their addresses are known then (the experts' only after the routing,
+// but for the shared expert): a persistent design's answer to the ramp after every barrier.
 //
 // Shapes are the 35B-A3B's, fixed at compile time.
 
@@ -38,18 +34,17 @@ namespace {
 using bf16 = __nv_bfloat16;
 
 constexpr int H = 2048, V = 4096, I = 512, E = 256, K = 8, P = K + 1, N = 12352;  // P picks: K routed + shared
-constexpr int kConsumerWarps = 16, kConsumers = kConsumerWarps * 32, kThreads = kConsumers + 32;
-constexpr int kStageBytes = 16384;
+constexpr int kThreads = 512, kWarps = kThreads / 32;
 constexpr int kGateUpRows = 2 * I, kRouterRows = E + 1;
 
 struct Layer {
-  const char* out_proj;  // [H, V]
-  const char* router;    // [E + 1, H] (the shared expert's gate last)
-  const char* gate_up;   // [E + 1, 2I, H] (the shared expert last)
-  const char* down;      // [E + 1, H, I]
-  const char* in_proj;   // [N, H]
-  const bf16* norm1;     // [H] zero-centred: scale 1 + w
-  const bf16* norm2;     // [H]
+  const uint4* out_proj;  // [H, V]
+  const uint4* router;    // [E + 1, H] (the shared expert's gate last)
+  const uint4* gate_up;   // [E + 1, 2I, H] (the shared expert last)
+  const uint4* down;      // [E + 1, H, I]
+  const uint4* in_proj;   // [N, H]
+  const bf16* norm1;      // [H] zero-centred: scale 1 + w
+  const bf16* norm2;      // [H]
 };
 
 struct Params {
@@ -58,27 +53,23 @@ struct Params {
   float eps;
   const bf16* x0;     // [V] the first layer's out_proj input
   const float* res0;  // [H] the first residual
-  float* res[2];      // [H] residuals after layer l: res[(l + 1) % 2]
-  float* d;           // [H] out_proj's output, rounded to bf16
-  float* logits;      // [E + 1]
-  float* gu;          // [P, 2I] in pick order (pick j's gate rows, then its up rows)
-  float* dn;          // [H, P] each pick's down output
-  float* z;           // [N] in_proj's output: the kernel's after the last layer
+  float* res[2];      // [H] residuals after layer l: res[l % 2]
+  float* d_acc;       // [H] out_proj's sums
+  float* logit_acc;   // [E + 1]
+  float* gu_acc;      // [P, 2I]
+  float* down_acc;    // [H, P]
+  float* z_acc;       // [N] in_proj's sums: the output after the last layer
   float* sumsq;       // [gridDim.x] each CTA's part of the second norm's sum of squares
   int* ids_out;       // [layers, P] the routing, for the check
   unsigned* barrier;  // zero at launch
-  int prefetch_bytes;  // of its in_proj share, pulled into L2 while the producer waits for the routing
-  unsigned long long* timeline = nullptr;  // null, or [layers, 6, 3] ns: see grid_barrier
+  int prefetch_bytes;
+  // null, or [layers, 6 barriers, 3] ns (%globaltimer): the first and the last CTA's arrival,
+  // CTA 0's departure; the first two start at INT64_MAX / 0
+  unsigned long long* timeline = nullptr;
 };
 
-// The matmuls of a layer, in the order they run and stream.
-enum Phase { kOutProj, kRouter, kGateUp, kDown, kInProj, kNumPhases };
-
-__host__ __device__ constexpr int row_bytes(int phase) {
-  return phase == kOutProj ? V * 2 : phase == kDown ? I * 2 : H * 2;
-}
-__host__ __device__ constexpr int rows_per_stage(int phase) { return kStageBytes / row_bytes(phase); }
-constexpr int kStageRows = rows_per_stage(kDown);  // the most rows a stage holds
+__device__ __forceinline__ int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
+__device__ __forceinline__ int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
 
 __device__ __forceinline__ float bf(float v) { return __bfloat162float(__float2bfloat16(v)); }
 
@@ -107,62 +98,20 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
-// The consumer warps' own barrier: the producer warp never waits on one.
-__device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, %0;" ::"r"(kConsumers) : "memory"); }
-
-// The consumers' sum of v, the same in every CTA for the same inputs.
-__device__ float consumer_sum(float v, float* scratch) {
+// The CTA's sum of v over its threads, the same in every CTA for the same inputs.
+__device__ float block_sum(float v, float* scratch) {
   v = warp_sum(v);
-  consumer_sync();
+  __syncthreads();
   if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
-  consumer_sync();
+  __syncthreads();
   float t = 0.0f;
-  for (int w = 0; w < kConsumerWarps; ++w) t += scratch[w];
+  for (int w = 0; w < kWarps; ++w) t += scratch[w];
   return t;
-}
-
-// -- mbarriers and bulk copies (sm_90 PTX) --------------------------------------------------------
-
-__device__ __forceinline__ uint32_t smem(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
-
-__device__ __forceinline__ void mbar_init(uint64_t* bar, unsigned count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem(bar)), "r"(count) : "memory");
-}
-
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem(bar)) : "memory");
-}
-
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar, unsigned count) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;" ::"r"(smem(bar)), "r"(count) : "memory");
-}
-
-__device__ __forceinline__ void mbar_expect(uint64_t* bar, unsigned bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem(bar)), "r"(bytes) : "memory");
-}
-
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity) {
-  unsigned done = 0;
-  while (!done)
-    asm volatile(
-        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-        : "=r"(done)
-        : "r"(smem(bar)), "r"(parity)
-        : "memory");
-}
-
-__device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes, uint64_t* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                   smem(dst)),
-               "l"(src), "r"(bytes), "r"(smem(bar))
-               : "memory");
 }
 
 __device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
 }
-
-// -- grid barrier ---------------------------------------------------------------------------------
 
 __device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
   unsigned v;
@@ -176,12 +125,11 @@ __device__ __forceinline__ unsigned long long global_ns() {
   return t;
 }
 
-// Every CTA's consumers arrive before any leave; `target` counts arrivals over the launch.
-// `times`: null, or three timeline entries: the first and the last CTA's arrival (atomicMin /
-// atomicMax, starting at INT64_MAX / 0) and CTA 0's departure.
+// Every CTA of the grid arrives before any leaves; `target` counts arrivals over the launch.
+// `times`: null, or the barrier's three timeline entries (Params::timeline).
 __device__ void grid_barrier(unsigned* counter, unsigned& target, unsigned long long* times) {
   target += gridDim.x;
-  consumer_sync();
+  __syncthreads();
   if (threadIdx.x == 0) {
     if (times != nullptr) {
       const unsigned long long now = global_ns();
@@ -196,186 +144,160 @@ __device__ void grid_barrier(unsigned* counter, unsigned& target, unsigned long 
     __threadfence();
     if (times != nullptr && blockIdx.x == 0) times[2] = global_ns();
   }
-  consumer_sync();
+  __syncthreads();
 }
 
-// -- who streams what -----------------------------------------------------------------------------
+// Unit u of `units`' share of T chunks (T a multiple of 32): whole 32-chunk groups.
+__device__ __forceinline__ int64_t share_begin(int64_t T, int64_t units, int64_t u) {
+  return u * (T / 32) / units * 32;
+}
 
-// The CTA's rows of a phase: [begin, end) in the phase's row numbering (gate_up: row j 2I + r
-// of pick j; down: row h P + j, pick j's row h). Gate_up and down are a slice of every pick's
-// rows, visited pick by pick (gate_up's shared pick first): `slot` counts the CTA's rows,
-// row_at maps it to a phase row.
-struct Share {
-  int begin, end;  // gate_up: the slice [begin, end) of each pick's 2I rows
-  int count;       // rows the CTA streams in the phase
+// The warp's share of a phase of T chunks: w(pos) its weight chunk, x(pos) the input chunk it
+// meets, row(pos) the accumulator it adds to (a row never straddles a 32-chunk group).
+template <int kLoads, typename Map>
+__device__ void stream(const Map& m, int64_t T, float* out) {
+  const int lane = threadIdx.x % 32;
+  const int64_t units = static_cast<int64_t>(gridDim.x) * kWarps, u = blockIdx.x * kWarps + threadIdx.x / 32;
+  const int64_t a = share_begin(T, units, u), b = share_begin(T, units, u + 1);
+  int64_t cur = -1;
+  float acc = 0.0f;
+  for (int64_t base = a; base < b; base += 32 * kLoads) {
+    uint4 w[kLoads];
+#pragma unroll
+    for (int i = 0; i < kLoads; ++i) {
+      const int64_t pos = base + 32 * i + lane;
+      w[i] = pos < b ? __ldcs(m.w(pos)) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int i = 0; i < kLoads; ++i) {
+      const int64_t g = base + 32 * i;  // the group's first chunk: the same for the whole warp
+      if (g >= b) break;
+      const int64_t row = m.row(g);
+      if (row != cur) {
+        if (cur >= 0) {
+          const float s = warp_sum(acc);
+          if (lane == 0) atomicAdd(out + cur, s);
+        }
+        cur = row;
+        acc = 0.0f;
+      }
+      acc += dot8(w[i], m.x(g + lane));
+    }
+  }
+  if (cur >= 0) {
+    const float s = warp_sum(acc);
+    if (lane == 0) atomicAdd(out + cur, s);
+  }
+}
+
+// Row-major [rows, C chunks] weights against one input row in shared memory.
+template <int C>
+struct Dense {
+  const uint4* weight;
+  const uint4* xs;
+  __device__ const uint4* w(int64_t pos) const { return weight + pos; }
+  __device__ uint4 x(int64_t pos) const { return xs[pos % C]; }
+  __device__ int64_t row(int64_t pos) const { return pos / C; }
 };
 
-__device__ __forceinline__ Share share(int phase) {
-  const int c = blockIdx.x, g = gridDim.x;
-  const int rows = phase == kOutProj ? H : phase == kRouter ? kRouterRows : phase == kGateUp ? kGateUpRows
-                                                          : phase == kDown ? H : N;
-  Share s{c * rows / g, (c + 1) * rows / g, 0};
-  s.count = (s.end - s.begin) * (phase == kGateUp || phase == kDown ? P : 1);
-  return s;
+// The picks' gate and up rows: row j 2I + r of the phase is row r of expert ids[j].
+struct GateUp {
+  const uint4* weight;
+  const uint4* xs;
+  const int* ids;
+  static constexpr int C = H / 8;
+  __device__ const uint4* w(int64_t pos) const {
+    const int j = static_cast<int>(pos / (C * kGateUpRows));
+    return weight + pos + static_cast<int64_t>(ids[j] - j) * C * kGateUpRows;
+  }
+  __device__ uint4 x(int64_t pos) const { return xs[pos % C]; }
+  __device__ int64_t row(int64_t pos) const { return pos / C; }
+};
+
+// Down rows: row h P + j of the phase is row h of expert ids[j], against pick j's activation.
+struct Down {
+  const uint4* weight;
+  const uint4* act;  // [P, I] in chunks
+  const int* ids;
+  static constexpr int C = I / 8;
+  __device__ const uint4* w(int64_t pos) const {
+    const int64_t row = pos / C, h = row / P;
+    const int j = static_cast<int>(row - h * P);
+    return weight + (static_cast<int64_t>(ids[j]) * H + h) * C + pos % C;
+  }
+  __device__ uint4 x(int64_t pos) const {
+    const int j = static_cast<int>(pos / C % P);
+    return act[j * C + pos % C];
+  }
+  __device__ int64_t row(int64_t pos) const { return pos / C; }
+};
+
+// The CTA's share of a phase of T chunks, as chunk positions [begin, end).
+__device__ __forceinline__ void cta_share(int64_t T, int64_t& begin, int64_t& end) {
+  const int64_t units = static_cast<int64_t>(gridDim.x) * kWarps;
+  begin = share_begin(T, units, static_cast<int64_t>(blockIdx.x) * kWarps);
+  end = share_begin(T, units, static_cast<int64_t>(blockIdx.x + 1) * kWarps);
 }
 
-// The phase row of the CTA's slot-th row.
-__device__ __forceinline__ int row_at(int phase, const Share& s, int slot) {
-  if (phase == kGateUp) {  // the shared pick (P - 1) first, then picks 0 .. K - 1
-    const int n = s.end - s.begin, j = (slot / n + P - 1) % P;
-    return j * kGateUpRows + s.begin + slot % n;
-  }
-  if (phase == kDown) {  // pick by pick: a pick's rows h are contiguous in its weights
-    const int n = s.end - s.begin;
-    return (s.begin + slot % n) * P + slot / n;
-  }
-  return s.begin + slot;
+// Prefetch the first bytes of the CTA's share of a dense phase (contiguous in memory).
+__device__ void prefetch_dense(const uint4* weight, int64_t T, int bytes) {
+  int64_t begin, end;
+  cta_share(T, begin, end);
+  const int64_t n = imin(bytes / 16, end - begin);
+  if (threadIdx.x == 0 && n > 0) prefetch_l2(weight + begin, static_cast<uint32_t>(n * 16));
 }
 
-// Where a phase row's weights are.
-__device__ __forceinline__ const char* row_src(const Layer& L, int phase, int row, const int* ids) {
-  switch (phase) {
-    case kOutProj: return L.out_proj + static_cast<int64_t>(row) * row_bytes(kOutProj);
-    case kRouter: return L.router + static_cast<int64_t>(row) * row_bytes(kRouter);
-    case kGateUp: {
-      const int j = row / kGateUpRows;
-      return L.gate_up + (static_cast<int64_t>(ids[j]) * kGateUpRows + row % kGateUpRows) * row_bytes(kGateUp);
-    }
-    case kDown: {
-      const int h = row / P, j = row % P;
-      return L.down + (static_cast<int64_t>(ids[j]) * H + h) * row_bytes(kDown);
-    }
-    default: return L.in_proj + static_cast<int64_t>(row) * row_bytes(kInProj);
-  }
-}
-
-// The producer: every phase's rows of every layer, in order, into the ring. Gate_up's routed
-// picks (and down) wait until the consumers have routed the layer's token (ids_layer).
-template <int S>
-__device__ void produce(const Params& p, char* ring, uint64_t* full, uint64_t* empty, const int* ids,
-                        const volatile int* ids_layer) {
-  unsigned fill = 0;
-  for (int l = 0; l < p.num_layers; ++l) {
-    const Layer L = p.layers[l];
-    for (int phase = 0; phase < kNumPhases; ++phase) {
-      const Share s = share(phase);
-      const int per = rows_per_stage(phase), known = phase == kGateUp ? s.end - s.begin : 0;
-      for (int slot = 0; slot < s.count; slot += per, ++fill) {
-        if ((phase == kGateUp && slot + per > known) || phase == kDown) {
-          if (*ids_layer < l) {
-            if (p.prefetch_bytes && phase == kGateUp) {  // the bus is idle until the routing: in_proj into L2
-              const Share in = share(kInProj);
-              const int bytes = min(p.prefetch_bytes, (in.end - in.begin) * row_bytes(kInProj));
-              if (bytes > 0) prefetch_l2(L.in_proj + static_cast<int64_t>(in.begin) * row_bytes(kInProj), bytes);
-            }
-            while (*ids_layer < l) {
-            }
-            __threadfence_block();  // ids is read after the flag
-          }
-        }
-        const int stage = fill % S;
-        if (fill >= S) mbar_wait(empty + stage, (fill / S - 1) & 1);
-        const int n = min(per, s.count - slot);
-        mbar_arrive(empty + stage, kStageRows - n);  // the rows no consumer will take
-        mbar_expect(full + stage, n * row_bytes(phase));
-        for (int i = 0; i < n;) {  // one copy a run of rows contiguous in memory
-          const char* src = row_src(L, phase, row_at(phase, s, slot + i), ids);
-          int run = 1;
-          while (i + run < n && row_src(L, phase, row_at(phase, s, slot + i + run), ids) == src + run * row_bytes(phase))
-            ++run;
-          bulk_copy(ring + stage * kStageBytes + i * row_bytes(phase), src, run * row_bytes(phase), full + stage);
-          i += run;
-        }
-      }
-    }
-  }
-}
-
-// The consumers' part of a phase: row i of the CTA's by warp i % kConsumerWarps, which waits
-// for its fill, writes the row's output rounded to bf16 into out[row] and frees its share of
-// the stage (a stage's empty barrier counts its rows; the producer arrives for a short fill's
-// missing ones). x(row, c) is the input chunk a weight chunk c of the row meets.
-template <int S, typename X>
-__device__ void consume(int phase, char* ring, uint64_t* full, uint64_t* empty, unsigned& fill, float* out,
-                        const X& x) {
-  const Share s = share(phase);
-  const int per = rows_per_stage(phase), chunks = row_bytes(phase) / 16;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int i = warp; i < s.count; i += kConsumerWarps) {
-    const unsigned f = fill + i / per;
-    const int stage = f % S;
-    mbar_wait(full + stage, (f / S) & 1);
-    const uint4* w = reinterpret_cast<const uint4*>(ring + stage * kStageBytes + (i % per) * row_bytes(phase));
-    const int row = row_at(phase, s, i);
-    float acc = 0.0f;
-    for (int c = lane; c < chunks; c += 32) acc += dot8(w[c], x(row, c));
-    acc = warp_sum(acc);
-    if (lane == 0) {
-      out[row] = bf(acc);
-      mbar_arrive(empty + stage);
-    }
-  }
-  fill += (s.count + per - 1) / per;
-}
-
-template <int S>
-__global__ void __launch_bounds__(kThreads, 1) persistent_span_kernel(Params p) {
-  extern __shared__ __align__(128) char ring[];  // S stages of kStageBytes
+// kLoads: 16-byte loads a lane has in flight; kMinCtas: CTAs an SM (64 registers a thread at 2).
+template <int kLoads, int kMinCtas>
+__global__ void __launch_bounds__(kThreads, kMinCtas) persistent_span_kernel(Params p) {
   __shared__ __align__(16) bf16 xs[P * I > V ? P * I : V];  // the current matmul's input row
   __shared__ float s[H];                                  // the residual after attention
-  __shared__ float scratch[kConsumerWarps];
+  __shared__ float scratch[kWarps];
   __shared__ int ids[P];
   __shared__ float weights[P];
-  __shared__ volatile int ids_layer;  // the layer whose routing ids holds
-  __shared__ __align__(8) uint64_t full[S], empty[S];
   const uint4* xs4 = reinterpret_cast<const uint4*>(xs);
   const int t = threadIdx.x, cta = blockIdx.x, grid = gridDim.x;
+  unsigned target = 0;
 
-  if (t == 0) {
-    for (int i = 0; i < S; ++i) {
-      mbar_init(full + i, 1);                // the producer's expect_tx arrival
-      mbar_init(empty + i, kStageRows);  // once a row: see consume
-    }
-    ids[P - 1] = E;  // the shared expert: known before any routing
-    ids_layer = -1;
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
-  if (t >= kConsumers) {
-    if (t == kConsumers) produce<S>(p, ring, full, empty, ids, &ids_layer);
-    return;
-  }
-
-  unsigned target = 0, fill = 0;
-  const auto x_dense = [&](int, int c) { return xs4[c]; };
   for (int l = 0; l < p.num_layers; ++l) {
     const Layer L = p.layers[l];
     const float* res_in = l == 0 ? p.res0 : p.res[l % 2];
     float* res_out = p.res[(l + 1) % 2];
-    unsigned long long* times = p.timeline ? p.timeline + l * 6 * 3 : nullptr;
 
     // out_proj: x is the first layer's input, else the last in_proj's first V outputs
-    for (int i = t; i < V; i += kConsumers) xs[i] = l == 0 ? p.x0[i] : __float2bfloat16(__ldcg(p.z + i));
-    consumer_sync();
-    consume<S>(kOutProj, ring, full, empty, fill, p.d, x_dense);
-    grid_barrier(p.barrier, target, times ? times + 0 : nullptr);
+    for (int i = t; i < V; i += kThreads) xs[i] = l == 0 ? p.x0[i] : __float2bfloat16(__ldcg(p.z_acc + i));
+    __syncthreads();
+    stream<kLoads>(Dense<V / 8>{L.out_proj, xs4}, static_cast<int64_t>(H) * (V / 8), p.d_acc);
+    if (p.prefetch_bytes) prefetch_dense(L.router, static_cast<int64_t>(kRouterRows) * (H / 8), p.prefetch_bytes);
+    grid_barrier(p.barrier, target, p.timeline ? p.timeline + (l * 6 + 0) * 3 : nullptr);
 
-    // add + norm (every CTA the whole row), then the router
+    // add + norm (every CTA the whole row), then the router; z_acc is free again
     float sq = 0.0f;
-    for (int i = t; i < H; i += kConsumers) {
-      s[i] = res_in[i] + __ldcg(p.d + i);
+    for (int i = t; i < H; i += kThreads) {
+      s[i] = res_in[i] + bf(__ldcg(p.d_acc + i));
       sq += s[i] * s[i];
     }
-    float inv = rsqrtf(consumer_sum(sq, scratch) / H + p.eps);
-    for (int i = t; i < H; i += kConsumers) xs[i] = __float2bfloat16(s[i] * inv * (1.0f + __bfloat162float(L.norm1[i])));
-    consumer_sync();
-    consume<S>(kRouter, ring, full, empty, fill, p.logits, x_dense);
-    grid_barrier(p.barrier, target, times ? times + 3 : nullptr);
+    float inv = rsqrtf(block_sum(sq, scratch) / H + p.eps);
+    for (int i = t; i < H; i += kThreads)
+      xs[i] = __float2bfloat16(s[i] * inv * (1.0f + __bfloat162float(L.norm1[i])));
+    for (int i = cta * kThreads + t; i < N; i += grid * kThreads) p.z_acc[i] = 0.0f;
+    __syncthreads();
+    stream<kLoads>(Dense<H / 8>{L.router, xs4}, static_cast<int64_t>(kRouterRows) * (H / 8), p.logit_acc);
+    if (p.prefetch_bytes) {  // of the experts only the shared one is known before the routing
+      int64_t begin, end;
+      cta_share(static_cast<int64_t>(P) * kGateUpRows * (H / 8), begin, end);
+      begin = imax(begin, static_cast<int64_t>(K) * kGateUpRows * (H / 8));
+      const int64_t n = imin(p.prefetch_bytes / 16, end - begin);
+      if (t == 0 && n > 0)
+        prefetch_l2(L.gate_up + static_cast<int64_t>(E - K) * kGateUpRows * (H / 8) + begin,
+                    static_cast<uint32_t>(n * 16));
+    }
+    grid_barrier(p.barrier, target, p.timeline ? p.timeline + (l * 6 + 1) * 3 : nullptr);
 
     // top-k (warp 0): softmax over the routed experts, the k largest, renormalised, bf16
     if (t < 32) {
       float v[E / 32];
-      for (int i = 0; i < E / 32; ++i) v[i] = __ldcg(p.logits + t + 32 * i);
+      for (int i = 0; i < E / 32; ++i) v[i] = bf(__ldcg(p.logit_acc + t + 32 * i));
       float mx = -INFINITY;
       for (int i = 0; i < E / 32; ++i) mx = fmaxf(mx, v[i]);
       mx = warp_max(mx);
@@ -390,89 +312,99 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_span_kernel(Params p) 
         float best = -1.0f;
         int at = 0;
         for (int i = 0; i < E / 32; ++i)
-          if (v[i] > best) best = v[i], at = i;
+          if (v[i] > best) best = v[i], at = t + 32 * i;
         const float top = warp_max(best);
-        const int who = __ffs(__ballot_sync(0xffffffffu, best == top)) - 1;
-        const int i_top = __shfl_sync(0xffffffffu, at, who);
-        if (t == who) {
-          for (int i = 0; i < E / 32; ++i)
-            if (i == i_top) v[i] = -1.0f;  // no dynamic index: v stays in registers
-        }
-        if (t == 0) ids[k] = who + 32 * i_top, weights[k] = top / sum;
+        const int who = __ffs(__ballot_sync(0xffffffffu, best == top)) - 1;  // the lowest lane: lowest expert
+        const int e = __shfl_sync(0xffffffffu, at, who);
+        if (t == who) v[(e - t) / 32] = -1.0f;
+        if (t == 0) ids[k] = e, weights[k] = top / sum;
         picked += top / sum;
       }
       __syncwarp();
       if (t < K) weights[t] = bf(weights[t] / picked);
       if (t == 0) {
-        weights[K] = bf(1.0f / (1.0f + expf(-__ldcg(p.logits + E))));
+        ids[K] = E;
+        weights[K] = bf(1.0f / (1.0f + expf(-bf(__ldcg(p.logit_acc + E)))));
         for (int j = 0; j < P; ++j) p.ids_out[l * P + j] = ids[j];
-        __threadfence_block();
-        ids_layer = l;  // the producer may stream the routed experts
       }
     }
-    consumer_sync();
-    consume<S>(kGateUp, ring, full, empty, fill, p.gu, x_dense);
-    grid_barrier(p.barrier, target, times ? times + 6 : nullptr);
+    __syncthreads();
+    stream<kLoads>(GateUp{L.gate_up, xs4, ids}, static_cast<int64_t>(P) * kGateUpRows * (H / 8), p.gu_acc);
+    if (p.prefetch_bytes) {  // the down rows of the picks: 1 KB each
+      int64_t begin, end;
+      cta_share(static_cast<int64_t>(H) * P * (I / 8), begin, end);
+      const int64_t rows = imin(p.prefetch_bytes / (I * 2), (end - begin + I / 8 - 1) / (I / 8));
+      if (t < rows) {
+        const int64_t row = begin / (I / 8) + t, h = row / P;
+        const int j = static_cast<int>(row - h * P);
+        prefetch_l2(L.down + (static_cast<int64_t>(ids[j]) * H + h) * (I / 8), I * 2);
+      }
+    }
+    grid_barrier(p.barrier, target, p.timeline ? p.timeline + (l * 6 + 2) * 3 : nullptr);
 
     // SiLU(gate) * up of every pick (every CTA the whole of it), then down
-    for (int i = t; i < P * I; i += kConsumers) {
+    for (int i = t; i < P * I; i += kThreads) {
       const int j = i / I, r = i % I;
-      const float g = __ldcg(p.gu + j * kGateUpRows + r), u = __ldcg(p.gu + j * kGateUpRows + I + r);
+      const float g = bf(__ldcg(p.gu_acc + j * kGateUpRows + r)), u = bf(__ldcg(p.gu_acc + j * kGateUpRows + I + r));
       xs[i] = __float2bfloat16(bf(g / (1.0f + expf(-g))) * u);
     }
-    consumer_sync();
-    consume<S>(kDown, ring, full, empty, fill, p.dn, [&](int row, int c) { return xs4[row % P * (I / 8) + c]; });
-    grid_barrier(p.barrier, target, times ? times + 9 : nullptr);
+    __syncthreads();
+    stream<kLoads>(Down{L.down, xs4, ids}, static_cast<int64_t>(H) * P * (I / 8), p.down_acc);
+    if (p.prefetch_bytes) prefetch_dense(L.in_proj, static_cast<int64_t>(N) * (H / 8), p.prefetch_bytes);
+    grid_barrier(p.barrier, target, p.timeline ? p.timeline + (l * 6 + 3) * 3 : nullptr);
 
     // the weighted sum and the residual add: the CTA's slice of H, its part of the sum of squares
     sq = 0.0f;
-    for (int i = cta * H / grid + t; i < (cta + 1) * H / grid; i += kConsumers) {
+    for (int i = cta * H / grid + t; i < (cta + 1) * H / grid; i += kThreads) {
       float out = 0.0f;
-      for (int j = 0; j < P; ++j) out += weights[j] * __ldcg(p.dn + i * P + j);
+      for (int j = 0; j < P; ++j) out += weights[j] * bf(__ldcg(p.down_acc + i * P + j));
       const float s2 = s[i] + bf(out);
       res_out[i] = s2;
       sq += s2 * s2;
     }
-    sq = consumer_sum(sq, scratch);
+    sq = block_sum(sq, scratch);
     if (t == 0) p.sumsq[cta] = sq;
-    grid_barrier(p.barrier, target, times ? times + 12 : nullptr);
+    grid_barrier(p.barrier, target, p.timeline ? p.timeline + (l * 6 + 4) * 3 : nullptr);
 
-    // the next layer's input norm (every CTA the whole row), then in_proj
+    // the next layer's input norm (every CTA the whole row), then in_proj; the accumulators
+    // read since the last barrier but one are free again
     sq = 0.0f;
-    for (int i = t; i < grid; i += kConsumers) sq += __ldcg(p.sumsq + i);
-    inv = rsqrtf(consumer_sum(sq, scratch) / H + p.eps);
-    for (int i = t; i < H; i += kConsumers)
+    for (int i = t; i < grid; i += kThreads) sq += __ldcg(p.sumsq + i);
+    inv = rsqrtf(block_sum(sq, scratch) / H + p.eps);
+    for (int i = t; i < H; i += kThreads)
       xs[i] = __float2bfloat16(__ldcg(res_out + i) * inv * (1.0f + __bfloat162float(L.norm2[i])));
-    consumer_sync();
-    consume<S>(kInProj, ring, full, empty, fill, p.z, x_dense);
-    if (l + 1 < p.num_layers) grid_barrier(p.barrier, target, times ? times + 15 : nullptr);
+    for (int i = cta * kThreads + t; i < H; i += grid * kThreads) p.d_acc[i] = 0.0f;
+    for (int i = cta * kThreads + t; i < kRouterRows; i += grid * kThreads) p.logit_acc[i] = 0.0f;
+    for (int i = cta * kThreads + t; i < P * kGateUpRows; i += grid * kThreads) p.gu_acc[i] = 0.0f;
+    for (int i = cta * kThreads + t; i < H * P; i += grid * kThreads) p.down_acc[i] = 0.0f;
+    __syncthreads();
+    stream<kLoads>(Dense<H / 8>{L.in_proj, xs4}, static_cast<int64_t>(N) * (H / 8), p.z_acc);
+    if (l + 1 < p.num_layers) {
+      if (p.prefetch_bytes)
+        prefetch_dense(p.layers[l + 1].out_proj, static_cast<int64_t>(H) * (V / 8), p.prefetch_bytes);
+      grid_barrier(p.barrier, target, p.timeline ? p.timeline + (l * 6 + 5) * 3 : nullptr);
+    }
   }
 }
 
-// The variants bench/persistent_span.py compares: the ring's stages.
+// The variants bench/persistent_span.py compares: (loads a lane in flight, CTAs an SM).
 using Kernel = void (*)(Params);
-constexpr Kernel kVariants[] = {persistent_span_kernel<12>, persistent_span_kernel<6>};
-constexpr int kStages[] = {12, 6};
+constexpr Kernel kVariants[] = {persistent_span_kernel<8, 1>, persistent_span_kernel<4, 2>, persistent_span_kernel<8, 2>};
 constexpr int kNumVariants = sizeof(kVariants) / sizeof(kVariants[0]);
 
-size_t dynamic_smem(int variant) { return static_cast<size_t>(kStages[variant]) * kStageBytes; }
-
-// The grid that fits the GPU at once for a variant: its CTAs an SM (1) x SMs.
+// The grid that fits the GPU at once for a variant: its CTAs an SM x SMs.
 int64_t resident_grid(int64_t variant) {
   TORCH_CHECK(variant >= 0 && variant < kNumVariants, "variant must be in [0, ", kNumVariants, ")");
   int per_sm = 0, device = 0, sms = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const size_t bytes = dynamic_smem(static_cast<int>(variant));
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kVariants[variant], cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      static_cast<int>(bytes)));
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kVariants[variant], kThreads, bytes));
-  TORCH_CHECK(per_sm >= 1, "the kernel does not fit an SM");
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kVariants[variant], kThreads, 0));
   return static_cast<int64_t>(per_sm) * sms;
 }
 
-// layers: [L, 7] int64 device pointers (Layer's fields in order); timeline: empty or [L, 6, 3]
-// int64 (Params::timeline). Returns the output, z: a view of scratch.
+// layers: [L, 7] int64 device pointers (Layer's fields in order); scratch: fp32, zero before
+// the first run (the kernel leaves its accumulators zero but z_acc, which holds the output:
+// run's return value is that view).
 torch::Tensor run(torch::Tensor layers, torch::Tensor x0, torch::Tensor res0, torch::Tensor scratch,
                   torch::Tensor ids_out, torch::Tensor barrier, double eps, int64_t prefetch_bytes, int64_t variant,
                   torch::Tensor timeline) {
@@ -499,11 +431,11 @@ torch::Tensor run(torch::Tensor layers, torch::Tensor x0, torch::Tensor res0, to
   float* f = scratch.data_ptr<float>();
   p.res[0] = f, f += H;
   p.res[1] = f, f += H;
-  p.d = f, f += H;
-  p.logits = f, f += E + 1;
-  p.gu = f, f += P * kGateUpRows;
-  p.dn = f, f += H * P;
-  p.z = f, f += N;
+  p.d_acc = f, f += H;
+  p.logit_acc = f, f += E + 1;
+  p.gu_acc = f, f += P * kGateUpRows;
+  p.down_acc = f, f += H * P;
+  p.z_acc = f, f += N;
   p.sumsq = f;
   p.ids_out = ids_out.data_ptr<int>();
   p.barrier = reinterpret_cast<unsigned*>(barrier.data_ptr<int>());
@@ -511,7 +443,7 @@ torch::Tensor run(torch::Tensor layers, torch::Tensor x0, torch::Tensor res0, to
   p.timeline = timeline.numel() > 0 ? reinterpret_cast<unsigned long long*>(timeline.data_ptr<int64_t>()) : nullptr;
   auto stream = at::cuda::getCurrentCUDAStream();
   C10_CUDA_CHECK(cudaMemsetAsync(p.barrier, 0, sizeof(unsigned), stream));
-  kVariants[variant]<<<static_cast<unsigned>(grid), kThreads, dynamic_smem(static_cast<int>(variant)), stream>>>(p);
+  kVariants[variant]<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(p);
   C10_CUDA_CHECK(cudaGetLastError());
   const int64_t z_offset = 3 * H + (E + 1) + P * kGateUpRows + H * P;
   return scratch.narrow(0, z_offset, N);

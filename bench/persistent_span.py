@@ -148,8 +148,7 @@ def copy_bandwidth(nbytes=1 << 30, reps=20) -> float:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--prefetch", default="0,65536,262144",
-                    help="bytes of its in_proj share a CTA pulls into L2 while it waits for the routing, comma-separated")
+    ap.add_argument("--prefetch", default="0,16384,65536", help="bytes a CTA prefetches before a barrier, comma-separated")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
@@ -203,7 +202,8 @@ def main(argv=None) -> int:
             print(f"persistent variant {variant} (grid {ext.resident_grid(variant)}), prefetch {prefetch}: "
                   f"{us:.1f} us", flush=True)
     result = dict(gpu=torch.cuda.get_device_name(), layers=args.layers, span_bytes=span_bytes,
-                  copy_bandwidth_gb_s=bw / 1e9, timelines=timelines, variants="the ring's stages of 16 KB: 0: 12, 1: 6", checks=checks, rows=rows,
+                  copy_bandwidth_gb_s=bw / 1e9, timelines=timelines, variants="0: 8 loads a lane, 1 CTA an SM; 1: 4 loads, 2 CTAs; "
+                  "2: 8 loads, 2 CTAs (spills)", checks=checks, rows=rows,
                   code=subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                       text=True).stdout.strip() or None,
                   command="python bench/persistent_span.py " + " ".join(argv if argv is not None else sys.argv[1:]))
