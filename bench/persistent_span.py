@@ -36,6 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from dflash_trt import ops, plugins  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from profile_step import copy_bandwidth  # noqa: E402
+
 EPS = 1e-6
 TOP_K = 8  # routed picks; the shared expert is one more
 
@@ -129,20 +132,6 @@ def graph_us(fn, per: int, reps: int = 50) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end) * 1e3 / reps / per
-
-
-def copy_bandwidth(nbytes=1 << 30, reps=20) -> float:
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3)
-    return 2 * nbytes / best
 
 
 def main(argv=None) -> int:
