@@ -66,6 +66,7 @@ struct Params {
   // null, or [layers, 6 barriers, 3] ns (%globaltimer): the first and the last CTA's arrival,
   // CTA 0's departure; the first two start at INT64_MAX / 0
   unsigned long long* timeline = nullptr;
+  unsigned long long* claims = nullptr;  // [layers, 5 matmuls] zero at launch (kDynamic)
 };
 
 __device__ __forceinline__ int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -152,36 +153,70 @@ __device__ __forceinline__ int64_t share_begin(int64_t T, int64_t units, int64_t
   return u * (T / 32) / units * 32;
 }
 
-// The warp's share of a phase of T chunks: w(pos) its weight chunk, x(pos) the input chunk it
-// meets, row(pos) the accumulator it adds to (a row never straddles a 32-chunk group).
+// A warp's piece of a phase: chunks [base, b), at most 32 kLoads, into registers ...
 template <int kLoads, typename Map>
-__device__ void stream(const Map& m, int64_t T, float* out) {
+__device__ __forceinline__ void load_piece(const Map& m, int64_t base, int64_t b, uint4 (&w)[kLoads], int lane) {
+#pragma unroll
+  for (int i = 0; i < kLoads; ++i) {
+    const int64_t pos = base + 32 * i + lane;
+    w[i] = pos < b ? __ldcs(m.w(pos)) : make_uint4(0, 0, 0, 0);
+  }
+}
+
+// ... and against the input: row `cur`'s sum so far in acc, added to out[cur] (an atomic) when
+// the rows change.
+template <int kLoads, typename Map>
+__device__ __forceinline__ void use_piece(const Map& m, int64_t base, int64_t b, const uint4 (&w)[kLoads],
+                                          int64_t& cur, float& acc, float* out, int lane) {
+#pragma unroll
+  for (int i = 0; i < kLoads; ++i) {
+    const int64_t g = base + 32 * i;  // the group's first chunk: the same for the whole warp
+    if (g >= b) break;
+    const int64_t row = m.row(g);
+    if (row != cur) {
+      if (cur >= 0) {
+        const float s = warp_sum(acc);
+        if (lane == 0) atomicAdd(out + cur, s);
+      }
+      cur = row;
+      acc = 0.0f;
+    }
+    acc += dot8(w[i], m.x(g + lane));
+  }
+}
+
+// The next piece of a phase for the warp: the first chunk of 32 kLoads taken from the counter.
+__device__ __forceinline__ int64_t claim(unsigned long long* counter, int pieces, int lane) {
+  unsigned long long v = 0;
+  if (lane == 0) v = atomicAdd(counter, static_cast<unsigned long long>(pieces));
+  return static_cast<int64_t>(__shfl_sync(0xffffffffu, v, 0));
+}
+
+// A phase of T chunks: w(pos) is a weight chunk, x(pos) the input chunk it meets, row(pos) the
+// accumulator it adds to (a row never straddles a 32-chunk group). Each warp streams an even
+// share (claims null), or takes pieces from a counter (zero before the phase) until none are
+// left, the next claim issued before the piece's math: a fast SM takes more.
+template <int kLoads, typename Map>
+__device__ void stream(const Map& m, int64_t T, float* out, unsigned long long* claims) {
   const int lane = threadIdx.x % 32;
-  const int64_t units = static_cast<int64_t>(gridDim.x) * kWarps, u = blockIdx.x * kWarps + threadIdx.x / 32;
-  const int64_t a = share_begin(T, units, u), b = share_begin(T, units, u + 1);
+  constexpr int kPiece = 32 * kLoads;
   int64_t cur = -1;
   float acc = 0.0f;
-  for (int64_t base = a; base < b; base += 32 * kLoads) {
-    uint4 w[kLoads];
-#pragma unroll
-    for (int i = 0; i < kLoads; ++i) {
-      const int64_t pos = base + 32 * i + lane;
-      w[i] = pos < b ? __ldcs(m.w(pos)) : make_uint4(0, 0, 0, 0);
+  uint4 w[kLoads];
+  if (claims == nullptr) {
+    const int64_t units = static_cast<int64_t>(gridDim.x) * kWarps, u = blockIdx.x * kWarps + threadIdx.x / 32;
+    const int64_t a = share_begin(T, units, u), b = share_begin(T, units, u + 1);
+    for (int64_t base = a; base < b; base += kPiece) {
+      load_piece(m, base, b, w, lane);
+      use_piece(m, base, b, w, cur, acc, out, lane);
     }
-#pragma unroll
-    for (int i = 0; i < kLoads; ++i) {
-      const int64_t g = base + 32 * i;  // the group's first chunk: the same for the whole warp
-      if (g >= b) break;
-      const int64_t row = m.row(g);
-      if (row != cur) {
-        if (cur >= 0) {
-          const float s = warp_sum(acc);
-          if (lane == 0) atomicAdd(out + cur, s);
-        }
-        cur = row;
-        acc = 0.0f;
-      }
-      acc += dot8(w[i], m.x(g + lane));
+  } else {
+    for (int64_t base = claim(claims, kPiece, lane); base < T;) {
+      const int64_t b = base + kPiece < T ? base + kPiece : T;
+      load_piece(m, base, b, w, lane);
+      const int64_t next = claim(claims, kPiece, lane);
+      use_piece(m, base, b, w, cur, acc, out, lane);
+      base = next;
     }
   }
   if (cur >= 0) {
@@ -247,8 +282,9 @@ __device__ void prefetch_dense(const uint4* weight, int64_t T, int bytes) {
   if (threadIdx.x == 0 && n > 0) prefetch_l2(weight + begin, static_cast<uint32_t>(n * 16));
 }
 
-// kLoads: 16-byte loads a lane has in flight; kMinCtas: CTAs an SM (64 registers a thread at 2).
-template <int kLoads, int kMinCtas>
+// kLoads: 16-byte loads a lane has in flight; kMinCtas: CTAs an SM (64 registers a thread at 2);
+// kDynamic: warps take pieces of a phase from a counter (Params::claims) instead of even shares.
+template <int kLoads, int kMinCtas, bool kDynamic>
 __global__ void __launch_bounds__(kThreads, kMinCtas) persistent_span_kernel(Params p) {
   __shared__ __align__(16) bf16 xs[P * I > V ? P * I : V];  // the current matmul's input row
   __shared__ float s[H];                                  // the residual after attention
@@ -267,7 +303,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) persistent_span_kernel(Par
     // out_proj: x is the first layer's input, else the last in_proj's first V outputs
     for (int i = t; i < V; i += kThreads) xs[i] = l == 0 ? p.x0[i] : __float2bfloat16(__ldcg(p.z_acc + i));
     __syncthreads();
-    stream<kLoads>(Dense<V / 8>{L.out_proj, xs4}, static_cast<int64_t>(H) * (V / 8), p.d_acc);
+    stream<kLoads>(Dense<V / 8>{L.out_proj, xs4}, static_cast<int64_t>(H) * (V / 8), p.d_acc,
+                   kDynamic ? p.claims + l * 5 + 0 : nullptr);
     if (p.prefetch_bytes) prefetch_dense(L.router, static_cast<int64_t>(kRouterRows) * (H / 8), p.prefetch_bytes);
     grid_barrier(p.barrier, target, p.timeline ? p.timeline + (l * 6 + 0) * 3 : nullptr);
 
@@ -282,7 +319,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) persistent_span_kernel(Par
       xs[i] = __float2bfloat16(s[i] * inv * (1.0f + __bfloat162float(L.norm1[i])));
     for (int i = cta * kThreads + t; i < N; i += grid * kThreads) p.z_acc[i] = 0.0f;
     __syncthreads();
-    stream<kLoads>(Dense<H / 8>{L.router, xs4}, static_cast<int64_t>(kRouterRows) * (H / 8), p.logit_acc);
+    stream<kLoads>(Dense<H / 8>{L.router, xs4}, static_cast<int64_t>(kRouterRows) * (H / 8), p.logit_acc,
+                   kDynamic ? p.claims + l * 5 + 1 : nullptr);
     if (p.prefetch_bytes) {  // of the experts only the shared one is known before the routing
       int64_t begin, end;
       cta_share(static_cast<int64_t>(P) * kGateUpRows * (H / 8), begin, end);
@@ -329,7 +367,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) persistent_span_kernel(Par
       }
     }
     __syncthreads();
-    stream<kLoads>(GateUp{L.gate_up, xs4, ids}, static_cast<int64_t>(P) * kGateUpRows * (H / 8), p.gu_acc);
+    stream<kLoads>(GateUp{L.gate_up, xs4, ids}, static_cast<int64_t>(P) * kGateUpRows * (H / 8), p.gu_acc,
+                   kDynamic ? p.claims + l * 5 + 2 : nullptr);
     if (p.prefetch_bytes) {  // the down rows of the picks: 1 KB each
       int64_t begin, end;
       cta_share(static_cast<int64_t>(H) * P * (I / 8), begin, end);
@@ -349,7 +388,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) persistent_span_kernel(Par
       xs[i] = __float2bfloat16(bf(g / (1.0f + expf(-g))) * u);
     }
     __syncthreads();
-    stream<kLoads>(Down{L.down, xs4, ids}, static_cast<int64_t>(H) * P * (I / 8), p.down_acc);
+    stream<kLoads>(Down{L.down, xs4, ids}, static_cast<int64_t>(H) * P * (I / 8), p.down_acc,
+                   kDynamic ? p.claims + l * 5 + 3 : nullptr);
     if (p.prefetch_bytes) prefetch_dense(L.in_proj, static_cast<int64_t>(N) * (H / 8), p.prefetch_bytes);
     grid_barrier(p.barrier, target, p.timeline ? p.timeline + (l * 6 + 3) * 3 : nullptr);
 
@@ -378,7 +418,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) persistent_span_kernel(Par
     for (int i = cta * kThreads + t; i < P * kGateUpRows; i += grid * kThreads) p.gu_acc[i] = 0.0f;
     for (int i = cta * kThreads + t; i < H * P; i += grid * kThreads) p.down_acc[i] = 0.0f;
     __syncthreads();
-    stream<kLoads>(Dense<H / 8>{L.in_proj, xs4}, static_cast<int64_t>(N) * (H / 8), p.z_acc);
+    stream<kLoads>(Dense<H / 8>{L.in_proj, xs4}, static_cast<int64_t>(N) * (H / 8), p.z_acc,
+                   kDynamic ? p.claims + l * 5 + 4 : nullptr);
     if (l + 1 < p.num_layers) {
       if (p.prefetch_bytes)
         prefetch_dense(p.layers[l + 1].out_proj, static_cast<int64_t>(H) * (V / 8), p.prefetch_bytes);
@@ -389,7 +430,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) persistent_span_kernel(Par
 
 // The variants bench/persistent_span.py compares: (loads a lane in flight, CTAs an SM).
 using Kernel = void (*)(Params);
-constexpr Kernel kVariants[] = {persistent_span_kernel<8, 1>, persistent_span_kernel<4, 2>, persistent_span_kernel<8, 2>};
+constexpr Kernel kVariants[] = {persistent_span_kernel<8, 1, false>, persistent_span_kernel<4, 2, false>,
+                                persistent_span_kernel<8, 1, true>, persistent_span_kernel<4, 2, true>};
 constexpr int kNumVariants = sizeof(kVariants) / sizeof(kVariants[0]);
 
 // The grid that fits the GPU at once for a variant: its CTAs an SM x SMs.
@@ -419,8 +461,10 @@ torch::Tensor run(torch::Tensor layers, torch::Tensor x0, torch::Tensor res0, to
               "scratch must hold ", need, " fp32");
   TORCH_CHECK(ids_out.scalar_type() == torch::kInt32 && ids_out.numel() >= layers.size(0) * P, "ids_out: [L, ", P,
               "] int32");
-  TORCH_CHECK(barrier.scalar_type() == torch::kInt32 && barrier.numel() >= 1, "barrier: one int32");
-  TORCH_CHECK(timeline.numel() == 0 || (timeline.scalar_type() == torch::kInt64 && timeline.numel() >= layers.size(0) * 18),
+  TORCH_CHECK(barrier.scalar_type() == torch::kInt32 && barrier.numel() >= 2 + 10 * layers.size(0),
+              "barrier: 2 + 10 L int32 (the grid barrier's count and the claims' counters)");
+  TORCH_CHECK(timeline.numel() == 0 ||
+                  (timeline.scalar_type() == torch::kInt64 && timeline.numel() >= layers.size(0) * 18),
               "timeline: empty or [L, 6, 3] int64");
   Params p;
   p.layers = reinterpret_cast<const Layer*>(layers.data_ptr<int64_t>());
@@ -442,7 +486,8 @@ torch::Tensor run(torch::Tensor layers, torch::Tensor x0, torch::Tensor res0, to
   p.prefetch_bytes = static_cast<int>(prefetch_bytes);
   p.timeline = timeline.numel() > 0 ? reinterpret_cast<unsigned long long*>(timeline.data_ptr<int64_t>()) : nullptr;
   auto stream = at::cuda::getCurrentCUDAStream();
-  C10_CUDA_CHECK(cudaMemsetAsync(p.barrier, 0, sizeof(unsigned), stream));
+  p.claims = reinterpret_cast<unsigned long long*>(barrier.data_ptr<int>() + 2);
+  C10_CUDA_CHECK(cudaMemsetAsync(p.barrier, 0, sizeof(int) * (2 + 10 * layers.size(0)), stream));
   kVariants[variant]<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(p);
   C10_CUDA_CHECK(cudaGetLastError());
   const int64_t z_offset = 3 * H + (E + 1) + P * kGateUpRows + H * P;
