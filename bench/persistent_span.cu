@@ -10,20 +10,15 @@
 // boundaries, launch ramps and tails) would a persistent design win back (issue 18's roofline
 // goal)?
 //
-// One CTA an SM, every CTA the GPU holds at once (so grid barriers cannot deadlock). A phase's
-// weights are split evenly over all warps in 32-chunk groups (a chunk is 16 bytes); each warp
-// streams its share through a pipeline of its own in shared memory (cp.async: S stages of PER
-// chunks a lane, S - 1 in flight, no registers held), adding its rows' fp32 sums into the
-// phase's accumulators with atomics (a row split between two warps gets two adds: the sums'
-// order is not fixed, unlike the engine's). With `preissue`, a warp issues the first stages of
-// its next matmul before the barrier in front of it, where the addresses are known then (not
-// gate_up's: the routing decides them): the persistent answer to the ramp after a barrier. The
-// work between matmuls (norms, top-k, SiLU) runs in every CTA on what it needs, read from L2,
-// so only the matmuls' outputs need a barrier.
-//
-// Designs measured before (benchmarks/persistent_span_h200.json has the figures): loads into
-// registers (4 or 8 a lane in flight, eeacb99, e9abf48, which also took pieces from a counter),
-// a producer thread with bulk copies through a shared-memory ring (6309392).
+// The grid is every CTA the GPU holds at once (so grid barriers cannot deadlock); a phase's
+// weights are split evenly over all warps in 32-chunk groups (a chunk is 16 bytes), each warp
+// streaming its groups with kLoads loads a lane in flight and adding its rows' fp32 sums into
+// the phase's accumulators with atomics (a row split between two warps gets two adds: the sums'
+// order is not fixed, unlike the engine's). The work between matmuls (norms, top-k, SiLU) runs
+// in every CTA on what it needs, read from L2, so only the matmuls' outputs need a barrier.
+// Before each barrier a CTA may prefetch into L2 the first bytes of its share of the next
+// phase's weights, where their addresses are known then (the experts' only after the routing,
+// but for the shared expert): a persistent design's answer to the ramp after every barrier.
 //
 // Shapes are the 35B-A3B's, fixed at compile time.
 
@@ -67,10 +62,11 @@ struct Params {
   float* sumsq;       // [gridDim.x] each CTA's part of the second norm's sum of squares
   int* ids_out;       // [layers, P] the routing, for the check
   unsigned* barrier;  // zero at launch
-  int preissue;  // issue a matmul's first stages before the barrier in front of it
+  int prefetch_bytes;
   // null, or [layers, 6 barriers, 3] ns (%globaltimer): the first and the last CTA's arrival,
   // CTA 0's departure; the first two start at INT64_MAX / 0
   unsigned long long* timeline = nullptr;
+  unsigned long long* claims = nullptr;  // [layers, 5 matmuls] zero at launch (kDynamic)
 };
 
 __device__ __forceinline__ int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -114,6 +110,10 @@ __device__ float block_sum(float v, float* scratch) {
   return t;
 }
 
+__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+}
+
 __device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
   unsigned v;
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -153,86 +153,72 @@ __device__ __forceinline__ int64_t share_begin(int64_t T, int64_t units, int64_t
   return u * (T / 32) / units * 32;
 }
 
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
-               "l"(src), "r"(valid ? 16 : 0)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-
-// A warp's pipeline: S stages of 32 PER chunks in shared memory, each lane its own slots (a
-// lane reads only what it copied, so no lane waits for another).
-template <int S, int PER>
-struct Pipe {
-  static constexpr int kPiece = 32 * PER;  // chunks a stage
-  uint4* ring;                             // the warp's S stages
-  int64_t a, b;                            // the warp's share of the phase: chunks [a, b)
-
-  template <typename Map>
-  __device__ void issue(const Map& m, int stage_index, int lane) const {
-    const int64_t base = a + static_cast<int64_t>(stage_index) * kPiece;
-    if (base < b) {
-      uint4* dst = ring + (stage_index % S) * kPiece;
+// A warp's piece of a phase: chunks [base, b), at most 32 kLoads, into registers ...
+template <int kLoads, typename Map>
+__device__ __forceinline__ void load_piece(const Map& m, int64_t base, int64_t b, uint4 (&w)[kLoads], int lane) {
 #pragma unroll
-      for (int i = 0; i < PER; ++i) {
-        const int64_t pos = base + 32 * i + lane;
-        cp_async16(dst + 32 * i + lane, m.w(pos < b ? pos : a), pos < b);  // past b: zeros, nothing read
-      }
-    }
-    cp_async_commit();  // an empty group past b: the waits count groups
+  for (int i = 0; i < kLoads; ++i) {
+    const int64_t pos = base + 32 * i + lane;
+    w[i] = pos < b ? __ldcs(m.w(pos)) : make_uint4(0, 0, 0, 0);
   }
-};
-
-template <int S, int PER>
-__device__ __forceinline__ Pipe<S, PER> pipe(uint4* rings, int64_t T) {
-  const int warp = threadIdx.x / 32;
-  const int64_t units = static_cast<int64_t>(gridDim.x) * kWarps, u = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
-  return Pipe<S, PER>{rings + static_cast<int64_t>(warp) * S * Pipe<S, PER>::kPiece, share_begin(T, units, u),
-                      share_begin(T, units, u + 1)};
 }
 
-// The first S - 1 stages of a phase: before its barrier (preissue) or at its start.
-template <int S, int PER, typename Map>
-__device__ void start(const Map& m, int64_t T, uint4* rings) {
-  const Pipe<S, PER> q = pipe<S, PER>(rings, T);
-  for (int k = 0; k < S - 1; ++k) q.issue(m, k, threadIdx.x % 32);
+// ... and against the input: row `cur`'s sum so far in acc, added to out[cur] (an atomic) when
+// the rows change.
+template <int kLoads, typename Map>
+__device__ __forceinline__ void use_piece(const Map& m, int64_t base, int64_t b, const uint4 (&w)[kLoads],
+                                          int64_t& cur, float& acc, float* out, int lane) {
+#pragma unroll
+  for (int i = 0; i < kLoads; ++i) {
+    const int64_t g = base + 32 * i;  // the group's first chunk: the same for the whole warp
+    if (g >= b) break;
+    const int64_t row = m.row(g);
+    if (row != cur) {
+      if (cur >= 0) {
+        const float s = warp_sum(acc);
+        if (lane == 0) atomicAdd(out + cur, s);
+      }
+      cur = row;
+      acc = 0.0f;
+    }
+    acc += dot8(w[i], m.x(g + lane));
+  }
+}
+
+// The next piece of a phase for the warp: the first chunk of 32 kLoads taken from the counter.
+__device__ __forceinline__ int64_t claim(unsigned long long* counter, int pieces, int lane) {
+  unsigned long long v = 0;
+  if (lane == 0) v = atomicAdd(counter, static_cast<unsigned long long>(pieces));
+  return static_cast<int64_t>(__shfl_sync(0xffffffffu, v, 0));
 }
 
 // A phase of T chunks: w(pos) is a weight chunk, x(pos) the input chunk it meets, row(pos) the
-// accumulator it adds to (a row never straddles a 32-chunk group). `started`: start() ran.
-template <int S, int PER, typename Map>
-__device__ void stream(const Map& m, int64_t T, float* out, uint4* rings, bool started) {
+// accumulator it adds to (a row never straddles a 32-chunk group). Each warp streams an even
+// share (claims null), or takes pieces from a counter (zero before the phase) until none are
+// left, the next claim issued before the piece's math: a fast SM takes more.
+template <int kLoads, typename Map>
+__device__ void stream(const Map& m, int64_t T, float* out, unsigned long long* claims) {
   const int lane = threadIdx.x % 32;
-  if (!started) start<S, PER>(m, T, rings);
-  const Pipe<S, PER> q = pipe<S, PER>(rings, T);
+  constexpr int kPiece = 32 * kLoads;
   int64_t cur = -1;
   float acc = 0.0f;
-  for (int k = 0; q.a + static_cast<int64_t>(k) * q.kPiece < q.b; ++k) {
-    cp_async_wait<S - 2>();  // stage k is in (this lane's part of it)
-    q.issue(m, k + S - 1, lane);  // into the stage read the round before
-    const int64_t base = q.a + static_cast<int64_t>(k) * q.kPiece;
-    const uint4* w = q.ring + (k % S) * q.kPiece;
-#pragma unroll
-    for (int i = 0; i < PER; ++i) {
-      const int64_t g = base + 32 * i;  // the group's first chunk: the same for the whole warp
-      if (g >= q.b) break;
-      const int64_t row = m.row(g);
-      if (row != cur) {
-        if (cur >= 0) {
-          const float s = warp_sum(acc);
-          if (lane == 0) atomicAdd(out + cur, s);
-        }
-        cur = row;
-        acc = 0.0f;
-      }
-      acc += dot8(w[32 * i + lane], m.x(g + lane));
+  uint4 w[kLoads];
+  if (claims == nullptr) {
+    const int64_t units = static_cast<int64_t>(gridDim.x) * kWarps, u = blockIdx.x * kWarps + threadIdx.x / 32;
+    const int64_t a = share_begin(T, units, u), b = share_begin(T, units, u + 1);
+    for (int64_t base = a; base < b; base += kPiece) {
+      load_piece(m, base, b, w, lane);
+      use_piece(m, base, b, w, cur, acc, out, lane);
+    }
+  } else {
+    for (int64_t base = claim(claims, kPiece, lane); base < T;) {
+      const int64_t b = base + kPiece < T ? base + kPiece : T;
+      load_piece(m, base, b, w, lane);
+      const int64_t next = claim(claims, kPiece, lane);
+      use_piece(m, base, b, w, cur, acc, out, lane);
+      base = next;
     }
   }
-  cp_async_wait<0>();  // the empty groups past the share
   if (cur >= 0) {
     const float s = warp_sum(acc);
     if (lane == 0) atomicAdd(out + cur, s);
@@ -281,10 +267,25 @@ struct Down {
   __device__ int64_t row(int64_t pos) const { return pos / C; }
 };
 
-// S stages of PER chunks a lane in each warp's pipeline (dynamic shared memory).
-template <int S, int PER>
-__global__ void __launch_bounds__(kThreads, 1) persistent_span_kernel(Params p) {
-  extern __shared__ __align__(16) uint4 rings[];
+// The CTA's share of a phase of T chunks, as chunk positions [begin, end).
+__device__ __forceinline__ void cta_share(int64_t T, int64_t& begin, int64_t& end) {
+  const int64_t units = static_cast<int64_t>(gridDim.x) * kWarps;
+  begin = share_begin(T, units, static_cast<int64_t>(blockIdx.x) * kWarps);
+  end = share_begin(T, units, static_cast<int64_t>(blockIdx.x + 1) * kWarps);
+}
+
+// Prefetch the first bytes of the CTA's share of a dense phase (contiguous in memory).
+__device__ void prefetch_dense(const uint4* weight, int64_t T, int bytes) {
+  int64_t begin, end;
+  cta_share(T, begin, end);
+  const int64_t n = imin(bytes / 16, end - begin);
+  if (threadIdx.x == 0 && n > 0) prefetch_l2(weight + begin, static_cast<uint32_t>(n * 16));
+}
+
+// kLoads: 16-byte loads a lane has in flight; kMinCtas: CTAs an SM (64 registers a thread at 2);
+// kDynamic: warps take pieces of a phase from a counter (Params::claims) instead of even shares.
+template <int kLoads, int kMinCtas, bool kDynamic>
+__global__ void __launch_bounds__(kThreads, kMinCtas) persistent_span_kernel(Params p) {
   __shared__ __align__(16) bf16 xs[P * I > V ? P * I : V];  // the current matmul's input row
   __shared__ float s[H];                                  // the residual after attention
   __shared__ float scratch[kWarps];
@@ -292,27 +293,19 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_span_kernel(Params p) 
   __shared__ float weights[P];
   const uint4* xs4 = reinterpret_cast<const uint4*>(xs);
   const int t = threadIdx.x, cta = blockIdx.x, grid = gridDim.x;
-  const bool pre = p.preissue != 0;
   unsigned target = 0;
-  constexpr int64_t kOutT = static_cast<int64_t>(H) * (V / 8), kRouterT = static_cast<int64_t>(kRouterRows) * (H / 8);
-  constexpr int64_t kGateUpT = static_cast<int64_t>(P) * kGateUpRows * (H / 8);
-  constexpr int64_t kDownT = static_cast<int64_t>(H) * P * (I / 8), kInT = static_cast<int64_t>(N) * (H / 8);
 
-  if (pre) start<S, PER>(Dense<V / 8>{reinterpret_cast<const uint4*>(p.layers[0].out_proj), xs4}, kOutT, rings);
   for (int l = 0; l < p.num_layers; ++l) {
     const Layer L = p.layers[l];
     const float* res_in = l == 0 ? p.res0 : p.res[l % 2];
     float* res_out = p.res[(l + 1) % 2];
-    const Dense<V / 8> out_proj{L.out_proj, xs4};
-    const Dense<H / 8> router{L.router, xs4}, in_proj{L.in_proj, xs4};
-    const GateUp gate_up{L.gate_up, xs4, ids};
-    const Down down{L.down, xs4, ids};
 
     // out_proj: x is the first layer's input, else the last in_proj's first V outputs
     for (int i = t; i < V; i += kThreads) xs[i] = l == 0 ? p.x0[i] : __float2bfloat16(__ldcg(p.z_acc + i));
     __syncthreads();
-    stream<S, PER>(out_proj, kOutT, p.d_acc, rings, pre);
-    if (pre) start<S, PER>(router, kRouterT, rings);
+    stream<kLoads>(Dense<V / 8>{L.out_proj, xs4}, static_cast<int64_t>(H) * (V / 8), p.d_acc,
+                   kDynamic ? p.claims + l * 5 + 0 : nullptr);
+    if (p.prefetch_bytes) prefetch_dense(L.router, static_cast<int64_t>(kRouterRows) * (H / 8), p.prefetch_bytes);
     grid_barrier(p.barrier, target, p.timeline ? p.timeline + (l * 6 + 0) * 3 : nullptr);
 
     // add + norm (every CTA the whole row), then the router; z_acc is free again
@@ -326,7 +319,17 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_span_kernel(Params p) 
       xs[i] = __float2bfloat16(s[i] * inv * (1.0f + __bfloat162float(L.norm1[i])));
     for (int i = cta * kThreads + t; i < N; i += grid * kThreads) p.z_acc[i] = 0.0f;
     __syncthreads();
-    stream<S, PER>(router, kRouterT, p.logit_acc, rings, pre);
+    stream<kLoads>(Dense<H / 8>{L.router, xs4}, static_cast<int64_t>(kRouterRows) * (H / 8), p.logit_acc,
+                   kDynamic ? p.claims + l * 5 + 1 : nullptr);
+    if (p.prefetch_bytes) {  // of the experts only the shared one is known before the routing
+      int64_t begin, end;
+      cta_share(static_cast<int64_t>(P) * kGateUpRows * (H / 8), begin, end);
+      begin = imax(begin, static_cast<int64_t>(K) * kGateUpRows * (H / 8));
+      const int64_t n = imin(p.prefetch_bytes / 16, end - begin);
+      if (t == 0 && n > 0)
+        prefetch_l2(L.gate_up + static_cast<int64_t>(E - K) * kGateUpRows * (H / 8) + begin,
+                    static_cast<uint32_t>(n * 16));
+    }
     grid_barrier(p.barrier, target, p.timeline ? p.timeline + (l * 6 + 1) * 3 : nullptr);
 
     // top-k (warp 0): softmax over the routed experts, the k largest, renormalised, bf16
@@ -364,8 +367,18 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_span_kernel(Params p) 
       }
     }
     __syncthreads();
-    stream<S, PER>(gate_up, kGateUpT, p.gu_acc, rings, false);  // its addresses wait for the routing
-    if (pre) start<S, PER>(down, kDownT, rings);
+    stream<kLoads>(GateUp{L.gate_up, xs4, ids}, static_cast<int64_t>(P) * kGateUpRows * (H / 8), p.gu_acc,
+                   kDynamic ? p.claims + l * 5 + 2 : nullptr);
+    if (p.prefetch_bytes) {  // the down rows of the picks: 1 KB each
+      int64_t begin, end;
+      cta_share(static_cast<int64_t>(H) * P * (I / 8), begin, end);
+      const int64_t rows = imin(p.prefetch_bytes / (I * 2), (end - begin + I / 8 - 1) / (I / 8));
+      if (t < rows) {
+        const int64_t row = begin / (I / 8) + t, h = row / P;
+        const int j = static_cast<int>(row - h * P);
+        prefetch_l2(L.down + (static_cast<int64_t>(ids[j]) * H + h) * (I / 8), I * 2);
+      }
+    }
     grid_barrier(p.barrier, target, p.timeline ? p.timeline + (l * 6 + 2) * 3 : nullptr);
 
     // SiLU(gate) * up of every pick (every CTA the whole of it), then down
@@ -375,8 +388,9 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_span_kernel(Params p) 
       xs[i] = __float2bfloat16(bf(g / (1.0f + expf(-g))) * u);
     }
     __syncthreads();
-    stream<S, PER>(down, kDownT, p.down_acc, rings, pre);
-    if (pre) start<S, PER>(in_proj, kInT, rings);
+    stream<kLoads>(Down{L.down, xs4, ids}, static_cast<int64_t>(H) * P * (I / 8), p.down_acc,
+                   kDynamic ? p.claims + l * 5 + 3 : nullptr);
+    if (p.prefetch_bytes) prefetch_dense(L.in_proj, static_cast<int64_t>(N) * (H / 8), p.prefetch_bytes);
     grid_barrier(p.barrier, target, p.timeline ? p.timeline + (l * 6 + 3) * 3 : nullptr);
 
     // the weighted sum and the residual add: the CTA's slice of H, its part of the sum of squares
@@ -404,21 +418,21 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_span_kernel(Params p) 
     for (int i = cta * kThreads + t; i < P * kGateUpRows; i += grid * kThreads) p.gu_acc[i] = 0.0f;
     for (int i = cta * kThreads + t; i < H * P; i += grid * kThreads) p.down_acc[i] = 0.0f;
     __syncthreads();
-    stream<S, PER>(in_proj, kInT, p.z_acc, rings, pre);
+    stream<kLoads>(Dense<H / 8>{L.in_proj, xs4}, static_cast<int64_t>(N) * (H / 8), p.z_acc,
+                   kDynamic ? p.claims + l * 5 + 4 : nullptr);
     if (l + 1 < p.num_layers) {
-      if (pre) start<S, PER>(Dense<V / 8>{p.layers[l + 1].out_proj, xs4}, kOutT, rings);
+      if (p.prefetch_bytes)
+        prefetch_dense(p.layers[l + 1].out_proj, static_cast<int64_t>(H) * (V / 8), p.prefetch_bytes);
       grid_barrier(p.barrier, target, p.timeline ? p.timeline + (l * 6 + 5) * 3 : nullptr);
     }
   }
 }
 
-// The variants bench/persistent_span.py compares: the warps' pipelines (stages, chunks a lane).
+// The variants bench/persistent_span.py compares: (loads a lane in flight, CTAs an SM).
 using Kernel = void (*)(Params);
-constexpr Kernel kVariants[] = {persistent_span_kernel<3, 8>, persistent_span_kernel<4, 4>};
-constexpr int kStages[] = {3, 4}, kPer[] = {8, 4};
+constexpr Kernel kVariants[] = {persistent_span_kernel<8, 1, false>, persistent_span_kernel<4, 2, false>,
+                                persistent_span_kernel<8, 1, true>, persistent_span_kernel<4, 2, true>};
 constexpr int kNumVariants = sizeof(kVariants) / sizeof(kVariants[0]);
-
-size_t ring_bytes(int variant) { return static_cast<size_t>(kWarps) * kStages[variant] * 32 * kPer[variant] * 16; }
 
 // The grid that fits the GPU at once for a variant: its CTAs an SM x SMs.
 int64_t resident_grid(int64_t variant) {
@@ -426,11 +440,7 @@ int64_t resident_grid(int64_t variant) {
   int per_sm = 0, device = 0, sms = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const size_t bytes = ring_bytes(static_cast<int>(variant));
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kVariants[variant], cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      static_cast<int>(bytes)));
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kVariants[variant], kThreads, bytes));
-  TORCH_CHECK(per_sm >= 1, "the kernel does not fit an SM");
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kVariants[variant], kThreads, 0));
   return static_cast<int64_t>(per_sm) * sms;
 }
 
@@ -438,7 +448,7 @@ int64_t resident_grid(int64_t variant) {
 // the first run (the kernel leaves its accumulators zero but z_acc, which holds the output:
 // run's return value is that view).
 torch::Tensor run(torch::Tensor layers, torch::Tensor x0, torch::Tensor res0, torch::Tensor scratch,
-                  torch::Tensor ids_out, torch::Tensor barrier, double eps, int64_t preissue, int64_t variant,
+                  torch::Tensor ids_out, torch::Tensor barrier, double eps, int64_t prefetch_bytes, int64_t variant,
                   torch::Tensor timeline) {
   TORCH_CHECK(layers.is_cuda() && layers.scalar_type() == torch::kInt64 && layers.dim() == 2 && layers.size(1) == 7,
               "layers must be [L, 7] int64 on the GPU");
@@ -451,7 +461,8 @@ torch::Tensor run(torch::Tensor layers, torch::Tensor x0, torch::Tensor res0, to
               "scratch must hold ", need, " fp32");
   TORCH_CHECK(ids_out.scalar_type() == torch::kInt32 && ids_out.numel() >= layers.size(0) * P, "ids_out: [L, ", P,
               "] int32");
-  TORCH_CHECK(barrier.scalar_type() == torch::kInt32 && barrier.numel() >= 1, "barrier: one int32");
+  TORCH_CHECK(barrier.scalar_type() == torch::kInt32 && barrier.numel() >= 2 + 10 * layers.size(0),
+              "barrier: 2 + 10 L int32 (the grid barrier's count and the claims' counters)");
   TORCH_CHECK(timeline.numel() == 0 ||
                   (timeline.scalar_type() == torch::kInt64 && timeline.numel() >= layers.size(0) * 18),
               "timeline: empty or [L, 6, 3] int64");
@@ -472,11 +483,12 @@ torch::Tensor run(torch::Tensor layers, torch::Tensor x0, torch::Tensor res0, to
   p.sumsq = f;
   p.ids_out = ids_out.data_ptr<int>();
   p.barrier = reinterpret_cast<unsigned*>(barrier.data_ptr<int>());
-  p.preissue = static_cast<int>(preissue);
+  p.prefetch_bytes = static_cast<int>(prefetch_bytes);
   p.timeline = timeline.numel() > 0 ? reinterpret_cast<unsigned long long*>(timeline.data_ptr<int64_t>()) : nullptr;
   auto stream = at::cuda::getCurrentCUDAStream();
-  C10_CUDA_CHECK(cudaMemsetAsync(p.barrier, 0, sizeof(unsigned), stream));
-  kVariants[variant]<<<static_cast<unsigned>(grid), kThreads, ring_bytes(static_cast<int>(variant)), stream>>>(p);
+  p.claims = reinterpret_cast<unsigned long long*>(barrier.data_ptr<int>() + 2);
+  C10_CUDA_CHECK(cudaMemsetAsync(p.barrier, 0, sizeof(int) * (2 + 10 * layers.size(0)), stream));
+  kVariants[variant]<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(p);
   C10_CUDA_CHECK(cudaGetLastError());
   const int64_t z_offset = 3 * H + (E + 1) + P * kGateUpRows + H * P;
   return scratch.narrow(0, z_offset, N);

@@ -11,9 +11,8 @@ its attention parts, for one token:
   chain       the engine's kernels (ops.linear, ops.add_rms_norm, ops.router_logits,
               ops.moe_experts_add_rms_norm, ops.linear), as the model launches them at batch 1
   persistent  bench/persistent_span.cu: one kernel for all layers, grid barriers between the
-              matmuls, each warp streaming through a cp.async pipeline of its own (the
-              variants: its stages and chunks a lane), with and without PREISSUE (a matmul's
-              first stages issued before the barrier in front of it)
+              matmuls, with each variant (loads a lane in flight, CTAs an SM) and PREFETCH
+              bytes a CTA pulls into L2 of its next share before each barrier (0: none)
 
 both replayed as CUDA graphs, against the span's bytes at the copy bandwidth measured here.
 The persistent kernel's routing and output are checked against the chain's first (same
@@ -86,7 +85,7 @@ PHASES = ("x + out_proj", "norm + router", "top-k + gate_up", "SiLU + down", "we
           "norm + in_proj")
 
 
-def timeline(ext, table, x0, res0, scratch, ids_out, barrier, variant: int, preissue: int, reps: int = 5) -> dict:
+def timeline(ext, table, x0, res0, scratch, ids_out, barrier, variant: int, prefetch: int, reps: int = 5) -> dict:
     """Where one eager run's time goes, per phase (the kernel's barriers' %globaltimer stamps),
     mean us over the layers but the first and last and over `reps` runs: from the barrier before
     to the first and the last CTA's arrival at the one after, and each barrier's own latency
@@ -96,7 +95,7 @@ def timeline(ext, table, x0, res0, scratch, ids_out, barrier, variant: int, prei
     for _ in range(reps):
         t = torch.zeros(L, 6, 3, dtype=torch.int64, device="cuda")
         t[..., 0] = torch.iinfo(torch.int64).max
-        ext.run(table, x0, res0, scratch, ids_out, barrier, EPS, preissue, variant, t)
+        ext.run(table, x0, res0, scratch, ids_out, barrier, EPS, prefetch, variant, t)
         t = t.cpu().tolist()
         for layer in range(1, L - 1):
             for k, name in enumerate(PHASES):
@@ -106,10 +105,10 @@ def timeline(ext, table, x0, res0, scratch, ids_out, barrier, variant: int, prei
                     sums[name][i] += v / 1e3 / (reps * (L - 2))
     rows = {name: dict(first_arrival_us=round(v[0], 2), last_arrival_us=round(v[1], 2), barrier_us=round(v[2], 2))
             for name, v in sums.items()}
-    print(f"timeline variant {variant}, preissue {preissue}: " + "; ".join(
+    print(f"timeline variant {variant}, prefetch {prefetch}: " + "; ".join(
         f"{name} {r['first_arrival_us']}/{r['last_arrival_us']}+{r['barrier_us']}" for name, r in rows.items()),
         flush=True)
-    return dict(variant=variant, preissue=preissue, phases=rows)
+    return dict(variant=variant, prefetch=prefetch, phases=rows)
 
 
 def graph_us(fn, per: int, reps: int = 50) -> float:
@@ -138,8 +137,7 @@ def graph_us(fn, per: int, reps: int = 50) -> float:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--preissue", default="0,1",
-                    help="1: issue a matmul's first stages before the barrier in front of it; comma-separated")
+    ap.add_argument("--prefetch", default="0", help="bytes a CTA prefetches before a barrier, comma-separated")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
@@ -154,7 +152,7 @@ def main(argv=None) -> int:
     tickets = [torch.zeros(1, dtype=torch.int32, device="cuda") for _ in layers]
     scratch = torch.zeros(3 * H + E + 1 + P * 2 * I + H * P + N + 4096, device="cuda")
     ids_out = torch.zeros(args.layers, P, dtype=torch.int32, device="cuda")
-    barrier = torch.zeros(1, dtype=torch.int32, device="cuda")
+    barrier = torch.zeros(2 + 10 * args.layers, dtype=torch.int32, device="cuda")  # and the claim counters
     no_timeline = torch.empty(0, dtype=torch.int64, device="cuda")
 
     # the check: routing layer by layer, and the last output, against the chain
@@ -174,8 +172,8 @@ def main(argv=None) -> int:
         print(f"check variant {variant}: routing same {sum(same)}/{len(same)}, mean |err| {err.mean().item():.4g} "
               f"(mean |out| {want.abs().mean().item():.4g}), max {err.max().item():.4g}", flush=True)
 
-    timelines = [timeline(ext, table, x0, res0, scratch, ids_out, barrier, variant, preissue)
-                 for variant in range(ext.variants) for preissue in map(int, args.preissue.split(","))]
+    timelines = [timeline(ext, table, x0, res0, scratch, ids_out, barrier, variant, prefetch)
+                 for variant in range(ext.variants) for prefetch in map(int, args.prefetch.split(","))]
 
     bw = copy_bandwidth()
     span_bytes = 2 * (H * V + (E + 1) * H + P * (2 * I * H + H * I) + N * H)
@@ -185,17 +183,18 @@ def main(argv=None) -> int:
     print(f"bytes {span_bytes / 1e6:.1f} MB a layer: {rows[0]['us_per_layer']:.1f} us at {bw / 1e9:.0f} GB/s; "
           f"chain {rows[1]['us_per_layer']:.1f} us", flush=True)
     for variant in range(ext.variants):
-        for preissue in map(int, args.preissue.split(",")):
-            us = graph_us(lambda: ext.run(table, x0, res0, scratch, ids_out, barrier, EPS, preissue, variant,
+        for prefetch in map(int, args.prefetch.split(",")):
+            us = graph_us(lambda: ext.run(table, x0, res0, scratch, ids_out, barrier, EPS, prefetch, variant,
                                             no_timeline),
                           args.layers)
-            rows.append(dict(path="persistent", variant=variant, grid=ext.resident_grid(variant), preissue=preissue,
+            rows.append(dict(path="persistent", variant=variant, grid=ext.resident_grid(variant), prefetch=prefetch,
                              us_per_layer=us))
-            print(f"persistent variant {variant} (grid {ext.resident_grid(variant)}), preissue {preissue}: "
+            print(f"persistent variant {variant} (grid {ext.resident_grid(variant)}), prefetch {prefetch}: "
                   f"{us:.1f} us", flush=True)
     result = dict(gpu=torch.cuda.get_device_name(), layers=args.layers, span_bytes=span_bytes,
                   copy_bandwidth_gb_s=bw / 1e9, timelines=timelines,
-                  variants="each warp's cp.async pipeline, stages x chunks a lane: 0: 3 x 8, 1: 4 x 4", checks=checks, rows=rows,
+                  variants="0: 8 loads a lane, 1 CTA an SM, even shares; 1: 4 loads, 2 CTAs, even shares; "
+                  "2, 3: as 0, 1 with pieces taken from a counter", checks=checks, rows=rows,
                   code=subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                       text=True).stdout.strip() or None,
                   command="python bench/persistent_span.py " + " ".join(argv if argv is not None else sys.argv[1:]))
