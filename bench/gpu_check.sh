@@ -149,7 +149,7 @@ fa3-engine)
   done
   ;;
 burst)
-  # the step that admits 32 GSM8K prompts at once, broken down (BENCHMARKS.md, "Prefill of a burst")
+  # the step that admits 32 GSM8K prompts at once, broken down (BENCHMARKS.md, "Prefill", a burst)
   step burst9b 150 python3 bench/profile_step.py --preset qwen3.5-9b --batch 1 --prefill-burst gsm8k:32 \
     --json "$OUT/prefill_burst_9b.json"
   ;;
@@ -270,7 +270,8 @@ moe)
   DFLASH_TEST_DEVICE=cuda DFLASH_MOE_STATS=$OUT/moe_stats.txt step tests-moe 240 python3 -m pytest -q \
     -p no:cacheprovider tests/test_moe_ops.py
   step moe-bench 150 python3 bench/moe_kernels.py --out "$OUT/moe.json"
-  # the engine's call on Qwen3.5/3.6 MoE: the shared expert as one expert more (BENCHMARKS.md's table)
+  # the engine's call on Qwen3.5/3.6 MoE: the shared expert as one expert more (BENCHMARKS.md,
+  # "Mixture of experts", fused experts vs peers)
   step moe-bench-shared 150 python3 bench/moe_kernels.py --shared --tokens 1,16,64,128,256,512,1024 \
     --out "$OUT/moe_kernels_shared_h200.json"
   ;;

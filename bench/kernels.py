@@ -504,7 +504,7 @@ def main() -> None:
                                 # order (ours first, right after the previous shape) favours
                                 # neither: with ours always first, our small shapes timed
                                 # slower in runs with FlashInfer than in runs without it
-                                # (BENCHMARKS.md, Block attention kernel).
+                                # (commit 04f8836, BENCHMARKS.md at that commit, "Block attention kernel").
                                 k_us = min(k_us, time_us(kernel)[0])
                                 f_us = min(f_us, time_us(f_run)[0])
                         except Exception as e:  # noqa: BLE001 - API drift between versions

@@ -205,8 +205,9 @@ class DecodePasses:
         """One drafter pass over [bonus, MASK x (B-1)] per row -> the block [bs, B] with the
         proposals for the verify's `width` (default: all B) filled in at 1 .. width-1: the LM
         head and argmax run at those rows only (at load, a large share of the draft pass:
-        BENCHMARKS.md, "Qwen3.5 hybrid"), the block's other slots keep the mask token. The
-        drafter still attends over the whole block, as it was trained to."""
+        benchmarks/draft_width.json; BENCHMARKS.md, "Engine: AR vs DFlash"), the block's other
+        slots keep the mask token. The drafter still attends over the whole block, as it was
+        trained to."""
         width = width or self.block_size
         batch = self._batch(x, self.block_size)
         block = torch.full((batch.size, batch.width), self.drafter.config.mask_token_id, dtype=torch.long,

@@ -65,8 +65,8 @@ constexpr float kLog2e = 1.4426950408889634f;
 
 // Keys a split reads at least. An AR step at batch 1 (one token a row) is latency-bound: splits of
 // one tile put more SMs to work on a short context and their cluster merge is cheap; blocks of
-// tokens keep 128, as 64 made the draft and verify passes slower (BENCHMARKS.md, "Mixture of
-// experts").
+// tokens keep 128, as 64 made the draft and verify passes slower (3dd4d01's draft and verify in
+// benchmarks/ar_b1_ab_h200.json, round 2).
 __host__ __device__ __forceinline__ int min_chunk_keys(const BlockAttentionParams& p) {
   return p.batch == 1 && p.num_tokens == 1 ? kMinChunkOneToken : kMinChunk;
 }
@@ -205,8 +205,8 @@ __device__ __forceinline__ RowKeys row_keys(const BlockAttentionParams& p, int c
 // unrolled so that the o rows of 8 splits are in flight, each weight broadcast from the lane
 // that computed it. The o rows past the last split with a key are not read: they would add
 // exact zeros, and a graph's split count follows the cache's capacity, not the context, so an
-// AR step early in a long-capacity engine's sequence has most splits empty (BENCHMARKS.md,
-// "Attention").
+// AR step early in a long-capacity engine's sequence has most splits empty (attn-trim in
+// benchmarks/ar_b1_ab_h200.json, session 34).
 // Lane l holds columns 4 l .. 4 l + 3 of each 128-column group (NC groups: d <= 128 NC).
 
 // One row's merge, by one warp: lse_at(s) is split s's log-sum-exp, o_at(s) its D floats.
@@ -901,7 +901,7 @@ LaunchPlan launch_plan(const BlockAttentionParams& p, int num_sms) {
     // per SM (T = 16 wants the second CTA; T = 1 and 8 would do a little better with one).
     // Larger batches keep four waves: the lengths are on the device, so the plan cannot tell
     // a ragged batch from a uniform one, and one wave costs a ragged batch more than four
-    // cost a uniform one (BENCHMARKS.md, "Block attention kernel").
+    // cost a uniform one (commit 04f8836, BENCHMARKS.md at that commit, "Key splits").
     // But each split must read enough keys to pay for writing and re-reading its fp32
     // partial (M rows x d x 8 bytes against keys x d x 4 bytes of K/V): 8 * M keys keeps
     // that below 1/4 of the traffic, usually far below. Unknown lengths are not split.
@@ -915,7 +915,7 @@ LaunchPlan launch_plan(const BlockAttentionParams& p, int num_sms) {
     // at context 512: 16 CTAs of 64 rows). Then fewer rows per CTA put more SMs to work, at
     // the price of re-reading K/V from L2 once per query chunk, a price that grows with the
     // context; once the launch has half the SMs' worth of CTAs, too few SMs are idle to pay
-    // for it (BENCHMARKS.md, "Block attention kernel").
+    // for it (commit 04f8836, BENCHMARKS.md at that commit, "Block attention kernel").
     if (plan.m_tiles == min_mt || 2 * ctas * plan.num_splits >= num_sms) return plan;
     plan.m_tiles /= 2;
   }
@@ -925,7 +925,8 @@ LaunchPlan launch_plan(const BlockAttentionParams& p, int num_sms) {
 // global partials and the combine kernel: one token at batch 1 (an AR step: latency-bound, its
 // splits even) with 2 to 8 splits (a portable cluster), on devices that launch clusters (sm_90
 // on). A block of tokens is not: the first CTA's merge of its rows made the draft and verify
-// passes slower than the combine kernel (BENCHMARKS.md, "Mixture of experts").
+// passes slower than the combine kernel (3dd4d01's draft and verify in
+// benchmarks/ar_b1_ab_h200.json, round 2).
 bool cluster_combines(const BlockAttentionParams& p, int num_splits) {
   return p.batch == 1 && p.num_tokens == 1 && num_splits >= 2 && num_splits <= kMaxClusterSplits &&
          device_attribute(cudaDevAttrClusterLaunch) > 0;

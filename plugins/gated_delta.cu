@@ -250,7 +250,8 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kOutputs || kRows > 16 ? 0 : 5
 //   precision (mma_tile.h). Its lanes hold their fragments of S0 in registers, loaded from the
 //   cache before the first barrier, so the state is read once, straight from global memory,
 //   with all of it in flight. It still takes several times the state's bytes' time (two CTAs
-//   an SM, and each one's phases in turn: BENCHMARKS.md, "Qwen3.5 hybrid").
+//   an SM, and each one's phases in turn: commit d6f32c8, BENCHMARKS.md at that commit,
+//   "Qwen3.5 hybrid").
 // Either way the threads of group 0 (a column each) run the recurrence and every group writes
 // its tokens' outputs.
 
@@ -277,7 +278,7 @@ bool outputs_form_runs(const GatedDeltaParams& p) {
 // chunks in turn, the state kept in registers between them). A prefill's chunks run one after
 // another at one CTA an SM, so it wins only while its CTAs fit one wave (a prompt or a few);
 // a burst of many rows keeps the token loop, whose many small CTAs hide its latencies better
-// (BENCHMARKS.md, "Prefill").
+// (benchmarks/gated_delta_prefill_chunks.json).
 bool mma_form_runs(const GatedDeltaParams& p) {
   if (p.out == nullptr || p.key_dim != kMmaDk || p.value_dim % out_cols<true>() != 0) return false;
   if (p.num_snapshots == 0) return p.width <= kOutWidth;

@@ -123,7 +123,8 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // the weights stream nearer copy bandwidth. With four features a warp still at least four CTAs an
 // SM, the reads are long enough for the pipelined loop's extra bytes in flight to pay (four
 // features, all of K): it wins on the LM heads and gate_up, loses on the smaller projections
-// (BENCHMARKS.md, "GEMV"). As features a CTA: 32 (R = 4, pipelined), 8 (R = 2), 2 (R = 1).
+// (benchmarks/gemv_slices_ab_h200.json; ar_b1_ab_h200.json: b9e2f38 in round 2, W in session 29).
+// As features a CTA: 32 (R = 4, pipelined), 8 (R = 2), 2 (R = 1).
 int one_row_features_per_cta(int64_t N, int sms) {
   if (ceil_div(N, 4 * kWarps) >= 4 * sms) return 4 * kWarps;
   if (ceil_div(N, kWarps) >= sms) return kWarps;
@@ -192,14 +193,15 @@ template <typename T, int W, int MT, int NT>
 cudaError_t launch_tiles(const GemvParams& p, cudaStream_t stream) {
   const auto ctas = static_cast<unsigned>(ceil_div(p.out_features, 16 * MT));
   // launched plainly: overlapping the kernel before it (as the one-row kernel does) made the
-  // model's verify and draft passes slower (BENCHMARKS.md, "GEMV")
+  // model's verify and draft passes slower (commit e337b33, BENCHMARKS.md at that commit, "GEMV")
   gemm_tile_kernel<T, W, MT, NT><<<ctas, W * 32, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
 // Up to 8 rows: 16 features per CTA of 8 warps. 9 to 16 (twice the x loads per weight chunk):
 // two 16-feature tiles per CTA of 8 warps where that leaves two CTAs per SM, else one per CTA
-// of 16 warps. The layouts that won in the model's passes (BENCHMARKS.md, "GEMV").
+// of 16 warps. The layouts that won in the model's passes (commit e337b33, BENCHMARKS.md at that
+// commit, "GEMV").
 template <typename T>
 cudaError_t launch_rows(const GemvParams& p, int sms, cudaStream_t stream) {
   if (p.rows <= 8) return launch_tiles<T, 8, 1, 1>(p, stream);

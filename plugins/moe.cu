@@ -30,7 +30,7 @@
 // (route_warp.h) and no routing kernel runs before them: gate_up's CTAs after their wait, up
 // to their own pick, down's in full before theirs.
 // With more tokens the grids run in several waves, and the same launch was slower
-// (BENCHMARKS.md, "Mixture of experts").
+// (commit 3f4c439, BENCHMARKS.md at that commit, "Mixture of experts").
 //
 // This file has no torch dependency: it compiles alone with
 //   nvcc -std=c++17 -arch=sm_90 -c moe.cu
@@ -618,9 +618,9 @@ cudaError_t launch_stream(const MoeParams& p, const Layout& l, dim3 grid, cudaSt
 // stream like a dense matrix through the one-row matmul's pattern (gemv.cu), a warp (gate_up)
 // or a group of lanes (down) per output and pick and small CTAs, so that many are resident and
 // every SM has loads in flight to the end of the kernel. The tensor-core tiles above spend a CTA on 16 rows of one
-// pick and ran these two projections slower (BENCHMARKS.md, "Mixture of experts"). The sums
-// run in another order than the tiles': a token alone is not bit-identical to the same token
-// in a larger pass (fp32 keeps the tiles, and that identity).
+// pick and ran these two projections slower (commit 5155253, BENCHMARKS.md at that commit,
+// "Mixture of experts"). The sums run in another order than the tiles': a token alone is not
+// bit-identical to the same token in a larger pass (fp32 keeps the tiles, and that identity).
 
 constexpr int kTokenThreads = 256;
 constexpr int kTokenWarps = kTokenThreads / 32;
@@ -635,9 +635,9 @@ constexpr int kTokenMaxPicks = 32;  // k of the one-token kernels (their shared 
 static_assert(kTokenMaxPicks >= kMoeRouteMaxTopK + 1, "a routed token's picks fit the shared arrays");
 
 // The one-token kernels' parameter: both structs in one, over 128 bytes, so that nvcc reads it
-// through its address as it did when they were tuned and measured (BENCHMARKS.md, "Mixture of
-// experts"): it keeps the values out of registers, and by value the down kernel spills under
-// its register cap. The tile kernels take MoeParams alone (moe.h).
+// through its address as it did when they were tuned and measured (commit b681fc9;
+// benchmarks/moe_params_ab_h200.json): it keeps the values out of registers, and by value the
+// down kernel spills under its register cap. The tile kernels take MoeParams alone (moe.h).
 struct MoeTokenArgs {
   MoeParams p;
   MoeTokenFusion f;

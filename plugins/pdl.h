@@ -16,7 +16,8 @@
 // The small kernels of a pass (norms, RoPE, the conv, the delta rule, routing, attention) launch
 // this way too, waiting first and allowing their successor right after: their CTAs are resident
 // when the kernel before ends, instead of starting after its completion reaches the launcher
-// (BENCHMARKS.md, "Programmatic launches"). The tensor-core matmul tiles launch plainly.
+// (BENCHMARKS.md, "Engine: AR vs DFlash"; benchmarks/pdl_ab.json). The tensor-core matmul tiles
+// launch plainly.
 
 #pragma once
 

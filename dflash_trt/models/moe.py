@@ -66,11 +66,11 @@ class ExpertsOut(NamedTuple):
 class SparseMoeBlock(nn.Module):
     # The norm before this block runs as its own kernel, not in the projection before it: its
     # consumer is the small router, and with the norm in the projection the 35B-A3B's AR step
-    # measured slower, the dense models' faster (BENCHMARKS.md, "GEMV" and "Mixture of experts").
+    # measured slower, the dense models' faster (BENCHMARKS.md, "GEMV").
     input_norm_in_projection = False
     # One token's norm after the block (the next layer's input norm) runs in the experts' down
     # kernel (ExpertsOut): its consumer is a large projection that loads its weights while the
-    # last CTA norms; measured faster (bench/gpu_check.sh moe-norm, BENCHMARKS.md).
+    # last CTA norms; measured faster (bench/gpu_check.sh moe-norm, benchmarks/ar_b1_ab_h200.json).
     output_norm_in_experts = True
 
     def __init__(self, dims: LayerDims, moe: MoEDims):

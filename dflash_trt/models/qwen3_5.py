@@ -26,7 +26,7 @@ dv) fp32 per linear layer and row in every verify, more than the pass's own recu
 reads, plus a gather-and-scatter commit, and hold S times the state in memory per slot. The
 replay re-runs the ~tau accepted tokens from their saved inputs (a few KB per token and
 layer); its commit is graphed like the passes. The measurements that decided it are in
-BENCHMARKS.md, "Qwen3.5 hybrid".
+BENCHMARKS.md at commit 003143e, "Qwen3.5 hybrid target" (its two rollback subsections).
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ log = logging.getLogger(__name__)
 DEFAULT_SNAPSHOTS = 16
 # A prefill up to this many tokens wide runs the token-by-token kernel of decode passes (a
 # launch or two per layer) rather than the chunked form, whose many small launches cost
-# more host time than a short prompt's recurrence costs the GPU (BENCHMARKS.md, "Qwen3.5
-# hybrid").
+# more host time than a short prompt's recurrence costs the GPU (commit bcd0b21, BENCHMARKS.md
+# at that commit, "Qwen3.5 hybrid").
 RECURRENT_PREFILL_TOKENS = 512
 
 

@@ -230,8 +230,9 @@ class Frontend:
         self.triton_url, self.tokenizer, self.max_output_len = triton_url, tokenizer, max_output_len
         self.model_name, self.api_key = model_name, api_key
         # Idle gRPC streams, reused: opening one (a channel and a stream) per request cost the
-        # requests of a burst their TTFT (BENCHMARKS.md, Through Triton). Triton 2.51 does not
-        # exit while a stream is open, so release_streams ends the reuse before a shutdown.
+        # requests of a burst their TTFT (commit ea7e8ec, BENCHMARKS.md at that commit, "Through
+        # Triton"). Triton 2.51 does not exit while a stream is open, so release_streams ends the
+        # reuse before a shutdown.
         self._streams: list[GrpcStream] = []
         self._reuse = True
         self._lock = threading.Lock()

@@ -188,8 +188,8 @@ class DraftObjective(nn.Module):
         """KL(target || drafter) of each supervised row's next-token distributions [rows]. The
         target's for the token at position p is its LM head (the drafter's, shared) at its row
         p - 1, before the token: the whole distribution, not only its greedy pick, a fuller signal
-        where the target hesitates, which is where a small drafter errs most (BENCHMARKS.md, the
-        demo pair's ceiling)."""
+        where the target hesitates, which is where a small drafter errs most
+        (benchmarks/demo_ceiling.json, the drafter's right_by_target_top1)."""
         lm_head = self.drafter.lm_head.weight
         row_of = torch.arange(positions.shape[0], device=positions.device)[:, None].expand_as(positions)
         before = target_hidden[row_of.flatten()[rows], positions.flatten()[rows] - 1]  # p > anchor >= 0
