@@ -518,11 +518,11 @@ def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool,
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """A router's logits x @ weight^T -> [N, E] for x [N, H] (linear's numbers). A Qwen3.5 MoE
     router has E = experts + 1 rows (the shared expert's gate): an output row that long is no
-    multiple of 16 bytes, and cuBLAS runs it on its unaligned kernels (in a 35B-A3B verify at
-    32, as long as the LM head's GEMM; commit c65979d, and BENCHMARKS.md at ea06c68, "Mixture of
-    experts"). So on CUDA, past the gemv kernel's rows and with N a multiple of 8, it computes
-    weight @ x^T ([E, N], rows of N tokens) and returns that transposed: a strided view, which
-    moe_route reads in place."""
+    multiple of 16 bytes, and cuBLAS runs it on its unaligned kernels (slower, in a 35B-A3B
+    verify at 32: commit c65979d, and BENCHMARKS.md at ea06c68, "Mixture of experts"). So on
+    CUDA, past the gemv kernel's rows and with N a multiple of 8, it computes weight @ x^T
+    ([E, N], rows of N tokens) and returns that transposed: a strided view, which moe_route
+    reads in place."""
     N = x.shape[0]
     if (x.is_cuda and x.dim() == 2 and weight.shape[0] % 8 != 0 and N > GEMV_MAX_ROWS and N % 8 == 0
             and x.dtype == weight.dtype):

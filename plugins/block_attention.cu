@@ -204,9 +204,10 @@ __device__ __forceinline__ RowKeys row_keys(const BlockAttentionParams& p, int c
 // read 32 splits' lse at once (row max and weights), and the weighted sum, branch-free, is
 // unrolled so that the o rows of 8 splits are in flight, each weight broadcast from the lane
 // that computed it. The o rows past the last split with a key are not read: they would add
-// exact zeros, and a graph's split count follows the cache's capacity, not the context, so an
-// AR step early in a long-capacity engine's sequence has most splits empty (attn-trim in
-// benchmarks/ar_b1_ab_h200.json, session 34).
+// exact zeros, and a graph's split count follows its context bucket's bound on the keys
+// (graphs.py), not the context, so an AR step early in its bucket has its last splits empty
+// (attn-trim in benchmarks/ar_b1_ab_h200.json, session 34, measured when the bound was the
+// cache's capacity).
 // Lane l holds columns 4 l .. 4 l + 3 of each 128-column group (NC groups: d <= 128 NC).
 
 // One row's merge, by one warp: lse_at(s) is split s's log-sum-exp, o_at(s) its D floats.
