@@ -13,8 +13,9 @@ checkpoint one tensor at a time; the model files never mention parallelism:
 - MLP: gate/up's slice of the intermediate rows, down_proj's matching columns, one all-reduce;
 - mixture of experts: tensor-parallel experts, each rank a slice of every expert's width
   (gate/up rows, down columns; the shared expert likewise), the router replicated, one
-  all-reduce after the block (faster than expert parallelism at decode and verify sizes:
-  BENCHMARKS.md, "Experts over 2 ranks");
+  all-reduce after the block (faster than expert parallelism for one token, about even at verify
+  sizes, slower only for the 35B-A3B's largest passes: BENCHMARKS.md, "Experts over 2 ranks",
+  and benchmarks/moe_tp_ep_*.json);
 - embedding: vocabulary-parallel (each rank looks up its rows, the rest are zeros, all-reduce);
 - LM head: vocabulary-parallel; the greedy choice gathers only each rank's best (value,
   index), and sampling only normalisers, top-k thresholds, one probability at a time and
