@@ -19,6 +19,11 @@
 // Before each barrier a CTA may prefetch into L2 the first bytes of its share of the next
 // phase's weights, where their addresses are known then (the experts' only after the routing,
 // but for the shared expert): a persistent design's answer to the ramp after every barrier.
+// Or (kDynamic) the warps take pieces of a phase from a counter, so that a fast SM takes more.
+//
+// Two other designs were measured and not kept (6309392: a producer thread with bulk copies
+// through a shared-memory ring; 8dbe160: a cp.async pipeline per warp); every figure is in
+// benchmarks/persistent_span_h200.json and BENCHMARKS.md, "Mixture of experts".
 //
 // Shapes are the 35B-A3B's, fixed at compile time.
 
