@@ -34,6 +34,8 @@
 #                                      # 35B-A3B's AR step at batch 1 and DFlash at concurrency 32 against .gpu/old
 #                                      # (tree_ab.sh prepare ed4bbeb), alternating twice
 #   bash bench/gpu_check.sh trace      # the 35B-A3B's AR step as a trace: each kernel's share by starts and ends
+#   bash bench/gpu_check.sh persistent-span # the 35B-A3B's weight-streaming span: the engine's kernels against one
+#                                      # persistent kernel (bench/persistent_span.py)
 #   bash bench/gpu_check.sh moe-flashinfer # MoE: the experts against FlashInfer's fused MoE (carry .fi)
 #   bash bench/gpu_check.sh tp         # (2 GPUs) a two-rank run exits; one rank vs two, Qwen3-1.7B pair
 #   bash bench/gpu_check.sh draft-vocab # Qwen3-8B's draft pass with the whole vocabulary and with 32k tokens
@@ -68,7 +70,7 @@
 # The machine has no `unzip`: zips are opened with `python3 -m zipfile`, which drops the
 # executable bits, so they are set again.
 set -u
-usage="usage: gpu_check.sh STAGE... (tests hybrid benches roofline bench8b goals overlap identity triton window flashinfer splits moe moe-models moe-bench moe-split moe-norm moe-params context context-bench trace moe-flashinfer tp draft-vocab prefill stall fa3 fa3-engine burst train-ranks demo-target demo-drafter demo-eval)"
+usage="usage: gpu_check.sh STAGE... (tests hybrid benches roofline bench8b goals overlap identity triton window flashinfer splits moe moe-models moe-bench moe-split moe-norm moe-params context context-bench trace persistent-span moe-flashinfer tp draft-vocab prefill stall fa3 fa3-engine burst train-ranks demo-target demo-drafter demo-eval)"
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
@@ -352,6 +354,13 @@ row = dict(arm='$arm', warm_up_s=time.perf_counter() - t0, graphs=len(engine.pas
            context_buckets=engine.passes.context_buckets, graph_pool_gb=(torch.cuda.memory_reserved() - reserved) / 1e9)
 print(row); json.dump(row, open('$OUT/warm_up_$arm.json', 'w'))"
   done
+  ;;
+persistent-span)
+  # what one persistent kernel would win on the 35B-A3B's span between a linear-attention layer's
+  # attention parts, against the engine's kernels (checked against them first; BENCHMARKS.md,
+  # "Mixture of experts")
+  step plugins 300 python3 -c 'from dflash_trt import plugins; print(plugins.load())'
+  step persistent-span 300 python3 bench/persistent_span.py --out "$OUT/persistent_span_h200.json"
   ;;
 trace)
   # where the 35B-A3B's AR step at batch 1 goes: a Chrome trace of its graph replays, each kernel's
