@@ -58,7 +58,7 @@ struct Params {
   float eps;
   const bf16* x0;     // [V] the first layer's out_proj input
   const float* res0;  // [H] the first residual
-  float* res[2];      // [H] residuals after layer l: res[l % 2]
+  float* res[2];      // [H] the residual after layer l: res[(l + 1) % 2]
   float* d_acc;       // [H] out_proj's sums
   float* logit_acc;   // [E + 1]
   float* gu_acc;      // [P, 2I]
@@ -67,7 +67,7 @@ struct Params {
   float* sumsq;       // [gridDim.x] each CTA's part of the second norm's sum of squares
   int* ids_out;       // [layers, P] the routing, for the check
   unsigned* barrier;  // zero at launch
-  int prefetch_bytes;
+  int prefetch_bytes;  // of its share of the next matmul a CTA pulls into L2 before a barrier
   // null, or [layers, 6 barriers, 3] ns (%globaltimer): the first and the last CTA's arrival,
   // CTA 0's departure; the first two start at INT64_MAX / 0
   unsigned long long* timeline = nullptr;
