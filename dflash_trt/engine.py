@@ -385,9 +385,14 @@ class Engine:
         """Next token per row: the greedy choice [bs] (one host sync), or a sample from the
         logits of the final hidden state [bs, H] for requests that sample."""
         tokens = greedy.tolist()
-        for i, s in enumerate(seqs):  # rows are indexed only where needed: unbinding every row costs host time
+        groups: dict[tuple, list[int]] = {}  # sampled rows by the distribution their settings define
+        for i, s in enumerate(seqs):
             if not s.params.greedy:
-                tokens[i] = self.target.lm_head.distribution(hidden[i][None], s.params).sample(0, s.generator)
+                groups.setdefault((s.params.temperature, s.params.top_k, s.params.top_p), []).append(i)
+        for rows in groups.values():  # a draw per row from its own generator, one host sync a group
+            dist = self.target.lm_head.distribution(hidden[rows], seqs[rows[0]].params)
+            for i, token in zip(rows, dist.sample_rows([seqs[i].generator for i in rows]).tolist()):
+                tokens[i] = token
         return tokens
 
     def _release(self, seq: Sequence) -> None:

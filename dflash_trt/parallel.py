@@ -328,11 +328,15 @@ class VocabParallelDistribution:
         return float(p)
 
     def sample(self, position: int, generator, exclude: int | None = None) -> int:
-        noise = gumbel_noise(self.vocab, generator, self.logp.device)[self.own]
+        noise = gumbel_noise(self.vocab, [generator], self.logp.device)[0, self.own]
         score = self.logp[position] + noise
         if exclude is not None and 0 <= exclude - self.own.start < score.shape[-1]:
             score[exclude - self.own.start] = float("-inf")
         return int(_best_over_ranks(score, self.own.start, self.g))
+
+    def sample_rows(self, generators) -> torch.Tensor:
+        noise = gumbel_noise(self.vocab, generators, self.logp.device)[:, self.own]
+        return _best_over_ranks(self.logp + noise, self.own.start, self.g)
 
 
 # -- ranks in lockstep ------------------------------------------------------------------------

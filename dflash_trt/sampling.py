@@ -62,11 +62,15 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
-def gumbel_noise(vocab: int, generator: torch.Generator | None, device) -> torch.Tensor:
-    """Gumbel(0, 1) noise [vocab]: argmax(log p + noise) is a draw from p (the Gumbel-max
-    trick). Drawn for the whole vocabulary even by a rank that holds a slice of it, so every
-    rank's generator stays in step and their slices together are one device's noise."""
-    u = torch.rand(vocab, generator=generator, device=device)
+def gumbel_noise(vocab: int, generators: list[torch.Generator | None], device) -> torch.Tensor:
+    """Gumbel(0, 1) noise [len(generators), vocab], row b from generators[b]: argmax(log p +
+    noise) is a draw from p (the Gumbel-max trick). Drawn for the whole vocabulary even by a
+    rank that holds a slice of it, so every rank's generator stays in step and their slices
+    together are one device's noise. A row's numbers are its generator's alone: they do not
+    depend on which other rows are drawn beside it."""
+    u = torch.empty(len(generators), vocab, device=device)
+    for row, generator in zip(u, generators):
+        torch.rand(vocab, generator=generator, device=device, out=row)
     return -torch.log(-torch.log(u.clamp(min=torch.finfo(u.dtype).tiny)))
 
 
@@ -86,5 +90,11 @@ class Distribution:
         logp = self.probs[position].log()
         if exclude is not None:
             logp[exclude] = float("-inf")
-        noise = gumbel_noise(logp.shape[-1], generator, logp.device)
+        noise = gumbel_noise(logp.shape[-1], [generator], logp.device)[0]
         return int((logp + noise).argmax())
+
+    def sample_rows(self, generators: list[torch.Generator | None]) -> torch.Tensor:
+        """A draw at every position, position b's with generators[b], left on the device: a
+        batch of sampled rows costs one host sync, not one a row."""
+        logp = self.probs.log()
+        return (logp + gumbel_noise(logp.shape[-1], generators, logp.device)).argmax(dim=-1)

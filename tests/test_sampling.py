@@ -3,6 +3,8 @@
 Chi-square tests use fixed seeds (so they are deterministic) and reject at p < 0.001.
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -80,6 +82,31 @@ def test_speculative_sample_emits_exactly_the_target_distribution(draft_token):
     assert chi_square_p(first, P0) > P_MIN
     if second.sum() > 0:
         assert chi_square_p(second, P1) > P_MIN
+
+
+def test_rows_drawn_together_draw_what_each_draws_alone():
+    # each row's noise comes from its own generator, whatever rows are drawn beside it
+    logits = torch.randn(5, 40, generator=torch.Generator().manual_seed(0)) * 3
+    dist = Distribution(logits, SamplingParams(temperature=0.8, top_k=20))
+    together = dist.sample_rows([torch.Generator().manual_seed(10 + i) for i in range(5)]).tolist()
+    alone = [dist.sample(i, torch.Generator().manual_seed(10 + i)) for i in range(5)]
+    assert together == alone and len(set(together)) > 1
+
+
+def test_a_seeded_ar_sample_is_the_same_alone_or_beside_other_requests(make_pair):
+    # the sampled rows of one AR step are drawn together, grouped by their settings; a greedy
+    # row among them keeps its argmax
+    pair = make_pair(tokenizer_tokens=None, vocab_size=64, init_scale=0.7)
+    engine = load_pair(pair.target, pair.drafter, device="cpu", max_batch_size=8, max_seq_len=64)
+    prompts = [[3, 1, 4], [5, 9], [2, 6, 5, 3], [8]]
+    params = [SamplingParams(max_tokens=20, temperature=0.9, seed=1, ignore_eos=True),
+              SamplingParams(max_tokens=20, temperature=0.7, top_k=8, seed=2, ignore_eos=True),
+              SamplingParams(max_tokens=20, ignore_eos=True),
+              SamplingParams(max_tokens=20, temperature=0.9, seed=4, ignore_eos=True)]
+    together = [r.token_ids for r in engine.generate(prompts, params, mode="ar")]
+    alone = [engine.generate([p], [q], mode="ar")[0].token_ids for p, q in zip(prompts, params)]
+    assert together == alone
+    assert together[0] != engine.generate([prompts[0]], [replace(params[0], seed=5)], mode="ar")[0].token_ids
 
 
 def test_the_chi_square_check_rejects_a_lossy_rule():

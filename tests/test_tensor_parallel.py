@@ -39,7 +39,8 @@ SAMPLED = {"top-k": [SamplingParams(max_tokens=23, ignore_eos=True, temperature=
 
 
 def run_pair(pair, world: int = 1) -> dict:
-    """Logits and taps of one ragged prefill, and greedy AR and DFlash outputs of PROMPTS."""
+    """Logits and taps of one ragged prefill, and AR and DFlash outputs of PROMPTS, greedy and
+    sampled."""
     group = Group.current() if world > 1 else None  # the shard read tensor by tensor, as an engine loads it
     target = load_target(pair.target, group=group)
     drafter = load_drafter(pair.drafter, target, group=group)
@@ -56,6 +57,8 @@ def run_pair(pair, world: int = 1) -> dict:
     return {"logits": logits, "taps": taps, "ar": [r.token_ids for r in engine.generate(PROMPTS, PARAMS, mode="ar")],
             "dflash": [r.token_ids for r in engine.generate(PROMPTS, PARAMS, mode="dflash")],
             **{name: [r.token_ids for r in engine.generate(PROMPTS, params, mode="dflash")]
+               for name, params in SAMPLED.items()},
+            **{f"{name} ar": [r.token_ids for r in engine.generate(PROMPTS, params, mode="ar")]
                for name, params in SAMPLED.items()},
             "kv_heads": target.config.dims.num_key_value_heads}
 
@@ -122,7 +125,7 @@ def test_a_sharded_pair_computes_what_the_whole_pair_does(make_pair, no_tokenize
             scale = whole[name].abs().max()
             assert (rank[name] - whole[name]).abs().max() <= 5e-5 * scale, name
         assert rank["ar"] == whole["ar"] and rank["dflash"] == whole["dflash"]
-        assert rank["top-k"] == whole["top-k"] and rank["top-p"] == whole["top-p"]
+        assert all(rank[name] == whole[name] for name in ("top-k", "top-p", "top-k ar", "top-p ar"))
         assert rank["kv_heads"] == max(num_kv_heads // world, 1)
     assert whole["dflash"] == whole["ar"]
     assert whole["top-k"] != whole["dflash"] and whole["top-p"] != whole["dflash"]  # the draws are not greedy
