@@ -29,7 +29,7 @@ from dflash_trt.errors import ConfigError, RequestError
 from dflash_trt.graphs import DecodePasses, GraphedPasses, Readback, StepInputs, graphs_supported
 from dflash_trt.models.dflash import DFlashDrafter
 from dflash_trt.models.qwen3 import Qwen3ForCausalLM
-from dflash_trt.sampling import SamplingParams
+from dflash_trt.sampling import SamplingParams, sampled_groups
 from dflash_trt.sequence import RequestStats, Sequence
 from dflash_trt.speculate import Drafted, OracleDrafts, speculative_step
 from dflash_trt.verify_width import VerifyWidth, candidate_widths
@@ -385,13 +385,9 @@ class Engine:
         """Next token per row: the greedy choice [bs] (one host sync), or a sample from the
         logits of the final hidden state [bs, H] for requests that sample."""
         tokens = greedy.tolist()
-        groups: dict[tuple, list[int]] = {}  # sampled rows by the distribution their settings define
-        for i, s in enumerate(seqs):
-            if not s.params.greedy:
-                groups.setdefault((s.params.temperature, s.params.top_k, s.params.top_p), []).append(i)
-        for rows in groups.values():  # a draw per row from its own generator, one host sync a group
+        for rows in sampled_groups([s.params for s in seqs]):  # a draw per row from its own generator
             dist = self.target.lm_head.distribution(hidden[rows], seqs[rows[0]].params)
-            for i, token in zip(rows, dist.sample_rows([seqs[i].generator for i in rows]).tolist()):
+            for i, token in zip(rows, dist.draw([seqs[i].generator for i in rows]).tolist()):
                 tokens[i] = token
         return tokens
 

@@ -39,6 +39,7 @@ import atexit
 import contextlib
 import ctypes
 import dataclasses
+import math
 import os
 import shutil
 import signal
@@ -319,24 +320,30 @@ class VocabParallelDistribution:
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         mass = (logits - peak).exp().sum(dim=-1, keepdim=True)
         dist.all_reduce(mass)
-        self.logp = logits - peak - mass.log()  # [B, V_r]
+        self.logp = logits - peak - mass.log()  # [n, ..., V_r]
 
-    def prob(self, position: int, token: int) -> float:
-        local = token - self.own.start
-        p = self.logp[position, local].exp() if 0 <= local < self.logp.shape[-1] else self.logp.new_zeros(())
-        dist.all_reduce(p)
-        return float(p)
+    def probs_of(self, tokens: torch.Tensor) -> torch.Tensor:
+        local, mine = self._local(tokens)
+        p = self.logp[:, :tokens.shape[1]].gather(-1, local[..., None])[..., 0].exp() * mine
+        dist.all_reduce(p)  # from the rank that holds the token; zeros from the others
+        return p
 
-    def sample(self, position: int, generator, exclude: int | None = None) -> int:
-        noise = gumbel_noise(self.vocab, [generator], self.logp.device)[0, self.own]
-        score = self.logp[position] + noise
-        if exclude is not None and 0 <= exclude - self.own.start < score.shape[-1]:
-            score[exclude - self.own.start] = float("-inf")
-        return int(_best_over_ranks(score, self.own.start, self.g))
+    def draw(self, generators, exclude: torch.Tensor | None = None) -> torch.Tensor:
+        shape = (*self.logp.shape[:-1], self.vocab)
+        noise = gumbel_noise(math.prod(shape[1:]), generators, self.logp.device).view(shape)[..., self.own]
+        score = self.logp + noise
+        if exclude is not None:
+            local, mine = self._local(exclude)
+            part = score[:, :exclude.shape[1]]
+            part.scatter_(-1, local[..., None], torch.where(mine[..., None], float("-inf"),
+                                                           part.gather(-1, local[..., None])))
+        return _best_over_ranks(score, self.own.start, self.g)
 
-    def sample_rows(self, generators) -> torch.Tensor:
-        noise = gumbel_noise(self.vocab, generators, self.logp.device)[:, self.own]
-        return _best_over_ranks(self.logp + noise, self.own.start, self.g)
+    def _local(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens as indices into this rank's slice (clamped), and which of them it holds."""
+        local = tokens - self.own.start
+        mine = (local >= 0) & (local < self.logp.shape[-1])
+        return local.clamp(0, self.logp.shape[-1] - 1), mine
 
 
 # -- ranks in lockstep ------------------------------------------------------------------------

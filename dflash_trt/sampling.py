@@ -74,27 +74,34 @@ def gumbel_noise(vocab: int, generators: list[torch.Generator | None], device) -
     return -torch.log(-torch.log(u.clamp(min=torch.finfo(u.dtype).tiny)))
 
 
+def sampled_groups(params: list[SamplingParams]) -> list[list[int]]:
+    """The indices of the requests that sample, grouped by the distribution their settings
+    define: each group's rows are drawn together (one LM head pass, one host read)."""
+    groups: dict[tuple, list[int]] = {}
+    for i, p in enumerate(params):
+        if not p.greedy:
+            groups.setdefault((p.temperature, p.top_k, p.top_p), []).append(i)
+    return list(groups.values())
+
+
 class Distribution:
-    """The target distributions of B positions of one request (probs [B, V] of target_probs),
-    as the sampling steps use them. Tensor parallelism swaps in one over vocabulary slices
-    (parallel.py) with the same two methods."""
+    """The target distributions of a group of requests, one row each (probs [n, ..., V] of
+    target_probs: one position a row for an AR step, a block's for a verify), as the sampling
+    steps use them. Row r's randomness comes from generators[r] alone. Tensor parallelism swaps
+    in one over vocabulary slices (parallel.py) with the same two methods."""
 
     def __init__(self, logits: torch.Tensor, params: SamplingParams):
         self.probs = target_probs(logits, params)
 
-    def prob(self, position: int, token: int) -> float:
-        return float(self.probs[position, token])
+    def probs_of(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [n, J] -> [n, J]: each row's probability of its token j at position j."""
+        return self.probs[:, :tokens.shape[1]].gather(-1, tokens[..., None])[..., 0]
 
-    def sample(self, position: int, generator: torch.Generator | None, exclude: int | None = None) -> int:
-        """A draw from position's distribution; `exclude`: with that token removed, renormalised."""
-        logp = self.probs[position].log()
-        if exclude is not None:
-            logp[exclude] = float("-inf")
-        noise = gumbel_noise(logp.shape[-1], [generator], logp.device)[0]
-        return int((logp + noise).argmax())
-
-    def sample_rows(self, generators: list[torch.Generator | None]) -> torch.Tensor:
-        """A draw at every position, position b's with generators[b], left on the device: a
-        batch of sampled rows costs one host sync, not one a row."""
+    def draw(self, generators: list, exclude: torch.Tensor | None = None) -> torch.Tensor:
+        """A draw at every position of every row ([n, ...]), on the device; `exclude` [n, J]:
+        at position j < J a row's token j is removed and the rest renormalised."""
         logp = self.probs.log()
-        return (logp + gumbel_noise(logp.shape[-1], generators, logp.device)).argmax(dim=-1)
+        score = logp + gumbel_noise(logp[0].numel(), generators, logp.device).view_as(logp)
+        if exclude is not None:
+            score[:, :exclude.shape[1]].scatter_(-1, exclude[..., None], float("-inf"))
+        return score.argmax(dim=-1)

@@ -10,11 +10,15 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from dflash_trt.sampling import Distribution
+from dflash_trt.sampling import Distribution, sampled_groups
 from dflash_trt.sequence import Sequence
 
 if TYPE_CHECKING:
     from dflash_trt.graphs import StepInputs
+
+# fp32 elements of one chunk of a verify's sampled rows ([rows, width, vocab]): the lossless
+# rule's probabilities, noise and scores are a few such tensors
+SAMPLE_CHUNK_ELEMENTS = 1 << 24
 
 
 def accepted_length(draft: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -26,20 +30,22 @@ def accepted_length(draft: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (draft == target).long().cumprod(dim=-1).sum(dim=-1)
 
 
-def speculative_sample(dist: Distribution, draft: torch.Tensor, generator) -> tuple[int, int]:
-    """Lossless rule for a point-mass draft: `dist` the target distributions p_0..p_{B-1} of
-    the block's positions (sampling.Distribution), draft [B-1].
+def speculative_sample(dist: Distribution, drafts: torch.Tensor, generators: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lossless rule for point-mass drafts, every row at once: `dist` the target distributions
+    p_0..p_{W-1} of each row's block positions (sampling.Distribution, [n, W, V]), drafts
+    [n, W-1].
 
-    Draft d_j is accepted with probability p_{j-1}(d_j); on the first rejection the bonus is
-    drawn from p_{j-1} with d_j removed and renormalised, so every emitted token is
-    distributed exactly as the target would sample it. Returns (accepted drafts, bonus).
+    Draft d_j is accepted with probability p_{j-1}(d_j) (d_j sits at index j - 1 of drafts);
+    on the first rejection the bonus is drawn from p_{j-1} with d_j removed and renormalised,
+    so every emitted token is distributed exactly as the target would sample it. A bonus is
+    drawn at every position and the accepted count picks one: the draws are independent of
+    the acceptance uniforms, so the picked one is still a draw from its position. Returns
+    (accepted drafts [n], bonus [n]) on the device.
     """
-    tokens = draft.tolist()
-    for j, token in enumerate(tokens):
-        if torch.rand((), generator=generator, device=draft.device) < dist.prob(j, token):
-            continue
-        return j, dist.sample(j, generator, exclude=token)
-    return len(tokens), dist.sample(len(tokens), generator)
+    uniforms = torch.stack([torch.rand(drafts.shape[1], generator=g, device=drafts.device) for g in generators])
+    accepted = (uniforms < dist.probs_of(drafts)).long().cumprod(dim=-1).sum(dim=-1)
+    bonus = dist.draw(generators, exclude=drafts).gather(1, accepted[:, None])[:, 0]
+    return accepted, bonus
 
 
 class OracleDrafts:
@@ -158,16 +164,32 @@ def speculative_step(passes, seqs: list[Sequence], oracle: OracleDrafts | None =
         following, next_width = passes.after_verify(inputs, accepted, bonus, bound), next_width or width
         next_draft = Drafted(list(seqs), following, passes.draft(following, next_width), next_width)
 
-    # accept: the step's one host sync; sampled rows redo acceptance with the lossless rule
+    # accept: sampled rows redo acceptance with the lossless rule, then the step's host read
+    sampled = sample_rows(passes.target.lm_head, hidden, block, width, seqs)
     rows = readback.tolist()
     drafts, accepted, bonus = [r[:-2] for r in rows], [r[-2] for r in rows], [r[-1] for r in rows]
-    for i, seq in enumerate(seqs):
-        if not seq.params.greedy:
-            dist = passes.target.lm_head.distribution(hidden[i], seq.params)
-            accepted[i], bonus[i] = speculative_sample(dist, block[i, 1:width], seq.generator)
+    for i, (a, b) in sampled.items():
+        accepted[i], bonus[i] = a, b
 
     # commit: the target keeps the accepted prefix + bonus row (by length; a target with
     # recurrent state also restores that state); the engine advances num_cached
     if not draft_ahead:
         passes.commit(inputs, width, [a + 1 for a in accepted])
     return StepOutput([drafts[i][:a] + [bonus[i]] for i, a in enumerate(accepted)], accepted, next_draft)
+
+
+def sample_rows(lm_head, hidden: torch.Tensor, block: torch.Tensor, width: int,
+                seqs: list[Sequence]) -> dict[int, tuple[int, int]]:
+    """(accepted, bonus) of every row that samples, by row: the lossless rule over rows of like
+    settings together, in chunks whose [rows, width, vocab] scratch stays bounded; one host read."""
+    per_chunk = max(1, SAMPLE_CHUNK_ELEMENTS // (width * lm_head.weight.shape[0]))
+    chunks = [rows[start:start + per_chunk] for rows in sampled_groups([s.params for s in seqs])
+              for start in range(0, len(rows), per_chunk)]
+    picked = []
+    for rows in chunks:
+        dist = lm_head.distribution(hidden[rows, :width], seqs[rows[0]].params)
+        picked.append(torch.stack(speculative_sample(dist, block[rows, 1:width], [seqs[i].generator for i in rows])))
+    if not picked:
+        return {}
+    order = [i for rows in chunks for i in rows]
+    return dict(zip(order, zip(*torch.cat(picked, dim=1).tolist())))

@@ -71,31 +71,37 @@ P1 = torch.tensor([0.05, 0.05, 0.1, 0.2, 0.3, 0.3])
 
 @pytest.mark.parametrize("draft_token", [0, 3, 4])  # likely, unlikely, impossible under P0
 def test_speculative_sample_emits_exactly_the_target_distribution(draft_token):
-    gen = torch.Generator().manual_seed(draft_token)
-    dist = Distribution(torch.stack([P0, P1]).log(), SamplingParams(temperature=1.0))  # softmax(log p) = p
-    first, second = torch.zeros(6), torch.zeros(6)
-    for _ in range(20000):
-        accepted, bonus = speculative_sample(dist, torch.tensor([draft_token]), gen)
-        first[draft_token if accepted else bonus] += 1
-        if accepted:
-            second[bonus] += 1
+    n = 20000  # rows drawn at once, each from its own generator
+    dist = Distribution(torch.stack([P0, P1]).log().expand(n, 2, 6), SamplingParams(temperature=1.0))  # = p
+    generators = [torch.Generator().manual_seed(n * draft_token + i) for i in range(n)]
+    accepted, bonus = speculative_sample(dist, torch.full((n, 1), draft_token), generators)
+    first = torch.bincount(torch.where(accepted == 1, draft_token, bonus), minlength=6)
+    second = torch.bincount(bonus[accepted == 1], minlength=6)
     assert chi_square_p(first, P0) > P_MIN
     if second.sum() > 0:
         assert chi_square_p(second, P1) > P_MIN
 
 
 def test_rows_drawn_together_draw_what_each_draws_alone():
-    # each row's noise comes from its own generator, whatever rows are drawn beside it
-    logits = torch.randn(5, 40, generator=torch.Generator().manual_seed(0)) * 3
-    dist = Distribution(logits, SamplingParams(temperature=0.8, top_k=20))
-    together = dist.sample_rows([torch.Generator().manual_seed(10 + i) for i in range(5)]).tolist()
-    alone = [dist.sample(i, torch.Generator().manual_seed(10 + i)) for i in range(5)]
-    assert together == alone and len(set(together)) > 1
+    # each row's randomness comes from its own generator, whatever rows are drawn beside it
+    logits = torch.randn(5, 4, 40, generator=torch.Generator().manual_seed(0)) * 3
+    params = SamplingParams(temperature=0.8, top_k=20)
+    drafts = Distribution(logits[:, :3], params).probs.argmax(dim=-1)  # often accepted, not always
+    gens = lambda: [torch.Generator().manual_seed(10 + i) for i in range(5)]  # noqa: E731
+    rows = Distribution(logits[:, 0], params).draw(gens())
+    assert rows.tolist() == [Distribution(logits[i:i + 1, 0], params).draw([g])[0].item() for i, g in enumerate(gens())]
+    assert len(set(rows.tolist())) > 1
+    together = torch.stack(speculative_sample(Distribution(logits, params), drafts, gens()), dim=1)
+    alone = [torch.stack(speculative_sample(Distribution(logits[i:i + 1], params), drafts[i:i + 1], [g]), dim=1)[0]
+             for i, g in enumerate(gens())]
+    assert together.tolist() == torch.stack(alone).tolist()
+    assert len(set(together[:, 0].tolist())) > 1  # rows accepted different counts
 
 
-def test_a_seeded_ar_sample_is_the_same_alone_or_beside_other_requests(make_pair):
-    # the sampled rows of one AR step are drawn together, grouped by their settings; a greedy
-    # row among them keeps its argmax
+@pytest.mark.parametrize("mode", ["ar", "dflash"])
+def test_a_seeded_sample_is_the_same_alone_or_beside_other_requests(make_pair, mode):
+    # the sampled rows of one step are drawn together, grouped by their settings; a greedy row
+    # among them keeps its argmax
     pair = make_pair(tokenizer_tokens=None, vocab_size=64, init_scale=0.7)
     engine = load_pair(pair.target, pair.drafter, device="cpu", max_batch_size=8, max_seq_len=64)
     prompts = [[3, 1, 4], [5, 9], [2, 6, 5, 3], [8]]
@@ -103,10 +109,10 @@ def test_a_seeded_ar_sample_is_the_same_alone_or_beside_other_requests(make_pair
               SamplingParams(max_tokens=20, temperature=0.7, top_k=8, seed=2, ignore_eos=True),
               SamplingParams(max_tokens=20, ignore_eos=True),
               SamplingParams(max_tokens=20, temperature=0.9, seed=4, ignore_eos=True)]
-    together = [r.token_ids for r in engine.generate(prompts, params, mode="ar")]
-    alone = [engine.generate([p], [q], mode="ar")[0].token_ids for p, q in zip(prompts, params)]
+    together = [r.token_ids for r in engine.generate(prompts, params, mode=mode)]
+    alone = [engine.generate([p], [q], mode=mode)[0].token_ids for p, q in zip(prompts, params)]
     assert together == alone
-    assert together[0] != engine.generate([prompts[0]], [replace(params[0], seed=5)], mode="ar")[0].token_ids
+    assert together[0] != engine.generate([prompts[0]], [replace(params[0], seed=5)], mode=mode)[0].token_ids
 
 
 def test_the_chi_square_check_rejects_a_lossy_rule():
