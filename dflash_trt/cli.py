@@ -466,6 +466,9 @@ def _bench_engine(output_dir, random_weights, device, draft_window, tensor_paral
 @click.option("--num-prompts", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--oracle-tau", type=click.FloatRange(min=1), help="Oracle acceptance with this mean τ (in-process).")
+@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="Sample every in-process request at this temperature (prompt i seeded i; DFlash with the lossless "
+                   "rule, real acceptance only). Default greedy.")
 @click.option("--chat/--no-chat", default=True, show_default=True, help="Apply the chat template.")
 @click.option("--thinking/--no-thinking", default=False, show_default=True)
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), help="Default: the device the engine was built for.")
@@ -494,7 +497,7 @@ def _bench_engine(output_dir, random_weights, device, draft_window, tensor_paral
 @_DRAFT_WINDOW
 @_TENSOR_PARALLEL
 def bench(output_dir, random_weights, urls, compare_transformers, datasets, concurrency, num_prompts, max_tokens,
-          oracle_tau, chat, thinking, device, json_file, prefill_chunk_size, verify_width, overlap, oracle_dist,
+          oracle_tau, temperature, chat, thinking, device, json_file, prefill_chunk_size, verify_width, overlap, oracle_dist,
           repeat, max_seq_len, stall_prompt, draft_window_size, tensor_parallel):
     """Benchmark AR vs DFlash per dataset and concurrency; markdown tables on stdout.
 
@@ -534,7 +537,7 @@ def bench(output_dir, random_weights, urls, compare_transformers, datasets, conc
                                       compare_transformers=compare_transformers, progress=progress,
                                       prefill_chunk=prefill_chunk_size, stall_prompt=stall_prompt or 0,
                                       verify_width=verify_width, oracle_dist=oracle_dist, overlap=overlap,
-                                      repeat=repeat, max_seq_len=max_seq_len)
+                                      repeat=repeat, max_seq_len=max_seq_len, temperature=temperature)
     if bar:
         bar.render_finish()
     click.echo(bench_lib.format_report(report))

@@ -109,6 +109,24 @@ def test_oracle_tau_sets_the_mean_acceptance_length(loaded):
     assert "| n/a |" in bench.format_table([row])
 
 
+def test_a_sampled_bench_seeds_each_prompt_and_reports_no_identity(loaded):
+    prompts = load_prompts("gsm8k", 3)
+    sampled, greedy = {}, {}
+    rows = bench.run_bench(loaded, prompts, dataset="gsm8k", concurrencies=(1, 3), max_tokens=12, temperature=0.8,
+                           seed=7, ar_outputs=sampled)
+    assert [r.mode_label for r in rows] == ["real acceptance, T=0.8"] * 2
+    assert all(r.identical_share is None and r.ar_tok_s > 0 and r.dflash_tok_s > 0 for r in rows)
+    assert "| n/a |" in bench.format_table(rows)
+    # prompt i draws with seed 7 + i whatever runs beside it (fp32 on the CPU: the same logits)
+    assert sampled[1] == sampled[3]
+    bench.run_bench(loaded, prompts, concurrencies=(1,), max_tokens=12, ar_outputs=greedy)
+    assert greedy[1] != sampled[1]
+    with pytest.raises(ConfigError, match="oracle acceptance forces greedy outcomes: temperature = 0.8"):
+        bench.run_bench(loaded, prompts, oracle_tau=3, temperature=0.8)
+    with pytest.raises(ConfigError, match="temperature = 0.5 applies to the in-process rows only"):
+        bench.run_report(loaded, ["gsm8k"], compare_transformers=True, temperature=0.5)
+
+
 def test_a_repeated_bench_reports_its_median_run_and_the_range_of_all(loaded):
     prompts = load_prompts("gsm8k", 3)
     (row,) = bench.run_bench(loaded, prompts, dataset="gsm8k", concurrencies=(2,), max_tokens=12, oracle_tau=3,
@@ -162,6 +180,11 @@ def test_cli_rejects_bad_input(out, tmp_path):
     assert result.exit_code == 2 and "--concurrency" in result.output
     result = CliRunner().invoke(cli, ["bench", str(out), "--num-prompts", "1", "--max-seq-len", "5"])
     assert result.exit_code == 1 and "max_seq_len = 5 must hold the longest prompt" in result.output
+    result = CliRunner().invoke(cli, ["bench", str(out), "--num-prompts", "1", "--temperature", "0.7", "--oracle-tau",
+                                      "3"])
+    assert result.exit_code == 1 and "temperature = 0.7 needs real acceptance" in result.output
+    result = CliRunner().invoke(cli, ["bench", str(out), "--temperature", "-1"])
+    assert result.exit_code == 2 and "--temperature" in result.output
 
 
 def test_cli_stall_prompt_prints_one_row_per_mode_and_chunk_setting(out, tmp_path):

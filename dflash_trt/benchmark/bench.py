@@ -5,7 +5,10 @@ slots, and the prompts are fed like a closed-loop client at concurrency c: a new
 added only when one finishes, so at most c run at once and a request's TTFT counts from
 its own submission (not from the start of the run). AR runs first; DFlash then runs the
 same prompts on the same engine. Decoding is greedy, so DFlash must reproduce AR token
-for token (`identical_share`; 1.0 on fp32, bf16 batch-shape effects may lower it).
+for token (`identical_share`; 1.0 on fp32, bf16 batch-shape effects may lower it); with a
+`temperature` every request samples (prompt i with seed `seed` + i), DFlash with the lossless
+rule, so its outputs are the target's distribution rather than AR's tokens and
+`identical_share` is n/a.
 
 Numbers per (dataset, concurrency):
 - end-to-end tok/s: all output tokens / wall time of the whole run (prefill included);
@@ -99,9 +102,9 @@ class _Run:
         return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
 
 
-def mode_label(oracle_tau: float | None, oracle_dist: str = "two-point") -> str:
+def mode_label(oracle_tau: float | None, oracle_dist: str = "two-point", temperature: float = 0.0) -> str:
     if oracle_tau is None:
-        return "real acceptance"
+        return "real acceptance" + (f", T={temperature:g}" if temperature else "")
     return f"oracle τ={oracle_tau:g}" + ("" if oracle_dist == "two-point" else f" ({oracle_dist})")
 
 
@@ -149,7 +152,7 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _drive(engine, prompt_ids: list[list[int]], params, concurrency: int,
+def _drive(engine, prompt_ids: list[list[int]], params: list[SamplingParams], concurrency: int,
            progress: Progress | None) -> _Run:
     """Closed loop: keep at most `concurrency` requests in the engine until all are done."""
     pending = list(enumerate(prompt_ids))[::-1]
@@ -161,7 +164,7 @@ def _drive(engine, prompt_ids: list[list[int]], params, concurrency: int,
     while pending or engine.has_work():
         while pending and in_flight < concurrency:
             index, ids = pending.pop()
-            seqs[index] = engine.add_request(ids, params)
+            seqs[index] = engine.add_request(ids, params[index])
             in_flight += 1
         prefill = engine.will_prefill()
         step_start = time.perf_counter()
@@ -188,8 +191,9 @@ def run_bench(loaded_engine, prompts: Sequence[str], *, dataset: str = "custom",
               progress: Progress | None = None, ar_outputs: dict | None = None,
               prefill_chunk: int | None = None, verify_width: str | None = None,
               oracle_dist: str = "two-point", overlap: bool | None = None, repeat: int = 1,
-              max_seq_len: int | None = None) -> list[BenchRow]:
-    """One BenchRow per concurrency: AR then DFlash over `prompts` (greedy, see the module doc).
+              max_seq_len: int | None = None, temperature: float = 0.0) -> list[BenchRow]:
+    """One BenchRow per concurrency: AR then DFlash over `prompts` (greedy, or sampled at
+    `temperature`: see the module doc).
 
     `ar_outputs`, when given, is filled with {concurrency: AR output ids per prompt};
     `prefill_chunk`, `verify_width` and `overlap`, when given, override the engine's. `repeat`:
@@ -207,9 +211,13 @@ def run_bench(loaded_engine, prompts: Sequence[str], *, dataset: str = "custom",
         raise ConfigError(f"concurrencies must be ints >= 1, got {list(concurrencies)}")
     if repeat < 1:
         raise ConfigError(f"repeat must be >= 1, got {repeat}")
+    if temperature and oracle_tau is not None:
+        raise ConfigError(f"oracle acceptance forces greedy outcomes: temperature = {temperature:g} needs real "
+                          "acceptance (no oracle τ)")
     num_correct = OracleNumCorrect(oracle_tau, base.block_size, seed, oracle_dist) if oracle_tau is not None else None
     prompt_ids = encode_prompts(tok, prompts, chat=chat, thinking=thinking)
-    params = SamplingParams(max_tokens=max_tokens, stop_token_ids=tuple(tok.stop_token_ids))
+    params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed + i if temperature else None,
+                             stop_token_ids=tuple(tok.stop_token_ids)) for i in range(len(prompt_ids))]
     need = max(len(p) for p in prompt_ids) + max_tokens
     if need > base.max_seq_len:
         raise ConfigError(f"the longest prompt ({need - max_tokens} tokens) + max_tokens ({max_tokens}) exceeds the "
@@ -231,7 +239,7 @@ def run_bench(loaded_engine, prompts: Sequence[str], *, dataset: str = "custom",
         warm.generate(prompt_ids[:1], SamplingParams(max_tokens=min(8, max_tokens), ignore_eos=True), mode=mode)
     del warm
 
-    label, rows = mode_label(oracle_tau, oracle_dist), []
+    label, rows = mode_label(oracle_tau, oracle_dist, temperature), []
     for c in concurrencies:
         c = int(c)
         engine = new_engine(c)
@@ -249,7 +257,7 @@ def run_bench(loaded_engine, prompts: Sequence[str], *, dataset: str = "custom",
                                                forced=True))
             engine.set_mode("dflash")
             df = _drive(engine, prompt_ids, params, c, progress)
-            pairs.append(_row(dataset, c, label, ar, df, num_correct is None, engine.overlap))
+            pairs.append(_row(dataset, c, label, ar, df, num_correct is None and not temperature, engine.overlap))
             if progress:
                 progress(0, f"{dataset} c={c} DFlash: {df.tok_s:.1f} tok/s, τ {pairs[-1].tau_steps:.2f}, verify "
                             f"width {pairs[-1].verify_width:.2f} ({label})")
@@ -266,8 +274,9 @@ def median_run(pairs: list[BenchRow]) -> BenchRow:
     return replace(ranked[(len(ranked) - 1) // 2], runs=len(ranked), speedup_range=spread)
 
 
-def _row(dataset: str, c: int, label: str, ar: _Run, df: _Run, real: bool, overlap: bool) -> BenchRow:
-    """The row of one AR run and one DFlash run over the same prompts."""
+def _row(dataset: str, c: int, label: str, ar: _Run, df: _Run, comparable: bool, overlap: bool) -> BenchRow:
+    """The row of one AR run and one DFlash run over the same prompts; `comparable`: whether
+    DFlash should have written AR's tokens (real acceptance, greedy)."""
     per_request = [s.mean_acceptance_length for s in df.stats if s.verify_steps]
     steps = sum(s.verify_steps for s in df.stats)
     ttft = [s.ttft_s for s in df.stats if s.ttft_s is not None]
@@ -278,8 +287,8 @@ def _row(dataset: str, c: int, label: str, ar: _Run, df: _Run, real: bool, overl
         tau_steps=sum(sum(s.acceptance_lengths) for s in df.stats) / steps if steps else 0.0,
         ar_decode_tok_s=ar.decode_tok_s, dflash_decode_tok_s=df.decode_tok_s,
         ttft_p50_s=percentile(ttft, 50), ttft_p99_s=percentile(ttft, 99),
-        # forced oracle outputs equal AR by construction: not a measurement, so left out
-        identical_share=sum(a == d for a, d in zip(ar.outputs, df.outputs)) / len(ar.outputs) if real else None,
+        # forced oracle outputs equal AR by construction (not a measurement); sampled ones need not
+        identical_share=sum(a == d for a, d in zip(ar.outputs, df.outputs)) / len(ar.outputs) if comparable else None,
         num_prompts=len(ar.outputs),
         verify_width=(sum(s.verified_drafts + s.verify_steps for s in df.stats) / steps if steps else 0.0),
         ar_overlap=overlap,
@@ -388,12 +397,16 @@ def run_report(loaded_engine, datasets: Sequence[str], *, urls: Sequence[str] = 
                compare_transformers: bool = False, progress: Progress | None = None,
                prefill_chunk: int | None = None, stall_prompt: int = 0, verify_width: str | None = None,
                oracle_dist: str = "two-point", overlap: bool | None = None, repeat: int = 1,
-               max_seq_len: int | None = None) -> Report:
+               max_seq_len: int | None = None, temperature: float = 0.0) -> Report:
     """Per dataset: in-process rows (with an engine), the transformers row (if asked), and rows
     through each server URL (Triton's gRPC host:port, or the OpenAI API's http:// address), all
     over the same prompts. `stall_prompt` N > 0 runs prefill_stall.py's test instead (a prompt of
     N tokens arriving while `concurrency` requests decode, in AR and DFlash mode, in one pass and
-    in chunks of `prefill_chunk`)."""
+    in chunks of `prefill_chunk`). `temperature` > 0 samples the in-process rows only: the
+    transformers baseline, the servers' rows and the stall test are greedy, so they refuse it."""
+    if temperature and (stall_prompt or urls or compare_transformers):
+        raise ConfigError(f"temperature = {temperature:g} applies to the in-process rows only: not with a stall "
+                          "prompt, server URLs or the transformers baseline")
     if stall_prompt:
         return _stall_report(loaded_engine, datasets, concurrencies, num_prompts, max_tokens, chat, thinking,
                              prefill_chunk, stall_prompt, progress)
@@ -414,7 +427,7 @@ def run_report(loaded_engine, datasets: Sequence[str], *, urls: Sequence[str] = 
                              max_tokens=max_tokens, chat=chat, thinking=thinking, oracle_tau=oracle_tau,
                              progress=progress, ar_outputs=ar_outputs, prefill_chunk=prefill_chunk,
                              verify_width=verify_width, oracle_dist=oracle_dist, overlap=overlap,
-                             repeat=repeat, max_seq_len=max_seq_len)
+                             repeat=repeat, max_seq_len=max_seq_len, temperature=temperature)
             report.rows += rows
         if hf_model is not None:
             at_1 = next((r for r in rows if r.concurrency == 1), None)
