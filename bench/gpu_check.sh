@@ -42,6 +42,9 @@
 #   bash bench/gpu_check.sh prefill    # one prefill's wall, kernel and host time: Qwen3.5-9B and Qwen3-8B
 #   bash bench/gpu_check.sh stall      # chunked prefill on the GPU (tests), then a 30k-token prompt arriving
 #                                      # while 8 Qwen3-8B requests decode: one pass vs 2048-token chunks
+#   bash bench/gpu_check.sh sampled    # greedy vs sampled (--temperature 0.7) benches: the demo pair (real
+#                                      # acceptance) and a Qwen3-8B-shaped random pair; with OLD=DIR, a tree whose
+#                                      # bench takes --temperature, the demo's sampled bench alternating with it
 #   bash bench/gpu_check.sh train-ranks # (2 GPUs) train over 2 processes, the target whole and sharded
 #                                      # (FSDP in training, tensor-parallel for the data and evaluation)
 #   bash bench/gpu_check.sh demo-target demo-drafter demo-eval
@@ -70,7 +73,7 @@
 # The machine has no `unzip`: zips are opened with `python3 -m zipfile`, which drops the
 # executable bits, so they are set again.
 set -u
-usage="usage: gpu_check.sh STAGE... (tests hybrid benches roofline bench8b goals overlap identity triton window flashinfer splits moe moe-models moe-bench moe-split moe-norm moe-params context context-bench trace persistent-span moe-flashinfer tp draft-vocab prefill stall fa3 fa3-engine burst train-ranks demo-target demo-drafter demo-eval)"
+usage="usage: gpu_check.sh STAGE... (tests hybrid benches roofline bench8b goals overlap identity triton window flashinfer splits moe moe-models moe-bench moe-split moe-norm moe-params context context-bench trace persistent-span moe-flashinfer tp draft-vocab prefill stall fa3 fa3-engine burst sampled train-ranks demo-target demo-drafter demo-eval)"
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
@@ -435,6 +438,29 @@ demo-eval)
     --max-output-len 256 --max-batch-size 8
   step demo-bench 200 dflash-trt bench /tmp/demo-engine --dataset gsm8k --dataset humaneval --num-prompts 32 \
     --max-tokens 256 --concurrency 1,8 --json "$OUT/demo_bench.json"
+  ;;
+sampled)
+  # what sampling costs against greedy, in the engine (AR and DFlash draw a step's sampled rows together)
+  step plugins 300 python3 -c 'from dflash_trt import plugins; print(plugins.load())'
+  step sampled-build 120 dflash-trt build -o /tmp/demo-engine --device cuda --dtype bfloat16 --max-input-len 1024 \
+    --max-output-len 256 --max-batch-size 32
+  args="--dataset gsm8k --num-prompts 32 --max-tokens 128 --concurrency 1,32"
+  for t in 0 0.7; do
+    step "sampled-demo-t$t" 200 dflash-trt bench /tmp/demo-engine $args --temperature $t --json "$OUT/sampled_demo_t$t.json"
+    step "sampled-8b-t$t" 300 dflash-trt bench --random-weights qwen3-8b $args --temperature $t \
+      --json "$OUT/sampled_8b_t$t.json"
+  done
+  if [ -n "${OLD:-}" ]; then  # from /tmp: the working directory would come first on the path
+    repo=$PWD
+    for r in 1 2; do
+      for arm in old new; do
+        path=/tmp/site
+        [ $arm = old ] && path=$repo/$OLD:/tmp/site
+        (cd /tmp && PYTHONPATH=$path step "sampled-$arm-$r" 200 python3 -m dflash_trt bench /tmp/demo-engine $args \
+          --temperature 0.7 --json "$OUT/sampled_demo_${arm}_$r.json")
+      done
+    done
+  fi
   ;;
 train-ranks)
   # (2 GPUs: nvidia-h100-x2) the demo drafter fine-tuned over 2 processes, the target whole on
