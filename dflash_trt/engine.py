@@ -386,7 +386,8 @@ class Engine:
         logits of the final hidden state [bs, H] for requests that sample."""
         tokens = greedy.tolist()
         for rows in sampled_groups([s.params for s in seqs]):  # a draw per row from its own generator
-            dist = self.target.lm_head.distribution(hidden[rows], seqs[rows[0]].params)
+            head, params = self.target.lm_head, seqs[rows[0]].params
+            dist = head.distribution(head.sampling_logits(hidden[rows], params), params)
             for i, token in zip(rows, dist.draw([seqs[i].generator for i in rows]).tolist()):
                 tokens[i] = token
         return tokens

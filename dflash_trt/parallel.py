@@ -275,13 +275,17 @@ def _plan_lm_head(head: nn.Linear, g: Group) -> Cut:
         # of many rows that slice is tens of MB per rank
         return _best_over_ranks(ops.linear(hidden, head.weight), own.start, g)
 
-    def distribution(hidden: torch.Tensor, params: SamplingParams) -> Distribution:
-        if params.top_p < 1:  # the nucleus is cut from the whole sorted distribution: gather it
-            return Distribution(head(hidden).float(), params)
-        return VocabParallelDistribution(ops.linear(hidden, head.weight).float(), params, own, vocab, g)
+    def sampling_logits(hidden: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        # the nucleus is cut from the whole sorted distribution: top-p gathers the logits
+        return head(hidden) if params.top_p < 1 else ops.linear(hidden, head.weight)
+
+    def distribution(logits: torch.Tensor, params: SamplingParams) -> Distribution:
+        if params.top_p < 1:
+            return Distribution(logits.float(), params)
+        return VocabParallelDistribution(logits.float(), params, own, vocab, g)
 
     head.register_forward_hook(gather)
-    head.argmax, head.distribution = argmax, distribution
+    head.argmax, head.sampling_logits, head.distribution = argmax, sampling_logits, distribution
     return lambda t: t[own]
 
 

@@ -16,9 +16,9 @@ from dflash_trt.sequence import Sequence
 if TYPE_CHECKING:
     from dflash_trt.graphs import StepInputs
 
-# fp32 elements of one chunk of a verify's sampled rows ([rows, width, vocab]): the lossless
-# rule's probabilities, noise and scores are a few such tensors
-SAMPLE_CHUNK_ELEMENTS = 1 << 24
+# Bounds on the scratch of a verify's sampled rows ([rows, width, vocab] elements): the LM
+# head's logits in the weights' dtype, and the lossless rule's fp32 tensors of a chunk
+LOGIT_ELEMENTS, RULE_ELEMENTS = 1 << 27, 1 << 24
 
 
 def accepted_length(draft: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -181,15 +181,23 @@ def speculative_step(passes, seqs: list[Sequence], oracle: OracleDrafts | None =
 def sample_rows(lm_head, hidden: torch.Tensor, block: torch.Tensor, width: int,
                 seqs: list[Sequence]) -> dict[int, tuple[int, int]]:
     """(accepted, bonus) of every row that samples, by row: the lossless rule over rows of like
-    settings together, in chunks whose [rows, width, vocab] scratch stays bounded; one host read."""
-    per_chunk = max(1, SAMPLE_CHUNK_ELEMENTS // (width * lm_head.weight.shape[0]))
-    chunks = [rows[start:start + per_chunk] for rows in sampled_groups([s.params for s in seqs])
-              for start in range(0, len(rows), per_chunk)]
-    picked = []
-    for rows in chunks:
-        dist = lm_head.distribution(hidden[rows, :width], seqs[rows[0]].params)
-        picked.append(torch.stack(speculative_sample(dist, block[rows, 1:width], [seqs[i].generator for i in rows])))
+    settings together, with one host read. The LM head runs over as many rows at once as
+    LOGIT_ELEMENTS allow (each pass reads its whole weight), the rule in chunks of
+    RULE_ELEMENTS (its fp32 probabilities, noise and scores are a few tensors that size)."""
+    vocab = lm_head.weight.shape[0]
+    rows_per = lambda elements: max(1, elements // (width * vocab))  # noqa: E731
+    order, picked = [], []
+    for group in sampled_groups([s.params for s in seqs]):
+        params = seqs[group[0]].params
+        for start in range(0, len(group), rows_per(LOGIT_ELEMENTS)):
+            rows = group[start:start + rows_per(LOGIT_ELEMENTS)]
+            logits = lm_head.sampling_logits(hidden[rows, :width], params)
+            for first in range(0, len(rows), rows_per(RULE_ELEMENTS)):
+                chunk = rows[first:first + rows_per(RULE_ELEMENTS)]
+                dist = lm_head.distribution(logits[first:first + len(chunk)], params)
+                generators = [seqs[i].generator for i in chunk]
+                picked.append(torch.stack(speculative_sample(dist, block[chunk, 1:width], generators)))
+                order += chunk
     if not picked:
         return {}
-    order = [i for rows in chunks for i in rows]
     return dict(zip(order, zip(*torch.cat(picked, dim=1).tolist())))

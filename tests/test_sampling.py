@@ -13,6 +13,7 @@ from dflash_trt.errors import RequestError
 from dflash_trt.kv_cache import Batch
 from dflash_trt.loading import load_pair
 from dflash_trt.sampling import Distribution, SamplingParams, target_probs
+from dflash_trt import speculate
 from dflash_trt.speculate import accepted_length, speculative_sample
 
 P_MIN = 1e-3
@@ -113,6 +114,20 @@ def test_a_seeded_sample_is_the_same_alone_or_beside_other_requests(make_pair, m
     alone = [engine.generate([p], [q], mode=mode)[0].token_ids for p, q in zip(prompts, params)]
     assert together == alone
     assert together[0] != engine.generate([prompts[0]], [replace(params[0], seed=5)], mode=mode)[0].token_ids
+
+
+@pytest.mark.parametrize("head_rows, rule_rows", [(3, 1), (2, 2)])
+def test_a_verify_samples_the_same_in_chunks(make_pair, monkeypatch, head_rows, rule_rows):
+    # the LM head over a few rows a pass, the rule over fewer: each row's outcome unchanged
+    pair = make_pair(tokenizer_tokens=None, vocab_size=64, init_scale=0.7)
+    engine = load_pair(pair.target, pair.drafter, device="cpu", max_batch_size=8, max_seq_len=64)
+    prompts = [[3, 1, 4], [5, 9], [2, 6, 5, 3], [8], [7, 7]]
+    params = [SamplingParams(max_tokens=20, temperature=0.9, seed=i, ignore_eos=True) for i in range(5)]
+    whole = [r.token_ids for r in engine.generate(prompts, params, mode="dflash")]
+    per_row = engine.block_size * 64  # a row's [width, vocab] at the full width
+    monkeypatch.setattr(speculate, "LOGIT_ELEMENTS", head_rows * per_row)
+    monkeypatch.setattr(speculate, "RULE_ELEMENTS", rule_rows * per_row)
+    assert [r.token_ids for r in engine.generate(prompts, params, mode="dflash")] == whole
 
 
 def test_the_chi_square_check_rejects_a_lossy_rule():

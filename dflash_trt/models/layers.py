@@ -134,16 +134,20 @@ class Linear(nn.Linear):
 
 
 class LMHead(Linear):
-    """The vocabulary projection. `argmax` is the greedy choice and `distribution` what a
-    sampling request draws from; tensor parallelism replaces both by ones that never gather
-    the vocabulary (parallel.py)."""
+    """The vocabulary projection. `argmax` is the greedy choice, `sampling_logits` and
+    `distribution` what a sampling request draws from; tensor parallelism replaces them by ones
+    that gather the vocabulary only where top-p needs it (parallel.py)."""
 
     def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
         return self(hidden).argmax(dim=-1)  # in the weights' dtype: no fp32 copy of the logits
 
-    def distribution(self, hidden: torch.Tensor, params: SamplingParams) -> Distribution:
-        """hidden [B, H] -> the target distributions of those B positions."""
-        return Distribution(self(hidden).float(), params)
+    def sampling_logits(self, hidden: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        """hidden [..., H] -> the logits `distribution` takes, in the weights' dtype."""
+        return self(hidden)
+
+    def distribution(self, logits: torch.Tensor, params: SamplingParams) -> Distribution:
+        """Logits of rows of positions (sampling_logits') -> their target distributions."""
+        return Distribution(logits.float(), params)
 
 
 class PackedLinear(Linear):
