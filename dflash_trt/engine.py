@@ -65,9 +65,8 @@ class QueuedStep:
     """An AR step launched on the device, its tokens not yet read by the host."""
 
     seqs: list[Sequence]
-    hidden: torch.Tensor  # [n, 1, H] final hidden states (the sampled rows' logits come from them)
-    greedy: torch.Tensor  # [n] greedy tokens on the device
-    readback: Readback | None  # an all-greedy step: its tokens on their way to the host
+    tokens: torch.Tensor  # [n] on the device: greedy, or drawn there for rows that sample
+    readback: Readback  # the tokens on their way to the host
 
 
 class Engine:
@@ -276,7 +275,7 @@ class Engine:
             return []
         last, greedy = picked
         finished = [seqs[i] for i in done]
-        tokens = self._pick(greedy, last, finished)
+        tokens = self._tokens(greedy, last, finished).tolist()
         for s in finished:
             if s in self.prefilling:
                 self.prefilling.remove(s)
@@ -312,12 +311,12 @@ class Engine:
         return self.width_policy.choose(num_rows) if self.width_policy else self.block_size
 
     def _draft_ahead(self, seqs: list[Sequence], width: int) -> bool:
-        """Whether this step may launch the next one's draft before it is read: greedy rows
-        (a sampled row's outcome is drawn on the host) that all go on past this step, unless
-        a prefill will be due (it changes the batch); a stop token ending a row still wastes
+        """Whether this step may launch the next one's draft before it is read: rows (greedy
+        or sampled: both outcomes are on the device) that all go on past this step, unless a
+        prefill will be due (it changes the batch); a stop token ending a row still wastes
         the draft."""
         return (self.overlap and not self._prefill_due()
-                and all(s.params.greedy and len(s.output_ids) + width < s.params.max_tokens for s in seqs))
+                and all(len(s.output_ids) + width < s.params.max_tokens for s in seqs))
 
     # -- AR, overlapped -------------------------------------------------------------------
     #
@@ -335,7 +334,7 @@ class Engine:
         ahead = self._rows_ahead(step)
         if ahead:
             row = {id(s): i for i, s in enumerate(step.seqs)}
-            inputs = self.passes.next_inputs(ahead, [row[id(s)] for s in ahead], step.greedy)
+            inputs = self.passes.next_inputs(ahead, [row[id(s)] for s in ahead], step.tokens)
             self.queued = self._launch_ar(ahead, inputs)
         events = self._emit_ar(step)
         self._drop_dead_queued()
@@ -343,15 +342,15 @@ class Engine:
 
     def _launch_ar(self, seqs: list[Sequence], inputs: StepInputs) -> QueuedStep:
         hidden, greedy = self.passes.ar(inputs)
-        greedy_only = all(s.params.greedy for s in seqs)
-        return QueuedStep(list(seqs), hidden, greedy, self.passes.read_later(greedy) if greedy_only else None)
+        tokens = self._tokens(greedy, hidden[:, 0], seqs)
+        return QueuedStep(list(seqs), tokens, self.passes.read_later(tokens))
 
     def _rows_ahead(self, step: QueuedStep) -> list[Sequence]:
-        """The sequences whose next step may be queued before `step` is read: none when a
-        row samples (its token is drawn after the readback) or the next step's batch is not
-        this one's (a prefill joined or will be due); else those that still want a token."""
+        """The sequences whose next step may be queued before `step` is read: none when the
+        next step's batch is not this one's (a prefill joined or will be due); else those that
+        still want a token."""
         live = [s for s in step.seqs if not s.is_finished]
-        if not self.overlap or step.readback is None or self.prefilling or set(live) != set(self.running):
+        if not self.overlap or self.prefilling or set(live) != set(self.running):
             return []
         ending = any(len(s.output_ids) + 1 >= s.params.max_tokens for s in live)
         if self.waiting and (self.free_slots or ending):
@@ -359,12 +358,8 @@ class Engine:
         return [s for s in live if len(s.output_ids) + 1 < s.params.max_tokens]
 
     def _emit_ar(self, step: QueuedStep) -> list[StepEvent]:
-        if step.readback is not None:
-            tokens = step.readback.tolist()
-        else:
-            tokens = self._pick(step.greedy, step.hidden[:, 0], step.seqs)
         events = []
-        for s, token in zip(step.seqs, tokens):
+        for s, token in zip(step.seqs, step.readback.tolist()):
             if s.is_finished:  # stopped or aborted after this step was queued
                 continue
             s.num_cached += 1
@@ -381,15 +376,18 @@ class Engine:
         if self.queued is not None and all(s.is_finished for s in self.queued.seqs):
             self._read_queued()
 
-    def _pick(self, greedy: torch.Tensor, hidden: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        """Next token per row: the greedy choice [bs] (one host sync), or a sample from the
-        logits of the final hidden state [bs, H] for requests that sample."""
-        tokens = greedy.tolist()
-        for rows in sampled_groups([s.params for s in seqs]):  # a draw per row from its own generator
+    def _tokens(self, greedy: torch.Tensor, hidden: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Next token per row on the device: the greedy choice [bs], or for requests that
+        sample a draw (from the row's own generator) from the logits of its final hidden state
+        [bs, H]. On the device, so a sampled step is queued ahead like a greedy one."""
+        groups = sampled_groups([s.params for s in seqs])
+        if not groups:
+            return greedy
+        tokens = greedy.clone()  # a graph's output buffer: the next replay overwrites it
+        for rows in groups:
             head, params = self.target.lm_head, seqs[rows[0]].params
             dist = head.distribution(head.sampling_logits(hidden[rows], params), params)
-            for i, token in zip(rows, dist.draw([seqs[i].generator for i in rows]).tolist()):
-                tokens[i] = token
+            tokens[rows] = dist.draw([seqs[i].generator for i in rows]).to(tokens.dtype)
         return tokens
 
     def _release(self, seq: Sequence) -> None:

@@ -124,8 +124,8 @@ class DecodePasses:
 
     def next_inputs(self, seqs: list[Sequence], rows: list[int], tokens: torch.Tensor) -> StepInputs:
         """Inputs of the AR step after one the host has not read yet: each sequence one row
-        past its num_cached, its last token the queued step's greedy token tokens[rows[i]],
-        gathered on the device (no host sync)."""
+        past its num_cached, its last token the queued step's token tokens[rows[i]] (greedy or
+        drawn on the device), gathered on the device (no host sync)."""
         n, lengths = len(seqs), [s.num_cached + 1 for s in seqs]
         packed = self._upload([[s.slot for s in seqs], lengths, rows])
         packed[2, :n] = tokens[packed[2, :n]]

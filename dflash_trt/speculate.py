@@ -134,9 +134,9 @@ def speculative_step(passes, seqs: list[Sequence], oracle: OracleDrafts | None =
     only be accepted less far, and every acceptance rule still holds, so any width is
     lossless (verify_width.py chooses it).
 
-    `drafted`: these rows' draft, launched by the previous step for `width`. `draft_ahead`
-    (greedy rows only): commit and launch the next step's draft, for `next_width` (default:
-    this width), from the verify's outcome on the device before reading it, so the host's
+    `drafted`: these rows' draft, launched by the previous step for `width`. `draft_ahead`:
+    commit and launch the next step's draft, for `next_width` (default: this width), from the
+    verify's outcome on the device (sampled rows' included) before reading it, so the host's
     reading, emitting and next launches overlap the draft pass instead of leaving the device
     idle; the caller drops that draft if its rows change."""
     width = width or passes.block_size
@@ -149,10 +149,12 @@ def speculative_step(passes, seqs: list[Sequence], oracle: OracleDrafts | None =
     inputs, block = drafted.inputs, drafted.block
     plans = oracle.apply(seqs, block[:, 1:]) if oracle is not None else None
 
-    # verify (a forced oracle's outcome replaces the greedy one, on the device)
+    # verify (a forced oracle's outcome replaces the greedy one, and sampled rows redo
+    # acceptance with the lossless rule, on the device)
     hidden, accepted, bonus = passes.verify(inputs, block, width)
     if plans is not None:
         accepted, bonus = oracle.settle(seqs, plans, accepted, bonus, width)
+    accepted, bonus = sample_rows(passes.target.lm_head, hidden, block, width, seqs, accepted, bonus)
     readback = passes.read_later(torch.cat([block[:, 1:width], accepted[:, None], bonus[:, None]], dim=1))
 
     # draft ahead: commit the outcome and draft the next block before the host sees it
@@ -164,12 +166,9 @@ def speculative_step(passes, seqs: list[Sequence], oracle: OracleDrafts | None =
         following, next_width = passes.after_verify(inputs, accepted, bonus, bound), next_width or width
         next_draft = Drafted(list(seqs), following, passes.draft(following, next_width), next_width)
 
-    # accept: sampled rows redo acceptance with the lossless rule, then the step's host read
-    sampled = sample_rows(passes.target.lm_head, hidden, block, width, seqs)
+    # accept: the step's one host sync
     rows = readback.tolist()
     drafts, accepted, bonus = [r[:-2] for r in rows], [r[-2] for r in rows], [r[-1] for r in rows]
-    for i, (a, b) in sampled.items():
-        accepted[i], bonus[i] = a, b
 
     # commit: the target keeps the accepted prefix + bonus row (by length; a target with
     # recurrent state also restores that state); the engine advances num_cached
@@ -178,12 +177,13 @@ def speculative_step(passes, seqs: list[Sequence], oracle: OracleDrafts | None =
     return StepOutput([drafts[i][:a] + [bonus[i]] for i, a in enumerate(accepted)], accepted, next_draft)
 
 
-def sample_rows(lm_head, hidden: torch.Tensor, block: torch.Tensor, width: int,
-                seqs: list[Sequence]) -> dict[int, tuple[int, int]]:
-    """(accepted, bonus) of every row that samples, by row: the lossless rule over rows of like
-    settings together, with one host read. The LM head runs over as many rows at once as
-    LOGIT_ELEMENTS allow (each pass reads its whole weight), the rule in chunks of
-    RULE_ELEMENTS (its fp32 probabilities, noise and scores are a few tensors that size)."""
+def sample_rows(lm_head, hidden: torch.Tensor, block: torch.Tensor, width: int, seqs: list[Sequence],
+                accepted: torch.Tensor, bonus: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The verify's outcome (accepted [bs], bonus [bs]) with the rows that sample redone by the
+    lossless rule, rows of like settings together, on the device. The LM head runs over as
+    many rows at once as LOGIT_ELEMENTS allow (each pass reads its whole weight), the rule in
+    chunks of RULE_ELEMENTS (its fp32 probabilities, noise and scores are a few tensors that
+    size)."""
     vocab = lm_head.weight.shape[0]
     rows_per = lambda elements: max(1, elements // (width * vocab))  # noqa: E731
     order, picked = [], []
@@ -199,5 +199,8 @@ def sample_rows(lm_head, hidden: torch.Tensor, block: torch.Tensor, width: int,
                 picked.append(torch.stack(speculative_sample(dist, block[chunk, 1:width], generators)))
                 order += chunk
     if not picked:
-        return {}
-    return dict(zip(order, zip(*torch.cat(picked, dim=1).tolist())))
+        return accepted, bonus
+    outcome = torch.cat(picked, dim=1)
+    accepted, bonus = accepted.clone(), bonus.clone()  # a graph's output buffers: the next replay overwrites them
+    accepted[order], bonus[order] = outcome[0].to(accepted.dtype), outcome[1].to(bonus.dtype)
+    return accepted, bonus

@@ -3,6 +3,7 @@ step n+1's draft before reading step n's verify. Both must produce exactly what 
 loop does, whatever joins, stops or is aborted."""
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -110,15 +111,44 @@ def test_a_greedy_batch_is_read_one_step_behind_its_launches(make_pair, device):
     assert [s.output_ids for s in seqs + [late]] == [r.token_ids for r in serial.generate(PROMPTS[:4], PARAMS)]
 
 
-def test_nothing_is_queued_for_sampled_rows_or_a_serial_engine(make_pair, device):
+def test_sampled_rows_are_queued_like_greedy_ones_but_not_by_a_serial_engine(make_pair, device):
     overlapped, serial = engines(make_pair, device, "dense")
-    overlapped.add_request(PROMPTS[0], PARAMS)
-    overlapped.add_request(PROMPTS[1], SamplingParams(max_tokens=19, temperature=0.7, seed=1))
-    serial.add_request(PROMPTS[0], PARAMS)
     for engine in (overlapped, serial):
+        engine.add_request(PROMPTS[0], PARAMS)
+        engine.add_request(PROMPTS[1], SAMPLED[1])
         engine.step()
         assert len(engine.step()) == len(engine.running)
-        assert engine.queued is None
+    assert overlapped.queued is not None and serial.queued is None
+
+
+# seeded: an overlapped engine must draw what the serial one draws, row by row
+SAMPLED = [SamplingParams(max_tokens=19, ignore_eos=True, temperature=t, top_k=k, seed=i)
+           for i, (t, k) in enumerate([(0.8, 0), (0.8, 0), (1.2, 20), (0.0, 0), (0.8, 0)])]
+
+
+@pytest.mark.parametrize("mode", ["ar", "dflash"])
+@pytest.mark.parametrize("kind", TARGETS)
+def test_overlapped_sampling_draws_what_the_serial_loop_draws(make_pair, device, kind, mode):
+    """Sampled rows (two settings, a greedy row beside them) are drawn on the device, so AR
+    queues their next step and DFlash drafts ahead, as for greedy rows; requests join and
+    leave (max_tokens apart, two slots)."""
+    overlapped, serial = engines(make_pair, device, kind, max_batch_size=2)
+    params = [replace(p, max_tokens=n) for p, n in zip(SAMPLED, (5, 19, 2, 11, 14))]
+    queued = []
+    step = overlapped.step
+
+    def watched():
+        events = step()
+        queued.append(overlapped.queued is not None or overlapped.queued_draft is not None)
+        return events
+
+    overlapped.step = watched
+    got = overlapped.generate(PROMPTS, params, mode=mode)
+    want = serial.generate(PROMPTS, params, mode=mode)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert [len(g.token_ids) for g in got] == [5, 19, 2, 11, 14] and any(queued)
+    greedy = serial.generate(PROMPTS[:1], [replace(params[0], temperature=0.0)], mode=mode)[0]
+    assert got[0].token_ids != greedy.token_ids  # the sampled rows did sample
 
 
 @pytest.mark.parametrize("kind", TARGETS)
