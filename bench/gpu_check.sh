@@ -442,6 +442,9 @@ demo-eval)
 sampled)
   # what sampling costs against greedy, in the engine (AR and DFlash draw a step's sampled rows together)
   step plugins 300 python3 -c 'from dflash_trt import plugins; print(plugins.load())'
+  # the sampled rows' rules on the GPU: lossless (chi-square), overlapped = serial, rows together = alone
+  DFLASH_TEST_DEVICE=cuda step tests-sampled 300 python3 -m pytest -q -p no:cacheprovider tests/test_sampling.py \
+    tests/test_overlap.py
   step sampled-build 120 dflash-trt build -o /tmp/demo-engine --device cuda --dtype bfloat16 --max-input-len 1024 \
     --max-output-len 256 --max-batch-size 32
   args="--dataset gsm8k --num-prompts 32 --max-tokens 128 --concurrency 1,32"
