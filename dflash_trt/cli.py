@@ -467,8 +467,8 @@ def _bench_engine(output_dir, random_weights, device, draft_window, tensor_paral
 @click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--oracle-tau", type=click.FloatRange(min=1), help="Oracle acceptance with this mean τ (in-process).")
 @click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
-              help="Sample every in-process request at this temperature (prompt i seeded i; DFlash with the lossless "
-                   "rule, real acceptance only). Default greedy.")
+              help="Sample every request at this temperature, in-process and through --url (prompt i seeded i; "
+                   "DFlash with the lossless rule, real acceptance only). Default greedy.")
 @click.option("--chat/--no-chat", default=True, show_default=True, help="Apply the chat template.")
 @click.option("--thinking/--no-thinking", default=False, show_default=True)
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), help="Default: the device the engine was built for.")

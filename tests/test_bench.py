@@ -123,7 +123,7 @@ def test_a_sampled_bench_seeds_each_prompt_and_reports_no_identity(loaded):
     assert greedy[1] != sampled[1]
     with pytest.raises(ConfigError, match="oracle acceptance forces greedy outcomes: temperature = 0.8"):
         bench.run_bench(loaded, prompts, oracle_tau=3, temperature=0.8)
-    with pytest.raises(ConfigError, match="temperature = 0.5 applies to the in-process rows only"):
+    with pytest.raises(ConfigError, match="temperature = 0.5 is for the throughput rows"):
         bench.run_report(loaded, ["gsm8k"], compare_transformers=True, temperature=0.5)
 
 

@@ -69,6 +69,22 @@ def test_closed_loop_through_the_openai_api_gets_the_same_outputs_and_counts(ope
         [1 + a / n for a, n in zip(accepted, steps)])
 
 
+def test_sampled_requests_through_either_path_draw_what_the_engine_draws(server, openai_url, local, prompts):
+    # prompt i seeded 5 + i: the server's DFlash draws what the in-process engine's does (fp32
+    # on the CPU: a row's logits do not depend on its batch)
+    tok = local.tokenizer
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=5 + i, stop_token_ids=tuple(tok.stop_token_ids))
+              for i in range(len(prompts))]
+    results = local.engine.generate(bench.encode_prompts(tok, prompts), params, mode="dflash")
+    want = [tok.decode(r.token_ids[:-1] if r.token_ids[-1] in tok.stop_token_ids else r.token_ids) for r in results]
+    greedy = loadgen.closed_loop(server.endpoints.grpc, prompts, 2, max_tokens=MAX_TOKENS)
+    assert [r.text for r in greedy.results] != want
+    for url, path in ((server.endpoints.grpc, "Triton"), (openai_url, "the OpenAI API")):
+        run = loadgen.closed_loop(url, prompts, 2, max_tokens=MAX_TOKENS, temperature=0.8, seed=5)
+        assert [r.text for r in run.results] == want
+        assert loadgen.row(run, "mt_bench").mode_label == f"DFlash through {path} (real acceptance, T=0.8)"
+
+
 def test_one_bench_compares_grpc_and_the_openai_api(engine_dir, server, openai_url, tmp_path):
     report = tmp_path / "both.json"
     result = CliRunner().invoke(cli, ["bench", "--url", server.endpoints.grpc, "--url", openai_url, "--dataset",
@@ -126,6 +142,14 @@ def test_cli_prints_both_tables_and_the_serving_overhead(engine_dir, server, tmp
     data = json.loads(report.read_text())
     assert [r["concurrency"] for r in data["triton_rows"]] == [1, 2] and data["meta"]["urls"] == [server.endpoints.grpc]
     assert all(e["ratio"] > 0 and e["like_for_like"] for e in data["serving_overhead"])
+
+    sampled = CliRunner().invoke(cli, ["bench", str(engine_dir), "--url", server.endpoints.grpc, *args,
+                                       "--temperature", "0.8"])
+    assert sampled.exit_code == 0, sampled.output
+    local_table, triton_table, overhead = sampled.stdout.strip().split("\n\n")
+    assert local_table.splitlines()[-1].endswith("| real acceptance, T=0.8 |")
+    assert triton_table.splitlines()[-1].endswith("| DFlash through Triton (real acceptance, T=0.8) |")
+    assert "like-for-like" not in overhead  # both sides sampled at 0.8 with real acceptance
 
     alone = CliRunner().invoke(cli, ["bench", "--url", server.endpoints.grpc, *args])
     assert alone.exit_code == 0, alone.output

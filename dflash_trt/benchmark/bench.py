@@ -402,11 +402,11 @@ def run_report(loaded_engine, datasets: Sequence[str], *, urls: Sequence[str] = 
     through each server URL (Triton's gRPC host:port, or the OpenAI API's http:// address), all
     over the same prompts. `stall_prompt` N > 0 runs prefill_stall.py's test instead (a prompt of
     N tokens arriving while `concurrency` requests decode, in AR and DFlash mode, in one pass and
-    in chunks of `prefill_chunk`). `temperature` > 0 samples the in-process rows only: the
-    transformers baseline, the servers' rows and the stall test are greedy, so they refuse it."""
-    if temperature and (stall_prompt or urls or compare_transformers):
-        raise ConfigError(f"temperature = {temperature:g} applies to the in-process rows only: not with a stall "
-                          "prompt, server URLs or the transformers baseline")
+    in chunks of `prefill_chunk`). `temperature` > 0 samples the in-process rows and the
+    servers' alike; the transformers baseline and the stall test are greedy, so they refuse it."""
+    if temperature and (stall_prompt or compare_transformers):
+        raise ConfigError(f"temperature = {temperature:g} is for the throughput rows (in-process and through "
+                          "servers): not with a stall prompt or the transformers baseline")
     if stall_prompt:
         return _stall_report(loaded_engine, datasets, concurrencies, num_prompts, max_tokens, chat, thinking,
                              prefill_chunk, stall_prompt, progress)
@@ -437,7 +437,7 @@ def run_report(loaded_engine, datasets: Sequence[str], *, urls: Sequence[str] = 
         for url in urls:
             report.triton_rows += loadgen.run_triton_bench(url, prompts, dataset=label, concurrencies=concurrencies,
                                                            max_tokens=max_tokens, chat=chat, thinking=thinking,
-                                                           progress=progress)
+                                                           progress=progress, temperature=temperature)
     return report
 
 
@@ -480,7 +480,7 @@ def serving_overhead(report: Report) -> list[dict]:
                     "in_process_mode": f"DFlash in-process ({r.mode_label})" if dflash else "AR in-process",
                     "ratio": t.tok_s / tok_s if tok_s else 0.0,
                     "triton_tau": t.tau, "in_process_tau": r.tau_per_request if dflash else 0.0,
-                    "like_for_like": not dflash or r.mode_label == mode_label(None)})
+                    "like_for_like": not dflash or r.mode_label.startswith(mode_label(None))})
     return out
 
 

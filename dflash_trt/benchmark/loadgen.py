@@ -3,7 +3,8 @@
 At concurrency c, c worker threads each hold one gRPC stream to the `ensemble` model (or,
 for an http:// URL, one connection to the OpenAI-compatible API that `serve` starts) and
 send their next prompt as soon as the previous one has finished, so exactly c requests are
-in flight until the prompts run out. Requests are greedy (temperature 0), streamed (the
+in flight until the prompts run out. Requests are greedy (temperature 0; with a temperature,
+prompt i samples with seed `seed` + i, as the in-process rows do), streamed (the
 first response that carries text gives the TTFT) and ask for the perf outputs, so the final
 response reports `num_output_tokens` and `mean_acceptance_length`.
 
@@ -71,6 +72,7 @@ class LoadRun:
     concurrency: int
     results: list[RequestResult]  # in prompt order
     wall_s: float
+    temperature: float = 0.0
 
     @property
     def output_tokens(self) -> int:
@@ -109,10 +111,10 @@ def path_name(url: str) -> str:
     return "the OpenAI API" if is_openai(url) else "Triton"
 
 
-def triton_mode_label(speculative: bool, url: str) -> str:
+def triton_mode_label(speculative: bool, url: str, temperature: float = 0.0) -> str:
     # The server cannot run oracle acceptance: its drafts are always the drafter's own.
-    path = path_name(url)
-    return f"DFlash through {path} (real acceptance)" if speculative else f"AR through {path}"
+    path, sampled = path_name(url), f", T={temperature:g}" if temperature else ""
+    return f"DFlash through {path} (real acceptance{sampled})" if speculative else f"AR through {path}{sampled}"
 
 
 def _connect(url: str):
@@ -155,13 +157,14 @@ def _request(connection: GrpcStream | OpenAIStream, index: int, prompt: str, opt
 
 
 def closed_loop(url: str, prompts: Sequence[str], concurrency: int, *, max_tokens: int, chat: bool = True,
-                thinking: bool = False, progress: Progress | None = None) -> LoadRun:
+                thinking: bool = False, progress: Progress | None = None, temperature: float = 0.0,
+                seed: int = 0) -> LoadRun:
     """Send every prompt once with `concurrency` closed-loop workers; results in prompt order."""
     from tritonclient.utils import InferenceServerException  # optional (the serve extra)
 
     if concurrency < 1:
         raise ClientError(f"concurrency must be >= 1, got {concurrency}")
-    options = dict(max_tokens=max_tokens, temperature=0.0, top_k=0, top_p=1.0, seed=None, chat=chat,
+    options = dict(max_tokens=max_tokens, temperature=temperature, top_k=0, top_p=1.0, chat=chat,
                    thinking=thinking, stats=True)
     todo: queue.SimpleQueue[int] = queue.SimpleQueue()
     for i in range(len(prompts)):
@@ -178,7 +181,8 @@ def closed_loop(url: str, prompts: Sequence[str], concurrency: int, *, max_token
                     index = todo.get_nowait()
                 except queue.Empty:
                     return
-                results[index] = _request(connection, index, prompts[index], options)
+                results[index] = _request(connection, index, prompts[index],
+                                          {**options, "seed": seed + index if temperature else None})
                 if progress:
                     with progress_lock:
                         progress(1, None)
@@ -209,7 +213,7 @@ def closed_loop(url: str, prompts: Sequence[str], concurrency: int, *, max_token
             connection.close()
     if errors:
         raise errors[0]
-    return LoadRun(url, concurrency, [results[i] for i in range(len(prompts))], wall)
+    return LoadRun(url, concurrency, [results[i] for i in range(len(prompts))], wall, temperature)
 
 
 def row(run: LoadRun, dataset: str) -> TritonRow:
@@ -218,7 +222,7 @@ def row(run: LoadRun, dataset: str) -> TritonRow:
     n = len(run.results)
     return TritonRow(
         url=run.url, dataset=dataset, concurrency=run.concurrency,
-        mode_label=triton_mode_label(any(r.speculative for r in run.results), run.url),
+        mode_label=triton_mode_label(any(r.speculative for r in run.results), run.url, run.temperature),
         tok_s=run.output_tokens / run.wall_s if run.wall_s > 0 else 0.0,
         requests_s=n / run.wall_s if run.wall_s > 0 else 0.0,
         tau=sum(taus) / len(taus) if taus else 0.0,
@@ -231,7 +235,8 @@ def row(run: LoadRun, dataset: str) -> TritonRow:
 
 def run_triton_bench(url: str, prompts: Sequence[str], *, dataset: str = "custom",
                      concurrencies: Sequence[int] = (1, 8, 16, 32), max_tokens: int = 256, chat: bool = True,
-                     thinking: bool = False, progress: Progress | None = None) -> list[TritonRow]:
+                     thinking: bool = False, progress: Progress | None = None,
+                     temperature: float = 0.0) -> list[TritonRow]:
     """One TritonRow per concurrency, measured through the server at `url` (see the module doc)."""
     if not prompts:
         raise ClientError("no prompts to benchmark")
@@ -241,7 +246,7 @@ def run_triton_bench(url: str, prompts: Sequence[str], *, dataset: str = "custom
     rows = []
     for c in concurrencies:
         run = closed_loop(url, prompts, int(c), max_tokens=max_tokens, chat=chat, thinking=thinking,
-                          progress=progress)
+                          progress=progress, temperature=temperature)
         rows.append(row(run, dataset))
         if progress:
             progress(0, f"{dataset} c={c}: {rows[-1].tok_s:.1f} tok/s, {rows[-1].mode_label}")
