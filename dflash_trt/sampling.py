@@ -62,21 +62,21 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
-def gumbel_noise(vocab: int, generators: list[torch.Generator | None], device) -> torch.Tensor:
-    """Gumbel(0, 1) noise [len(generators), vocab], row b from generators[b]: argmax(log p +
-    noise) is a draw from p (the Gumbel-max trick). Drawn for the whole vocabulary even by a
-    rank that holds a slice of it, so every rank's generator stays in step and their slices
-    together are one device's noise. A row's numbers are its generator's alone: they do not
-    depend on which other rows are drawn beside it."""
-    u = torch.empty(len(generators), vocab, device=device)
+def gumbel_noise(size: int, generators: list[torch.Generator | None], device) -> torch.Tensor:
+    """Gumbel(0, 1) noise [len(generators), size] (size: a row's positions times the
+    vocabulary), row b from generators[b]: argmax(log p + noise) is a draw from p (the
+    Gumbel-max trick). Drawn for the whole vocabulary even by a rank that holds a slice of it,
+    so every rank's generator stays in step and their slices together are one device's noise.
+    A row's numbers are its generator's alone: they do not depend on which rows are beside it."""
+    u = torch.empty(len(generators), size, device=device)
     for row, generator in zip(u, generators):
-        torch.rand(vocab, generator=generator, device=device, out=row)
+        torch.rand(size, generator=generator, device=device, out=row)
     return -torch.log(-torch.log(u.clamp(min=torch.finfo(u.dtype).tiny)))
 
 
 def sampled_groups(params: list[SamplingParams]) -> list[list[int]]:
     """The indices of the requests that sample, grouped by the distribution their settings
-    define: each group's rows are drawn together (one LM head pass, one host read)."""
+    define: each group's rows are drawn together (one LM head pass)."""
     groups: dict[tuple, list[int]] = {}
     for i, p in enumerate(params):
         if not p.greedy:
