@@ -21,6 +21,9 @@ TARGETS = {
 }
 PROMPTS = [[7], [3, 1, 4], [10, 20, 30, 40, 50, 60, 70], list(range(100, 119)), [5, 6]]
 PARAMS = SamplingParams(max_tokens=19, ignore_eos=True)
+# seeded: an overlapped engine must draw what the serial one draws, row by row
+SAMPLED = [SamplingParams(max_tokens=19, ignore_eos=True, temperature=t, top_k=k, seed=i)
+           for i, (t, k) in enumerate([(0.8, 0), (0.8, 0), (1.2, 20), (0.0, 0), (0.8, 0)])]
 
 
 def engines(make_pair, device, kind, max_batch_size=8, **changes):
@@ -119,11 +122,6 @@ def test_sampled_rows_are_queued_like_greedy_ones_but_not_by_a_serial_engine(mak
         engine.step()
         assert len(engine.step()) == len(engine.running)
     assert overlapped.queued is not None and serial.queued is None
-
-
-# seeded: an overlapped engine must draw what the serial one draws, row by row
-SAMPLED = [SamplingParams(max_tokens=19, ignore_eos=True, temperature=t, top_k=k, seed=i)
-           for i, (t, k) in enumerate([(0.8, 0), (0.8, 0), (1.2, 20), (0.0, 0), (0.8, 0)])]
 
 
 @pytest.mark.parametrize("mode", ["ar", "dflash"])

@@ -9,11 +9,11 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from dflash_trt import speculate
 from dflash_trt.errors import RequestError
 from dflash_trt.kv_cache import Batch
 from dflash_trt.loading import load_pair
 from dflash_trt.sampling import Distribution, SamplingParams, target_probs
-from dflash_trt import speculate
 from dflash_trt.speculate import accepted_length, speculative_sample
 
 P_MIN = 1e-3
