@@ -335,7 +335,7 @@ class VocabParallelDistribution:
     def draw(self, generators, exclude: torch.Tensor | None = None) -> torch.Tensor:
         shape = (*self.logp.shape[:-1], self.vocab)
         noise = gumbel_noise(math.prod(shape[1:]), generators, self.logp.device).view(shape)[..., self.own]
-        score = self.logp + noise
+        score = noise + self.logp
         if exclude is not None:
             local, mine = self._local(exclude)
             part = score[:, :exclude.shape[1]]

@@ -71,7 +71,8 @@ def gumbel_noise(size: int, generators: list[torch.Generator | None], device) ->
     u = torch.empty(len(generators), size, device=device)
     for row, generator in zip(u, generators):
         torch.rand(size, generator=generator, device=device, out=row)
-    return -torch.log(-torch.log(u.clamp(min=torch.finfo(u.dtype).tiny)))
+    # in place: a verify's rows draw [rows, width, vocab] numbers, one such tensor is enough
+    return u.clamp_(min=torch.finfo(u.dtype).tiny).log_().neg_().log_().neg_()
 
 
 def sampled_groups(params: list[SamplingParams]) -> list[list[int]]:
@@ -100,8 +101,8 @@ class Distribution:
     def draw(self, generators: list, exclude: torch.Tensor | None = None) -> torch.Tensor:
         """A draw at every position of every row ([n, ...]), on the device; `exclude` [n, J]:
         at position j < J a row's token j is removed and the rest renormalised."""
-        logp = self.probs.log()
-        score = logp + gumbel_noise(logp[0].numel(), generators, logp.device).view_as(logp)
+        score = gumbel_noise(self.probs[0].numel(), generators, self.probs.device).view_as(self.probs)
+        score += self.probs.log()
         if exclude is not None:
             score[:, :exclude.shape[1]].scatter_(-1, exclude[..., None], float("-inf"))
         return score.argmax(dim=-1)
