@@ -29,7 +29,7 @@ from dflash_trt.errors import ConfigError, RequestError
 from dflash_trt.graphs import DecodePasses, GraphedPasses, Readback, StepInputs, graphs_supported
 from dflash_trt.models.dflash import DFlashDrafter
 from dflash_trt.models.qwen3 import Qwen3ForCausalLM
-from dflash_trt.sampling import SamplingParams, sampled_groups
+from dflash_trt.sampling import SamplingParams, row_index, sampled_groups
 from dflash_trt.sequence import RequestStats, Sequence
 from dflash_trt.speculate import Drafted, OracleDrafts, speculative_step
 from dflash_trt.verify_width import VerifyWidth, candidate_widths
@@ -385,9 +385,9 @@ class Engine:
             return greedy
         tokens = greedy.clone()  # a graph's output buffer: the next replay overwrites it
         for rows in groups:
-            head, params = self.target.lm_head, seqs[rows[0]].params
-            dist = head.distribution(head.sampling_logits(hidden[rows], params), params)
-            tokens[rows] = dist.draw([seqs[i].generator for i in rows]).to(tokens.dtype)
+            head, params, index = self.target.lm_head, seqs[rows[0]].params, row_index(rows, tokens.device)
+            dist = head.distribution(head.sampling_logits(hidden[index], params), params)
+            tokens[index] = dist.draw([seqs[i].generator for i in rows]).to(tokens.dtype)
         return tokens
 
     def _release(self, seq: Sequence) -> None:

@@ -85,6 +85,17 @@ def sampled_groups(params: list[SamplingParams]) -> list[list[int]]:
     return list(groups.values())
 
 
+def row_index(rows: list[int], device: torch.device) -> slice | torch.Tensor:
+    """Rows of a batch as an index that costs no host sync: a slice where they are consecutive
+    (the usual case: every row samples alike), else a tensor copied from pinned memory without
+    blocking. A Python list would be copied to the GPU with a stream sync, waiting for the
+    step queued ahead."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return slice(rows[0], rows[0] + len(rows))
+    index = torch.tensor(rows, pin_memory=device.type == "cuda")
+    return index.to(device, non_blocking=True)
+
+
 class Distribution:
     """The target distributions of a group of requests, one row each (probs [n, ..., V] of
     target_probs: one position a row for an AR step, a block's for a verify), as the sampling

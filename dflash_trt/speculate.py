@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from dflash_trt.sampling import Distribution, sampled_groups
+from dflash_trt.sampling import Distribution, row_index, sampled_groups
 from dflash_trt.sequence import Sequence
 
 if TYPE_CHECKING:
@@ -191,16 +191,17 @@ def sample_rows(lm_head, hidden: torch.Tensor, block: torch.Tensor, width: int, 
         params = seqs[group[0]].params
         for start in range(0, len(group), rows_per(LOGIT_ELEMENTS)):
             rows = group[start:start + rows_per(LOGIT_ELEMENTS)]
-            logits = lm_head.sampling_logits(hidden[rows, :width], params)
+            logits = lm_head.sampling_logits(hidden[row_index(rows, hidden.device), :width], params)
             for first in range(0, len(rows), rows_per(RULE_ELEMENTS)):
                 chunk = rows[first:first + rows_per(RULE_ELEMENTS)]
                 dist = lm_head.distribution(logits[first:first + len(chunk)], params)
-                generators = [seqs[i].generator for i in chunk]
-                picked.append(torch.stack(speculative_sample(dist, block[chunk, 1:width], generators)))
+                drafts, generators = block[row_index(chunk, block.device), 1:width], [seqs[i].generator for i in chunk]
+                picked.append(torch.stack(speculative_sample(dist, drafts, generators)))
                 order += chunk
     if not picked:
         return accepted, bonus
     outcome = torch.cat(picked, dim=1)
     accepted, bonus = accepted.clone(), bonus.clone()  # a graph's output buffers: the next replay overwrites them
-    accepted[order], bonus[order] = outcome[0].to(accepted.dtype), outcome[1].to(bonus.dtype)
+    index = row_index(order, accepted.device)
+    accepted[index], bonus[index] = outcome[0].to(accepted.dtype), outcome[1].to(bonus.dtype)
     return accepted, bonus

@@ -9,7 +9,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from dflash_trt import speculate
+from dflash_trt import sampling, speculate
 from dflash_trt.errors import RequestError
 from dflash_trt.kv_cache import Batch
 from dflash_trt.loading import load_pair
@@ -97,6 +97,13 @@ def test_rows_drawn_together_draw_what_each_draws_alone():
              for i, g in enumerate(gens())]
     assert together.tolist() == torch.stack(alone).tolist()
     assert len(set(together[:, 0].tolist())) > 1  # rows accepted different counts
+
+
+def test_rows_index_a_batch_as_a_slice_where_consecutive_else_as_a_tensor():
+    x = torch.arange(10) * 10
+    assert sampling.row_index([3, 4, 5], x.device) == slice(3, 6) and x[slice(3, 6)].tolist() == [30, 40, 50]
+    index = sampling.row_index([0, 3, 7], x.device)
+    assert isinstance(index, torch.Tensor) and x[index].tolist() == [0, 30, 70]
 
 
 @pytest.mark.parametrize("mode", ["ar", "dflash"])
