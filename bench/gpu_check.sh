@@ -42,9 +42,10 @@
 #   bash bench/gpu_check.sh prefill    # one prefill's wall, kernel and host time: Qwen3.5-9B and Qwen3-8B
 #   bash bench/gpu_check.sh stall      # chunked prefill on the GPU (tests), then a 30k-token prompt arriving
 #                                      # while 8 Qwen3-8B requests decode: one pass vs 2048-token chunks
-#   bash bench/gpu_check.sh sampled    # greedy vs sampled (--temperature 0.7) benches: the demo pair (real
-#                                      # acceptance) and a Qwen3-8B-shaped random pair; with OLD=DIR, a tree whose
-#                                      # bench takes --temperature, the demo's sampled bench alternating with it
+#   bash bench/gpu_check.sh sampled    # the sampling GPU tests; greedy vs sampled (--temperature 0.7) benches of
+#                                      # the demo pair (real acceptance) and a Qwen3-8B-shaped random pair
+#   OLD=DIR bash bench/gpu_check.sh sampled-ab # the demo's sampled bench alternating with DIR, a tree whose
+#                                      # bench takes --temperature
 #   bash bench/gpu_check.sh train-ranks # (2 GPUs) train over 2 processes, the target whole and sharded
 #                                      # (FSDP in training, tensor-parallel for the data and evaluation)
 #   bash bench/gpu_check.sh demo-target demo-drafter demo-eval
@@ -73,7 +74,7 @@
 # The machine has no `unzip`: zips are opened with `python3 -m zipfile`, which drops the
 # executable bits, so they are set again.
 set -u
-usage="usage: gpu_check.sh STAGE... (tests hybrid benches roofline bench8b goals overlap identity triton window flashinfer splits moe moe-models moe-bench moe-split moe-norm moe-params context context-bench trace persistent-span moe-flashinfer tp draft-vocab prefill stall fa3 fa3-engine burst sampled train-ranks demo-target demo-drafter demo-eval)"
+usage="usage: gpu_check.sh STAGE... (tests hybrid benches roofline bench8b goals overlap identity triton window flashinfer splits moe moe-models moe-bench moe-split moe-norm moe-params context context-bench trace persistent-span moe-flashinfer tp draft-vocab prefill stall fa3 fa3-engine burst sampled sampled-ab train-ranks demo-target demo-drafter demo-eval)"
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
@@ -453,17 +454,24 @@ sampled)
     step "sampled-8b-t$t" 300 dflash-trt bench --random-weights qwen3-8b $args --temperature $t \
       --json "$OUT/sampled_8b_t$t.json"
   done
-  if [ -n "${OLD:-}" ]; then  # from /tmp: the working directory would come first on the path
-    repo=$PWD
-    for r in 1 2; do
-      for arm in old new; do
-        path=/tmp/site
-        [ $arm = old ] && path=$repo/$OLD:/tmp/site
-        (cd /tmp && PYTHONPATH=$path step "sampled-$arm-$r" 200 python3 -m dflash_trt bench /tmp/demo-engine $args \
-          --temperature 0.7 --json "$OUT/sampled_demo_${arm}_$r.json")
-      done
+  ;;
+sampled-ab)
+  # OLD=DIR (a tree whose bench takes --temperature): the demo's sampled bench alternating with it, run from
+  # /tmp (the working directory would come first on the path)
+  [ -n "${OLD:-}" ] || { echo "sampled-ab needs OLD=DIR" >&2; exit 2; }
+  step plugins 300 python3 -c 'from dflash_trt import plugins; print(plugins.load())'
+  [ -d /tmp/demo-engine ] || step sampled-build 120 dflash-trt build -o /tmp/demo-engine --device cuda \
+    --dtype bfloat16 --max-input-len 1024 --max-output-len 256 --max-batch-size 32
+  repo=$PWD
+  for r in 1 2; do
+    for arm in old new; do
+      path=/tmp/site
+      [ $arm = old ] && path=$repo/$OLD:/tmp/site
+      (cd /tmp && PYTHONPATH=$path step "sampled-$arm-$r" 200 python3 -m dflash_trt bench /tmp/demo-engine \
+        --dataset gsm8k --num-prompts 32 --max-tokens 128 --concurrency 1,32 --temperature 0.7 \
+        --json "$OUT/sampled_demo_${arm}_$r.json")
     done
-  fi
+  done
   ;;
 train-ranks)
   # (2 GPUs: nvidia-h100-x2) the demo drafter fine-tuned over 2 processes, the target whole on
