@@ -497,8 +497,8 @@ def _bench_engine(output_dir, random_weights, device, draft_window, tensor_paral
 @_DRAFT_WINDOW
 @_TENSOR_PARALLEL
 def bench(output_dir, random_weights, urls, compare_transformers, datasets, concurrency, num_prompts, max_tokens,
-          oracle_tau, temperature, chat, thinking, device, json_file, prefill_chunk_size, verify_width, overlap, oracle_dist,
-          repeat, max_seq_len, stall_prompt, draft_window_size, tensor_parallel):
+          oracle_tau, temperature, chat, thinking, device, json_file, prefill_chunk_size, verify_width, overlap,
+          oracle_dist, repeat, max_seq_len, stall_prompt, draft_window_size, tensor_parallel):
     """Benchmark AR vs DFlash per dataset and concurrency; markdown tables on stdout.
 
     \b

@@ -18,7 +18,7 @@ checkpoint one tensor at a time; the model files never mention parallelism:
   and benchmarks/moe_tp_ep_*.json);
 - embedding: vocabulary-parallel (each rank looks up its rows, the rest are zeros, all-reduce);
 - LM head: vocabulary-parallel; the greedy choice gathers only each rank's best (value,
-  index), and sampling only normalisers, top-k thresholds, one probability at a time and
+  index), and sampling only normalisers, top-k thresholds, the drafts' probabilities and
   best (value, index) pairs (top-p gathers the logits: its cut needs the sorted whole), so
   both pick as one device does;
 - the drafter on the same group, the same way (its fc and norms are small and replicated).

@@ -154,7 +154,7 @@ def speculative_step(passes, seqs: list[Sequence], oracle: OracleDrafts | None =
     hidden, accepted, bonus = passes.verify(inputs, block, width)
     if plans is not None:
         accepted, bonus = oracle.settle(seqs, plans, accepted, bonus, width)
-    accepted, bonus = sample_rows(passes.target.lm_head, hidden, block, width, seqs, accepted, bonus)
+    accepted, bonus = sample_rows(passes.target, hidden, block, width, seqs, accepted, bonus)
     readback = passes.read_later(torch.cat([block[:, 1:width], accepted[:, None], bonus[:, None]], dim=1))
 
     # draft ahead: commit the outcome and draft the next block before the host sees it
@@ -177,14 +177,14 @@ def speculative_step(passes, seqs: list[Sequence], oracle: OracleDrafts | None =
     return StepOutput([drafts[i][:a] + [bonus[i]] for i, a in enumerate(accepted)], accepted, next_draft)
 
 
-def sample_rows(lm_head, hidden: torch.Tensor, block: torch.Tensor, width: int, seqs: list[Sequence],
+def sample_rows(target, hidden: torch.Tensor, block: torch.Tensor, width: int, seqs: list[Sequence],
                 accepted: torch.Tensor, bonus: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The verify's outcome (accepted [bs], bonus [bs]) with the rows that sample redone by the
     lossless rule, rows of like settings together, on the device. The LM head runs over as
     many rows at once as LOGIT_ELEMENTS allow (each pass reads its whole weight), the rule in
     chunks of RULE_ELEMENTS (its fp32 probabilities, noise and scores are a few tensors that
-    size)."""
-    vocab = lm_head.weight.shape[0]
+    size; the whole vocabulary's: a vocabulary-parallel rank draws the whole noise too)."""
+    lm_head, vocab = target.lm_head, target.config.vocab_size
     rows_per = lambda elements: max(1, elements // (width * vocab))  # noqa: E731
     order, picked = [], []
     for group in sampled_groups([s.params for s in seqs]):
