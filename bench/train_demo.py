@@ -247,12 +247,12 @@ class _RecordingPasses(DecodePasses):
     shown: list[tuple[int, float, bool]] = []
 
     def verify(self, x, block, width=None):
-        hidden, accepted, bonus = super().verify(x, block, width)
-        top1, choice = self.target.logits(hidden).softmax(-1).max(-1)
+        logits, accepted, bonus = super().verify(x, block, width)
+        top1, choice = logits.float().softmax(-1).max(-1)
         for row, a in enumerate(accepted.tolist()):
-            for j in range(min(a + 1, hidden.shape[1] - 1)):
+            for j in range(min(a + 1, logits.shape[1] - 1)):
                 self.shown.append((j + 1, top1[row, j].item(), bool(block[row, j + 1] == choice[row, j])))
-        return hidden, accepted, bonus
+        return logits, accepted, bonus
 
 
 def draft_accuracy(pair: Path, tok: Tokenizer, prompts: list[list[int]], max_tokens: int, device: str) -> dict:

@@ -273,9 +273,9 @@ class Engine:
             s.num_cached += n
         if not done:
             return []
-        last, greedy = picked
+        logits, greedy = picked
         finished = [seqs[i] for i in done]
-        tokens = self._tokens(greedy, last, finished).tolist()
+        tokens = self._tokens(greedy, logits, finished).tolist()
         for s in finished:
             if s in self.prefilling:
                 self.prefilling.remove(s)
@@ -341,8 +341,8 @@ class Engine:
         return events
 
     def _launch_ar(self, seqs: list[Sequence], inputs: StepInputs) -> QueuedStep:
-        hidden, greedy = self.passes.ar(inputs)
-        tokens = self._tokens(greedy, hidden[:, 0], seqs)
+        logits, greedy = self.passes.ar(inputs)
+        tokens = self._tokens(greedy, logits, seqs)
         return QueuedStep(list(seqs), tokens, self.passes.read_later(tokens))
 
     def _rows_ahead(self, step: QueuedStep) -> list[Sequence]:
@@ -376,17 +376,17 @@ class Engine:
         if self.queued is not None and all(s.is_finished for s in self.queued.seqs):
             self._read_queued()
 
-    def _tokens(self, greedy: torch.Tensor, hidden: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _tokens(self, greedy: torch.Tensor, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Next token per row on the device: the greedy choice [bs], or for requests that
-        sample a draw (from the row's own generator) from the logits of its final hidden state
-        [bs, H]. On the device, so a sampled step is queued ahead like a greedy one."""
+        sample a draw (from the row's own generator) from the pass's logits [bs, V]. On the
+        device, so a sampled step is queued ahead like a greedy one."""
         groups = sampled_groups([s.params for s in seqs])
         if not groups:
             return greedy
         tokens = greedy.clone()  # a graph's output buffer: the next replay overwrites it
         for rows in groups:
             head, params, index = self.target.lm_head, seqs[rows[0]].params, row_index(rows, tokens.device)
-            dist = head.distribution(head.sampling_logits(hidden[index], params), params)
+            dist = head.distribution(logits[index], params)
             tokens[index] = dist.draw([seqs[i].generator for i in rows]).to(tokens.dtype)
         return tokens
 

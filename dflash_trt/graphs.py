@@ -163,8 +163,8 @@ class DecodePasses:
     def prefill(self, slots: list[int], starts: list[int], chunks: list[list[int]], dflash: bool,
                 done: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Cache the prompt tokens chunks[i] of row i (slot slots[i]) from position starts[i] on,
-        with `dflash` the drafter's context K/V of those tokens too -> (final hidden [d, H],
-        greedy next token [d]) at the last token of the rows `done` (those whose prompt this
+        with `dflash` the drafter's context K/V of those tokens too -> (logits [d, V], greedy
+        next token [d]) at the last token of the rows `done` (those whose prompt this
         completes), None if there are none."""
         counts = [len(c) for c in chunks]
         ids = torch.zeros((len(chunks), max(counts)), dtype=torch.long)
@@ -183,8 +183,8 @@ class DecodePasses:
             self.drafter.append_context(taps, batch, self.draft_cache)
         if rows is None:
             return None
-        last = hidden[rows, batch.num_tokens[rows] - 1]
-        return last, self.target.lm_head.argmax(last)
+        logits = self.target.lm_head.logits(hidden[rows, batch.num_tokens[rows] - 1])
+        return logits, self.target.lm_head.greedy(logits)
 
     def context_bucket(self, x: StepInputs) -> int:
         """The bound on the keys a step's passes read (Batch.max_end): the context bucket above
@@ -197,9 +197,10 @@ class DecodePasses:
         return Batch.full(x.slots, x.start, width, self.context_bucket(x))
 
     def ar(self, x: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
-        """One target step -> (final hidden [n, 1, H], greedy next token [n])."""
+        """One target step -> (logits [n, V], greedy next token [n])."""
         hidden, _ = self.target(x.last_tokens[:, None], self._batch(x, 1), self.target_cache)
-        return hidden, self.target.lm_head.argmax(hidden[:, 0])
+        logits = self._logits(hidden[:, 0])
+        return logits, self.target.lm_head.greedy(logits)
 
     def draft(self, x: StepInputs, width: int | None = None) -> torch.Tensor:
         """One drafter pass over [bonus, MASK x (B-1)] per row -> the block [bs, B] with the
@@ -221,7 +222,7 @@ class DecodePasses:
                width: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One causal target pass over the block's first `width` tokens (default: all B; at
         most the width of the draft that filled the block) ->
-        (hidden [bs, width, H], accepted [bs], bonus [bs]), greedy; the drafter's context K/V
+        (logits [bs, width, V], accepted [bs], bonus [bs]), greedy; the drafter's context K/V
         of those rows is cached on the way.
 
         Rows past the accepted prefix land beyond the committed length in both caches and are
@@ -233,11 +234,16 @@ class DecodePasses:
         assert block.shape == (batch.size, self.block_size), f"block {tuple(block.shape)} for {batch.size} rows"
         block = block[:, :width].contiguous() if width < self.block_size else block
         hidden, tapped = self.target(block, batch, self.target_cache, self.taps)
-        choice = self.target.lm_head.argmax(hidden)
+        logits = self._logits(hidden)
+        choice = self.target.lm_head.greedy(logits)
         accepted = accepted_length(block[:, 1:], choice[:, :-1])
         bonus = choice.gather(1, accepted[:, None])[:, 0]
         self.drafter.append_context(tapped, batch, self.draft_cache)
-        return hidden, accepted, bonus
+        return logits, accepted, bonus
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """A decode pass's logits, which its sampled rows draw from after it."""
+        return self.target.lm_head.logits(hidden)
 
     def capture_all(self) -> None:
         """Nothing to prepare for eager passes."""
@@ -271,6 +277,10 @@ class GraphedPasses(DecodePasses):
         # input, its outputs)
         self._graphs: dict[tuple[str, int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, object]] = {}
         self._kept: dict[int, torch.Tensor] = {}  # per bucket: the commit graph's kept counts
+        head = self.target.lm_head.weight
+        positions = self.block_size if self.drafter is not None else 1  # a verify's, or an AR step's
+        self._logit_rows = torch.empty(self.buckets[-1] * positions, head.shape[0], dtype=head.dtype,
+                                       device=self.device)
         # A bucket wider than the target allows would read lengths on the host; for a stateful
         # target one no wider than the block would be taken for a verify (its state kept apart).
         widest = min(self.target.graph_prefill_tokens, self.target_cache.capacity)
@@ -367,8 +377,8 @@ class GraphedPasses(DecodePasses):
         return self._prefill(prompt[2:][None], batch, dflash, torch.zeros_like(slots), check_commit=False)
 
     def ar(self, x: StepInputs):
-        hidden, token = self._replay("ar", x, lambda s: DecodePasses.ar(self, s))
-        return hidden[: x.size], token[: x.size]
+        logits, token = self._replay("ar", x, lambda s: DecodePasses.ar(self, s))
+        return logits[: x.size], token[: x.size]
 
     def draft(self, x: StepInputs, width: int | None = None) -> torch.Tensor:
         width = width or self.block_size  # a graph per verify width: its LM head's rows
@@ -379,9 +389,16 @@ class GraphedPasses(DecodePasses):
         width = width or self.block_size
         static_block = self._graphs[("draft", self.bucket(x.size), width, self.context_bucket(x))][2]
         assert block.data_ptr() == static_block.data_ptr(), f"verify expects the block of the width-{width} draft graph"
-        hidden, accepted, bonus = self._replay("verify", x, lambda s: DecodePasses.verify(self, s, static_block, width),
+        logits, accepted, bonus = self._replay("verify", x, lambda s: DecodePasses.verify(self, s, static_block, width),
                                                width)
-        return hidden[: x.size], accepted[: x.size], bonus[: x.size]
+        return logits[: x.size], accepted[: x.size], bonus[: x.size]
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Into one buffer that every decode graph shares: kept as each graph's own output they
+        would cost a [bucket, width, vocabulary] tensor per graph. Sharing is safe in stream
+        order: a step's sampled rows are drawn (queued) before the next graph is launched."""
+        rows = hidden[..., 0].numel()
+        return self.target.lm_head.logits(hidden, out=self._logit_rows[:rows].view(*hidden.shape[:-1], -1))
 
     def commit(self, x: StepInputs, width: int, num_committed: list[int] | torch.Tensor) -> None:
         """A hybrid target's commit after a verify (the kept tokens replayed over every linear

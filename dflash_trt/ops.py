@@ -390,16 +390,23 @@ def _gemv_kernel_fits(x, weight, bias) -> bool:
             and (bias is None or bias.is_contiguous()) and _layer_kernel_ready(x))
 
 
-def linear(x, weight, bias=None):
-    """nn.Linear's forward, x [..., K]. Up to GEMV_MAX_ROWS rows on CUDA (an AR step at a small
-    batch, a verify or draft block at batch 1: the weights streamed once) go to the gemv
-    kernel, which reads them faster than cuBLAS there (BENCHMARKS.md, "GEMV"); everything else,
-    and the CPU, is F.linear."""
+def linear(x, weight, bias=None, out=None):
+    """nn.Linear's forward, x [..., K] (into `out`, x's shape but the last dim, if given). Up to
+    GEMV_MAX_ROWS rows on CUDA (an AR step at a small batch, a verify or draft block at batch 1:
+    the weights streamed once) go to the gemv kernel, which reads them faster than cuBLAS there
+    (BENCHMARKS.md, "GEMV"); everything else, and the CPU, is F.linear (a matmul into `out`)."""
+    if out is not None:
+        assert out.shape == (*x.shape[:-1], weight.shape[0]) and out.dtype == x.dtype and out.is_contiguous(), \
+            f"out must be a contiguous {x.dtype} {(*x.shape[:-1], weight.shape[0])}, got {out.dtype} {tuple(out.shape)}"
     if x.dtype == weight.dtype and x.is_contiguous() and 0 < x.numel() <= GEMV_MAX_ROWS * x.shape[-1]:
         x2 = x.reshape(-1, x.shape[-1])
         if _gemv_kernel_fits(x2, weight, bias):
-            return torch.ops.dflash.gemv(x2, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
-    return F.linear(x, weight, bias)
+            y = torch.ops.dflash.gemv(x2, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
+            return y if out is None else out.copy_(y)  # a few rows: the copy is small
+    if out is None:
+        return F.linear(x, weight, bias)
+    torch.matmul(x, weight.t(), out=out)
+    return out if bias is None else out.add_(bias)
 
 
 GEMV_NORM_MAX_FEATURES = 8192  # plugins/gemv.h kGemvNormMaxFeatures

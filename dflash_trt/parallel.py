@@ -57,7 +57,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_trt import ops
 from dflash_trt.config import LayerDims
 from dflash_trt.engine import Engine
 from dflash_trt.errors import ConfigError
@@ -270,22 +269,18 @@ def _plan_lm_head(head: nn.Linear, g: Group) -> Cut:
         dist.all_gather(parts, padded.contiguous())
         return torch.cat(parts, dim=-1)[..., :vocab]
 
-    def argmax(hidden: torch.Tensor) -> torch.Tensor:
+    def greedy(logits: torch.Tensor) -> torch.Tensor:
         # each rank's best (value, index) travels, not its slice of the logits: at a verify
         # of many rows that slice is tens of MB per rank
-        return _best_over_ranks(ops.linear(hidden, head.weight), own.start, g)
-
-    def sampling_logits(hidden: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-        # the nucleus is cut from the whole sorted distribution: top-p gathers the logits
-        return head(hidden) if params.top_p < 1 else ops.linear(hidden, head.weight)
+        return _best_over_ranks(logits, own.start, g)
 
     def distribution(logits: torch.Tensor, params: SamplingParams) -> Distribution:
-        if params.top_p < 1:
-            return Distribution(logits.float(), params)
+        if params.top_p < 1:  # the nucleus is cut from the whole sorted distribution: gathered
+            return Distribution(gather(head, (), logits).float(), params)
         return VocabParallelDistribution(logits.float(), params, own, vocab, g)
 
     head.register_forward_hook(gather)
-    head.argmax, head.sampling_logits, head.distribution = argmax, sampling_logits, distribution
+    head.greedy, head.distribution = greedy, distribution
     return lambda t: t[own]
 
 

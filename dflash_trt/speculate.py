@@ -16,9 +16,9 @@ from dflash_trt.sequence import Sequence
 if TYPE_CHECKING:
     from dflash_trt.graphs import StepInputs
 
-# Bounds on the scratch of a verify's sampled rows ([rows, width, vocab] elements): the LM
-# head's logits in the weights' dtype, and the lossless rule's fp32 tensors of a chunk
-LOGIT_ELEMENTS, RULE_ELEMENTS = 1 << 27, 1 << 24
+# A bound on the scratch of a verify's sampled rows: the lossless rule's fp32 tensors of a
+# chunk of rows hold this many [rows, width, vocab] elements
+RULE_ELEMENTS = 1 << 24
 
 
 def accepted_length(draft: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -151,10 +151,10 @@ def speculative_step(passes, seqs: list[Sequence], oracle: OracleDrafts | None =
 
     # verify (a forced oracle's outcome replaces the greedy one, and sampled rows redo
     # acceptance with the lossless rule, on the device)
-    hidden, accepted, bonus = passes.verify(inputs, block, width)
+    logits, accepted, bonus = passes.verify(inputs, block, width)
     if plans is not None:
         accepted, bonus = oracle.settle(seqs, plans, accepted, bonus, width)
-    accepted, bonus = sample_rows(passes.target, hidden, block, width, seqs, accepted, bonus)
+    accepted, bonus = sample_rows(passes.target, logits, block, width, seqs, accepted, bonus)
     readback = passes.read_later(torch.cat([block[:, 1:width], accepted[:, None], bonus[:, None]], dim=1))
 
     # draft ahead: commit the outcome and draft the next block before the host sees it
@@ -177,27 +177,23 @@ def speculative_step(passes, seqs: list[Sequence], oracle: OracleDrafts | None =
     return StepOutput([drafts[i][:a] + [bonus[i]] for i, a in enumerate(accepted)], accepted, next_draft)
 
 
-def sample_rows(target, hidden: torch.Tensor, block: torch.Tensor, width: int, seqs: list[Sequence],
+def sample_rows(target, logits: torch.Tensor, block: torch.Tensor, width: int, seqs: list[Sequence],
                 accepted: torch.Tensor, bonus: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The verify's outcome (accepted [bs], bonus [bs]) with the rows that sample redone by the
-    lossless rule, rows of like settings together, on the device. The LM head runs over as
-    many rows at once as LOGIT_ELEMENTS allow (each pass reads its whole weight), the rule in
-    chunks of RULE_ELEMENTS (its fp32 probabilities, noise and scores are a few tensors that
-    size; the whole vocabulary's: a vocabulary-parallel rank draws the whole noise too)."""
-    lm_head, vocab = target.lm_head, target.config.vocab_size
-    rows_per = lambda elements: max(1, elements // (width * vocab))  # noqa: E731
+    lossless rule from the verify's logits [bs, width, V], rows of like settings together, on
+    the device, in chunks of RULE_ELEMENTS (the rule's fp32 probabilities, noise and scores
+    are a few tensors that size; the whole vocabulary's: a vocabulary-parallel rank draws the
+    whole noise too)."""
+    lm_head, rows_per = target.lm_head, max(1, RULE_ELEMENTS // (width * target.config.vocab_size))
     order, picked = [], []
     for group in sampled_groups([s.params for s in seqs]):
         params = seqs[group[0]].params
-        for start in range(0, len(group), rows_per(LOGIT_ELEMENTS)):
-            rows = group[start:start + rows_per(LOGIT_ELEMENTS)]
-            logits = lm_head.sampling_logits(hidden[row_index(rows, hidden.device), :width], params)
-            for first in range(0, len(rows), rows_per(RULE_ELEMENTS)):
-                chunk = rows[first:first + rows_per(RULE_ELEMENTS)]
-                dist = lm_head.distribution(logits[first:first + len(chunk)], params)
-                drafts, generators = block[row_index(chunk, block.device), 1:width], [seqs[i].generator for i in chunk]
-                picked.append(torch.stack(speculative_sample(dist, drafts, generators)))
-                order += chunk
+        for first in range(0, len(group), rows_per):
+            chunk = group[first:first + rows_per]
+            dist = lm_head.distribution(logits[row_index(chunk, logits.device)], params)
+            drafts, generators = block[row_index(chunk, block.device), 1:width], [seqs[i].generator for i in chunk]
+            picked.append(torch.stack(speculative_sample(dist, drafts, generators)))
+            order += chunk
     if not picked:
         return accepted, bonus
     outcome = torch.cat(picked, dim=1)

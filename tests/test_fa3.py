@@ -125,7 +125,7 @@ def test_warm_up_chooses_among_the_graphs_shapes_and_a_verify_with_fa3_matches_o
     graphs = {fa3.Shape(b, w, 8, 2, 128) for b in engine.passes.buckets for w in (1, 2, 4, 6, 8)}
     assert fa3.chosen() <= graphs | {fa3.Shape(b, 8, 8, 2, 128, causal=False) for b in engine.passes.buckets}
     # one verify of 4 rows with 100-400 committed rows (whatever the cache holds), eagerly,
-    # through the model with FA3 and with ours: the same hidden states to bf16 noise
+    # through the model with FA3 and with ours: the same logits to bf16 noise
     rows = []
     for i in range(4):
         seq = Sequence(i, [1] * (100 + 100 * i), SamplingParams(max_tokens=8), frozenset())
@@ -135,9 +135,9 @@ def test_warm_up_chooses_among_the_graphs_shapes_and_a_verify_with_fa3_matches_o
                          engine.block_size)
     x = eager.inputs(rows)
     block = eager.draft(x)
-    hidden = {}
+    logits = {}
     for name, chosen in (("ours", set()), ("fa3", {fa3.Shape(4, 8, 8, 2, 128)})):
         fa3.use(chosen)
-        hidden[name] = eager.verify(x, block)[0].float()
-    assert not torch.equal(hidden["ours"], hidden["fa3"])  # FA3 did run
-    assert (hidden["ours"] - hidden["fa3"]).abs().max().item() < 0.05 * hidden["ours"].abs().max().item()
+        logits[name] = eager.verify(x, block)[0].float()
+    assert not torch.equal(logits["ours"], logits["fa3"])  # FA3 did run
+    assert (logits["ours"] - logits["fa3"]).abs().max().item() < 0.05 * logits["ours"].abs().max().item()

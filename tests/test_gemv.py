@@ -43,6 +43,20 @@ def test_linear_takes_empty_inputs_as_nn_linear_does():
         assert torch.equal(ops.linear(x, w), F.linear(x, w))
 
 
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(3, 40), (2, 3, 40)])
+def test_linear_into_a_buffer_computes_what_nn_linear_does(bias, shape):
+    # a decode graph's logits go into a buffer every graph shares (graphs.GraphedPasses)
+    w, b, x = rand(7, 40, seed=2), rand(7, seed=3) if bias else None, rand(*shape, seed=1)
+    buffer = torch.full((8 * 7,), float("nan"))
+    out = buffer[: x[..., 0].numel() * 7].view(*shape[:-1], 7)
+    y = ops.linear(x, w, b, out=out)
+    assert y.data_ptr() == buffer.data_ptr() and y.shape == (*shape[:-1], 7)
+    torch.testing.assert_close(y, F.linear(x, w, b))
+    with pytest.raises(AssertionError, match="out must be a contiguous torch.float32 \\(3, 7\\)"):
+        ops.linear(x[0] if len(shape) == 3 else x, w, b, out=torch.empty(3, 8))
+
+
 @pytest.mark.parametrize("args, message", [
     ((torch.ones(2, 8), torch.ones(3, 16)), "x must be \\[M, K\\] and weight \\[N, K\\]"),
     ((torch.ones(8), torch.ones(3, 8)), "x must be \\[M, K\\]"),
@@ -144,6 +158,16 @@ def test_linear_takes_the_kernel_up_to_16_rows_and_cublas_beyond(monkeypatch, ca
     ops.linear(x[:32].reshape(2, 16, 256), w)  # batch 2
     ops.linear(x[::4], w)  # 12 rows, strided
     assert calls[3:] == ["kernel", "cublas", "cublas", "cublas", "cublas"]
+
+
+@pytest.mark.cuda
+def test_linear_into_a_buffer_has_the_bits_of_either_path(monkeypatch, calls):
+    x, w, _ = case(48, 300, 256, torch.bfloat16, False)
+    buffer = torch.empty(48 * 300, dtype=torch.bfloat16, device=x.device)
+    for rows in (1, 16, 48):  # the kernel's, then cuBLAS's
+        y = ops.linear(x[:rows], w, out=buffer[: rows * 300].view(rows, 300))
+        assert y.data_ptr() == buffer.data_ptr() and torch.equal(y, ops.linear(x[:rows], w))
+    assert calls == ["kernel", "kernel", "kernel", "kernel", "cublas"]
 
 
 @pytest.mark.cuda

@@ -32,7 +32,7 @@ TINY = {
 
 
 def repeatable_ar_step(engine):
-    """One eager AR step at batch 1 over 16 rows of noise -> (hidden, token), each call from the
+    """One eager AR step at batch 1 over 16 rows of noise -> (logits, token), each call from the
     same caches: a step writes them in place (a hybrid's state and conv window move on)."""
     passes = DecodePasses(engine.target, engine.drafter, engine.target_cache, engine.draft_cache, engine.taps,
                           engine.block_size)
@@ -43,8 +43,8 @@ def repeatable_ar_step(engine):
     def ar_step() -> tuple[torch.Tensor, torch.Tensor]:
         for k, v in saved.items():
             getattr(cache, k).copy_(v)
-        hidden, token = passes.ar(x)
-        return hidden.clone(), token.clone()
+        logits, token = passes.ar(x)
+        return logits.clone(), token.clone()
 
     return ar_step
 

@@ -123,18 +123,46 @@ def test_a_seeded_sample_is_the_same_alone_or_beside_other_requests(make_pair, m
     assert together[0] != engine.generate([prompts[0]], [replace(params[0], seed=5)], mode=mode)[0].token_ids
 
 
-@pytest.mark.parametrize("head_rows, rule_rows", [(3, 1), (2, 2)])
-def test_a_verify_samples_the_same_in_chunks(make_pair, monkeypatch, head_rows, rule_rows):
-    # the LM head over a few rows a pass, the rule over fewer: each row's outcome unchanged
+@pytest.mark.parametrize("rule_rows", [1, 2])
+def test_a_verify_samples_the_same_in_chunks(make_pair, monkeypatch, rule_rows):
+    # the rule over a few rows at a time: each row's outcome unchanged
     pair = make_pair(tokenizer_tokens=None, vocab_size=64, init_scale=0.7)
     engine = load_pair(pair.target, pair.drafter, device="cpu", max_batch_size=8, max_seq_len=64)
     prompts = [[3, 1, 4], [5, 9], [2, 6, 5, 3], [8], [7, 7]]
     params = [SamplingParams(max_tokens=20, temperature=0.9, seed=i, ignore_eos=True) for i in range(5)]
     whole = [r.token_ids for r in engine.generate(prompts, params, mode="dflash")]
     per_row = engine.block_size * 64  # a row's [width, vocab] at the full width
-    monkeypatch.setattr(speculate, "LOGIT_ELEMENTS", head_rows * per_row)
     monkeypatch.setattr(speculate, "RULE_ELEMENTS", rule_rows * per_row)
     assert [r.token_ids for r in engine.generate(prompts, params, mode="dflash")] == whole
+
+
+@pytest.mark.parametrize("mode", ["ar", "dflash"])
+def test_sampled_rows_draw_from_the_pass_logits_without_another_lm_head_pass(make_pair, monkeypatch, mode):
+    # a second pass over the LM head would read its weights (a small model's largest
+    # matrix) once more every step
+    pair = make_pair(tokenizer_tokens=None, vocab_size=64, init_scale=0.7)
+    engine = load_pair(pair.target, pair.drafter, device="cpu", max_batch_size=8, max_seq_len=64)
+    passes, depth, outside = engine.passes, [], []
+    for name in ("prefill", "ar", "draft", "verify"):
+        def inside(*args, _pass=getattr(passes, name), **kwargs):
+            depth.append(1)
+            try:
+                return _pass(*args, **kwargs)
+            finally:
+                depth.pop()
+        monkeypatch.setattr(passes, name, inside)
+    head = engine.target.lm_head
+    head.register_forward_pre_hook(lambda module, args: None if depth else outside.append("forward"))
+    logits = type(head).logits
+
+    def noted(self, *args, **kwargs):
+        if not depth:
+            outside.append("logits")
+        return logits(self, *args, **kwargs)
+    monkeypatch.setattr(type(head), "logits", noted)
+    params = [SamplingParams(max_tokens=12, temperature=0.9, seed=i, ignore_eos=True) for i in range(3)]
+    results = engine.generate([[3, 1, 4], [5, 9], [8]], params, mode=mode)
+    assert all(len(r.token_ids) == 12 for r in results) and outside == []
 
 
 def test_the_chi_square_check_rejects_a_lossy_rule():

@@ -134,19 +134,24 @@ class Linear(nn.Linear):
 
 
 class LMHead(Linear):
-    """The vocabulary projection. `argmax` is the greedy choice, `sampling_logits` and
-    `distribution` what a sampling request draws from; tensor parallelism replaces them by ones
+    """The vocabulary projection. A decode pass keeps its `logits` (this device's vocabulary:
+    all of it, or a rank's slice under tensor parallelism), takes the greedy choice from them
+    (`greedy`) and a sampling request's `distribution` too, so that sampling reads the head's
+    weights no second time; tensor parallelism replaces `greedy` and `distribution` by ones
     that gather the vocabulary only where top-p needs it (parallel.py)."""
 
-    def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self(hidden).argmax(dim=-1)  # in the weights' dtype: no fp32 copy of the logits
+    def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [..., H] -> this device's logits [..., V], in the weights' dtype (into `out`)."""
+        return ops.linear(hidden, self.weight, self.bias, out=out)
 
-    def sampling_logits(self, hidden: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-        """hidden [..., H] -> the logits `distribution` takes, in the weights' dtype."""
-        return self(hidden)
+    def greedy(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits.argmax(dim=-1)  # in the weights' dtype: no fp32 copy of the logits
+
+    def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.greedy(self.logits(hidden))
 
     def distribution(self, logits: torch.Tensor, params: SamplingParams) -> Distribution:
-        """Logits of rows of positions (sampling_logits') -> their target distributions."""
+        """`logits`' rows of positions -> their target distributions."""
         return Distribution(logits.float(), params)
 
 
