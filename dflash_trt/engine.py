@@ -29,7 +29,7 @@ from dflash_trt.errors import ConfigError, RequestError
 from dflash_trt.graphs import DecodePasses, GraphedPasses, Readback, StepInputs, graphs_supported
 from dflash_trt.models.dflash import DFlashDrafter
 from dflash_trt.models.qwen3 import Qwen3ForCausalLM
-from dflash_trt.sampling import SamplingParams, row_index, sampled_groups
+from dflash_trt.sampling import SamplingParams, draw_keys, row_index, sampled_groups
 from dflash_trt.sequence import RequestStats, Sequence
 from dflash_trt.speculate import Drafted, OracleDrafts, speculative_step
 from dflash_trt.verify_width import VerifyWidth, candidate_widths
@@ -149,11 +149,8 @@ class Engine:
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         self._validate(prompt_ids, params)
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
-        generator = None
-        if not params.greedy:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(params.seed if params.seed is not None else torch.seed())
-        seq = Sequence(self._next_id, list(prompt_ids), params, frozenset(stop), generator)
+        seed = params.seed if params.seed is not None else torch.seed()
+        seq = Sequence(self._next_id, list(prompt_ids), params, frozenset(stop), seed)
         self._next_id += 1
         self.waiting.append(seq)
         return seq
@@ -378,7 +375,7 @@ class Engine:
 
     def _tokens(self, greedy: torch.Tensor, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Next token per row on the device: the greedy choice [bs], or for requests that
-        sample a draw (from the row's own generator) from the pass's logits [bs, V]. On the
+        sample a draw (from the row's own key) from the pass's logits [bs, V]. On the
         device, so a sampled step is queued ahead like a greedy one."""
         groups = sampled_groups([s.params for s in seqs])
         if not groups:
@@ -387,7 +384,7 @@ class Engine:
         for rows in groups:
             head, params, index = self.target.lm_head, seqs[rows[0]].params, row_index(rows, tokens.device)
             dist = head.distribution(logits[index], params)
-            tokens[index] = dist.draw([seqs[i].generator for i in rows]).to(tokens.dtype)
+            tokens[index] = dist.draw(draw_keys([seqs[i] for i in rows], 1, tokens.device)[:, 0]).to(tokens.dtype)
         return tokens
 
     def _release(self, seq: Sequence) -> None:

@@ -972,3 +972,56 @@ def gated_delta_recurrent(q, k, v, g, beta, state_cache, snapshot_cache, slots, 
     out = gated_delta_recurrent_reference(q, k, v, g, beta, state_cache, snapshot_cache, slots, start, num_tokens,
                                           out_dtype)
     return out if outputs else None
+
+
+# ----------------------------------------------------------------------------------------------
+# Sampling's random numbers (plugins/random.cu): counter-based, so one launch draws every sampled
+# row of a step from its own key. The reference is the same 64-bit arithmetic on int64 tensors
+# (torch's int64 products wrap as uint64 ones do; right shifts are masked to be logical).
+
+_WEYL, _MIX_A, _MIX_B = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+
+
+def as_int64(value: int) -> int:
+    """An unsigned 64-bit value as the int64 that holds its bits."""
+    value &= (1 << 64) - 1
+    return value - (1 << 64) if value >> 63 else value
+
+
+def random_mix(z: int) -> int:
+    """plugins/random.h's mix on a Python int, taken mod 2^64 (a bijection of 64-bit values)."""
+    m = (1 << 64) - 1
+    z &= m
+    z = ((z ^ (z >> 30)) * _MIX_A) & m
+    z = ((z ^ (z >> 27)) * _MIX_B) & m
+    return z ^ (z >> 31)
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def random_uniform_reference(keys: torch.Tensor, cols: int, gumbel: bool = False) -> torch.Tensor:
+    """plugins/random.h: keys [R] int64 -> [R, cols] fp32, element i of row r a function of
+    (keys[r], i) alone: uniforms in (0, 1) (23 random bits, exact in fp32), or with `gumbel`
+    the Gumbel(0, 1) noise -log(-log(u))."""
+    i = torch.arange(1, cols + 1, dtype=torch.int64, device=keys.device)
+    x = keys[:, None] + i * as_int64(_WEYL)
+    x = (x ^ _shift_right(x, 30)) * as_int64(_MIX_A)
+    x = (x ^ _shift_right(x, 27)) * as_int64(_MIX_B)
+    x = x ^ _shift_right(x, 31)
+    u = (_shift_right(x, 41).float() + 0.5) * 2.0 ** -23
+    return u.log_().neg_().log_().neg_() if gumbel else u
+
+
+def random_uniform(keys: torch.Tensor, cols: int, gumbel: bool = False) -> torch.Tensor:
+    """random_uniform_reference; on CUDA one launch of plugins/random.cu (the uniforms bit for
+    bit, the noise to logf's last place)."""
+    assert keys.dtype == torch.int64 and keys.dim() == 1 and keys.is_contiguous(), \
+        f"keys must be a contiguous int64 [R] tensor, got {keys.dtype} {tuple(keys.shape)}"
+    assert isinstance(cols, int) and cols >= 0, f"cols must be an int >= 0, got {cols!r}"
+    if keys.is_cuda and _plugins_loaded():
+        return torch.ops.dflash.random_uniform(keys, cols, gumbel)
+    if keys.is_cuda:
+        log_fallback("random_uniform", keys)
+    return random_uniform_reference(keys, cols, gumbel)

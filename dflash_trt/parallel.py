@@ -301,7 +301,7 @@ class VocabParallelDistribution:
     """sampling.Distribution over this rank's vocabulary slice: the normaliser (and top-k's
     threshold) come from small collectives, a probability from its owner, a draw from the
     Gumbel-max trick over the slices with every rank drawing the whole vocabulary's noise
-    (so the draw is the one a single device makes with the same generator). Logits never
+    (so the draw is the one a single device makes with the same keys). Logits never
     leave their rank."""
 
     def __init__(self, local: torch.Tensor, params: SamplingParams, own: slice, vocab: int, g: Group):
@@ -327,9 +327,9 @@ class VocabParallelDistribution:
         dist.all_reduce(p)  # from the rank that holds the token; zeros from the others
         return p
 
-    def draw(self, generators, exclude: torch.Tensor | None = None) -> torch.Tensor:
+    def draw(self, keys: torch.Tensor, exclude: torch.Tensor | None = None) -> torch.Tensor:
         shape = (*self.logp.shape[:-1], self.vocab)
-        noise = gumbel_noise(math.prod(shape[1:]), generators, self.logp.device).view(shape)[..., self.own]
+        noise = gumbel_noise(math.prod(shape[1:]), keys).view(shape)[..., self.own]
         score = noise + self.logp
         if exclude is not None:
             local, mine = self._local(exclude)

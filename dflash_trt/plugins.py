@@ -25,7 +25,8 @@ from dflash_trt.config import cache_dir
 log = logging.getLogger(__name__)
 
 # one library; ops.cpp holds the registrations
-SOURCES = ("ops.cpp", "block_attention.cu", "layer_ops.cu", "gated_delta.cu", "gemv.cu", "moe.cu", "moe_route.cu")
+SOURCES = ("ops.cpp", "block_attention.cu", "layer_ops.cu", "gated_delta.cu", "gemv.cu", "moe.cu", "moe_route.cu",
+           "random.cu")
 NAME = "dflash_trt_plugins"
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dflash_trt import ops
 from dflash_trt.errors import RequestError
 
 
@@ -62,17 +63,32 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
-def gumbel_noise(size: int, generators: list[torch.Generator | None], device) -> torch.Tensor:
-    """Gumbel(0, 1) noise [len(generators), size] (size: a row's positions times the
-    vocabulary), row b from generators[b]: argmax(log p + noise) is a draw from p (the
-    Gumbel-max trick). Drawn for the whole vocabulary even by a rank that holds a slice of it,
-    so every rank's generator stays in step and their slices together are one device's noise.
-    A row's numbers are its generator's alone: they do not depend on which rows are beside it."""
-    u = torch.empty(len(generators), size, device=device)
-    for row, generator in zip(u, generators):
-        torch.rand(size, generator=generator, device=device, out=row)
-    # in place: a verify's rows draw [rows, width, vocab] numbers, one such tensor is enough
-    return u.clamp_(min=torch.finfo(u.dtype).tiny).log_().neg_().log_().neg_()
+def draw_keys(seqs: list, count: int, device) -> torch.Tensor:
+    """The keys [len(seqs), count] of each sequence's next `count` draws (ops.random_uniform),
+    on the device, each a function of the request's seed and how many draws it made before
+    (seq.seed, seq.draws, which this advances): a seeded request draws the same numbers
+    whatever rows are beside it. Copied from pinned memory without blocking (no stream sync)."""
+    keys = []
+    for seq in seqs:
+        keys += [stream_key(seq.seed, seq.draws + j) for j in range(count)]
+        seq.draws += count
+    host = torch.tensor(keys, dtype=torch.int64, pin_memory=torch.device(device).type == "cuda")
+    return host.to(device, non_blocking=True).view(len(seqs), count)
+
+
+def stream_key(seed: int, draw: int) -> int:
+    """The key of a request's draw-th draw: its seed and the count through two rounds of the
+    kernel's mix (a bijection of 64-bit values), so distinct (seed, draw) give distinct keys
+    whose streams do not overlap in practice."""
+    return ops.as_int64(ops.random_mix(ops.random_mix(seed) + draw))
+
+
+def gumbel_noise(size: int, keys: torch.Tensor) -> torch.Tensor:
+    """Gumbel(0, 1) noise [len(keys), size] (size: a row's positions times the vocabulary),
+    row b from keys[b] alone: argmax(log p + noise) is a draw from p (the Gumbel-max trick).
+    Drawn for the whole vocabulary even by a rank that holds a slice of it, so the ranks'
+    slices together are one device's noise."""
+    return ops.random_uniform(keys.contiguous(), size, gumbel=True)
 
 
 def sampled_groups(params: list[SamplingParams]) -> list[list[int]]:
@@ -99,8 +115,8 @@ def row_index(rows: list[int], device: torch.device) -> slice | torch.Tensor:
 class Distribution:
     """The target distributions of a group of requests, one row each (probs [n, ..., V] of
     target_probs: one position a row for an AR step, a block's for a verify), as the sampling
-    steps use them. Row r's randomness comes from generators[r] alone. Tensor parallelism swaps
-    in one over vocabulary slices (parallel.py) with the same two methods."""
+    steps use them. Row r's randomness comes from its key (draw_keys) alone. Tensor
+    parallelism swaps in one over vocabulary slices (parallel.py) with the same two methods."""
 
     def __init__(self, logits: torch.Tensor, params: SamplingParams):
         self.probs = target_probs(logits, params)
@@ -109,10 +125,11 @@ class Distribution:
         """tokens [n, J] -> [n, J]: each row's probability of its token j at position j."""
         return self.probs[:, :tokens.shape[1]].gather(-1, tokens[..., None])[..., 0]
 
-    def draw(self, generators: list, exclude: torch.Tensor | None = None) -> torch.Tensor:
-        """A draw at every position of every row ([n, ...]), on the device; `exclude` [n, J]:
-        at position j < J a row's token j is removed and the rest renormalised."""
-        score = gumbel_noise(self.probs[0].numel(), generators, self.probs.device).view_as(self.probs)
+    def draw(self, keys: torch.Tensor, exclude: torch.Tensor | None = None) -> torch.Tensor:
+        """A draw at every position of every row ([n, ...]) with row r's noise from keys[r], on
+        the device; `exclude` [n, J]: at position j < J a row's token j is removed and the rest
+        renormalised."""
+        score = gumbel_noise(self.probs[0].numel(), keys).view_as(self.probs)
         score += self.probs.log()
         if exclude is not None:
             score[:, :exclude.shape[1]].scatter_(-1, exclude[..., None], float("-inf"))

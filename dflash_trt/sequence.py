@@ -5,8 +5,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from dflash_trt.sampling import SamplingParams
 
 
@@ -59,7 +57,8 @@ class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
     stop_ids: frozenset[int]
-    generator: torch.Generator | None = None
+    seed: int = 0  # a sampling request's: with `draws`, the key of its next random draw
+    draws: int = 0  # (sampling.draw_keys)
     slot: int = -1
     output_ids: list[int] = field(default_factory=list)
     # Target K/V rows committed for this sequence; in DFlash mode the draft cache holds the

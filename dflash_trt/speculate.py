@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from dflash_trt.sampling import Distribution, row_index, sampled_groups
+from dflash_trt import ops
+from dflash_trt.sampling import Distribution, draw_keys, row_index, sampled_groups
 from dflash_trt.sequence import Sequence
 
 if TYPE_CHECKING:
@@ -30,10 +31,11 @@ def accepted_length(draft: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (draft == target).long().cumprod(dim=-1).sum(dim=-1)
 
 
-def speculative_sample(dist: Distribution, drafts: torch.Tensor, generators: list) -> tuple[torch.Tensor, torch.Tensor]:
+def speculative_sample(dist: Distribution, drafts: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Lossless rule for point-mass drafts, every row at once: `dist` the target distributions
     p_0..p_{W-1} of each row's block positions (sampling.Distribution, [n, W, V]), drafts
-    [n, W-1].
+    [n, W-1], keys [n, 2] each row's keys of the acceptance uniforms and of the bonus noise
+    (sampling.draw_keys).
 
     Draft d_j is accepted with probability p_{j-1}(d_j) (d_j sits at index j - 1 of drafts);
     on the first rejection the bonus is drawn from p_{j-1} with d_j removed and renormalised,
@@ -42,9 +44,9 @@ def speculative_sample(dist: Distribution, drafts: torch.Tensor, generators: lis
     the acceptance uniforms, so the picked one is still a draw from its position. Returns
     (accepted drafts [n], bonus [n]) on the device.
     """
-    uniforms = torch.stack([torch.rand(drafts.shape[1], generator=g, device=drafts.device) for g in generators])
+    uniforms = ops.random_uniform(keys[:, 0].contiguous(), drafts.shape[1])
     accepted = (uniforms < dist.probs_of(drafts)).long().cumprod(dim=-1).sum(dim=-1)
-    bonus = dist.draw(generators, exclude=drafts).gather(1, accepted[:, None])[:, 0]
+    bonus = dist.draw(keys[:, 1], exclude=drafts).gather(1, accepted[:, None])[:, 0]
     return accepted, bonus
 
 
@@ -191,8 +193,8 @@ def sample_rows(target, logits: torch.Tensor, block: torch.Tensor, width: int, s
         for first in range(0, len(group), rows_per):
             chunk = group[first:first + rows_per]
             dist = lm_head.distribution(logits[row_index(chunk, logits.device)], params)
-            drafts, generators = block[row_index(chunk, block.device), 1:width], [seqs[i].generator for i in chunk]
-            picked.append(torch.stack(speculative_sample(dist, drafts, generators)))
+            drafts, keys = block[row_index(chunk, block.device), 1:width], draw_keys([seqs[i] for i in chunk], 2, block.device)
+            picked.append(torch.stack(speculative_sample(dist, drafts, keys)))
             order += chunk
     if not picked:
         return accepted, bonus

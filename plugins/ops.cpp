@@ -18,6 +18,7 @@
 #include "layer_ops.h"
 #include "moe.h"
 #include "moe_route.h"
+#include "random.h"
 
 namespace {
 
@@ -367,6 +368,24 @@ at::Tensor silu_mul_cuda(const at::Tensor& gate_up) {
   return out;
 }
 
+// keys [R] int64 contiguous -> [R, cols] fp32: uniforms in (0, 1), or Gumbel noise (random.h).
+at::Tensor random_uniform_cuda(const at::Tensor& keys, int64_t cols, bool gumbel) {
+  DFLASH_CHECK(keys.is_cuda(), "keys must be a CUDA tensor");
+  DFLASH_CHECK(keys.scalar_type() == at::kLong && keys.dim() == 1 && keys.is_contiguous(),
+               "keys must be a contiguous int64 [R] tensor, got ", keys.scalar_type(), " ", keys.sizes());
+  DFLASH_CHECK(cols >= 0, "cols must be >= 0, got ", cols);
+  const c10::cuda::CUDAGuard guard(keys.device());
+  auto out = at::empty({keys.size(0), cols}, keys.options().dtype(at::kFloat));
+  dflash::RandomUniformParams p;
+  p.keys = keys.data_ptr<int64_t>();
+  p.rows = keys.size(0);
+  p.cols = cols;
+  p.gumbel = gumbel;
+  p.out = out.data_ptr<float>();
+  check_launch(dflash::random_uniform_launch(p, c10::cuda::getCurrentCUDAStream().stream()), "random_uniform");
+  return out;
+}
+
 // x [R, H, D] contiguous, gate [R, H, D] in x's dtype with a contiguous last dim (a view of the
 // q projection's output) -> x * sigmoid(gate) [R, H, D].
 at::Tensor sigmoid_gate_cuda(const at::Tensor& x, const at::Tensor& gate) {
@@ -574,6 +593,10 @@ std::tuple<at::Tensor, at::Tensor> linear_add_rms_norm_meta(const at::Tensor& x,
 }
 
 at::Tensor sigmoid_gate_meta(const at::Tensor& x, const at::Tensor&) { return at::empty(x.sizes(), x.options()); }
+
+at::Tensor random_uniform_meta(const at::Tensor& keys, int64_t cols, bool) {
+  return at::empty({keys.size(0), cols}, keys.options().dtype(at::kFloat));
+}
 
 at::Tensor silu_mul_meta(const at::Tensor& gate_up) {
   auto sizes = gate_up.sizes().vec();
@@ -1074,6 +1097,7 @@ TORCH_LIBRARY(dflash, m) {
       "-> (Tensor, Tensor, Tensor)");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("sigmoid_gate(Tensor x, Tensor gate) -> Tensor");
+  m.def("random_uniform(Tensor keys, int cols, bool gumbel=False) -> Tensor");
   m.def("gemv(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
   m.def(
       "linear_add_rms_norm(Tensor x, Tensor weight, Tensor? bias, Tensor residual, Tensor norm_weight, float eps, "
@@ -1118,6 +1142,7 @@ TORCH_LIBRARY_IMPL(dflash, CUDA, m) {
   m.impl("qk_norm_rope", &qk_norm_rope_cuda);
   m.impl("silu_mul", &silu_mul_cuda);
   m.impl("sigmoid_gate", &sigmoid_gate_cuda);
+  m.impl("random_uniform", &random_uniform_cuda);
   m.impl("gemv", &gemv_cuda);
   m.impl("linear_add_rms_norm", &linear_add_rms_norm_cuda);
   m.impl("causal_conv", &causal_conv_cuda);
@@ -1140,6 +1165,7 @@ TORCH_LIBRARY_IMPL(dflash, Meta, m) {
   m.impl("qk_norm_rope", &qk_norm_rope_meta);
   m.impl("silu_mul", &silu_mul_meta);
   m.impl("sigmoid_gate", &sigmoid_gate_meta);
+  m.impl("random_uniform", &random_uniform_meta);
   m.impl("gemv", &gemv_meta);
   m.impl("linear_add_rms_norm", &linear_add_rms_norm_meta);
   m.impl("causal_conv", &causal_conv_meta);

@@ -72,10 +72,10 @@ P1 = torch.tensor([0.05, 0.05, 0.1, 0.2, 0.3, 0.3])
 
 @pytest.mark.parametrize("draft_token", [0, 3, 4])  # likely, unlikely, impossible under P0
 def test_speculative_sample_emits_exactly_the_target_distribution(draft_token):
-    n = 20000  # rows drawn at once, each from its own generator
+    n = 20000  # rows drawn at once, each from its own keys
     dist = Distribution(torch.stack([P0, P1]).log().expand(n, 2, 6), SamplingParams(temperature=1.0))  # = p
-    generators = [torch.Generator().manual_seed(n * draft_token + i) for i in range(n)]
-    accepted, bonus = speculative_sample(dist, torch.full((n, 1), draft_token), generators)
+    keys = torch.tensor([[sampling.stream_key(draft_token, 2 * i + j) for j in (0, 1)] for i in range(n)])
+    accepted, bonus = speculative_sample(dist, torch.full((n, 1), draft_token), keys)
     first = torch.bincount(torch.where(accepted == 1, draft_token, bonus), minlength=6)
     second = torch.bincount(bonus[accepted == 1], minlength=6)
     assert chi_square_p(first, P0) > P_MIN
@@ -84,17 +84,17 @@ def test_speculative_sample_emits_exactly_the_target_distribution(draft_token):
 
 
 def test_rows_drawn_together_draw_what_each_draws_alone():
-    # each row's randomness comes from its own generator, whatever rows are drawn beside it
+    # each row's randomness comes from its own keys, whatever rows are drawn beside it
     logits = torch.randn(5, 4, 40, generator=torch.Generator().manual_seed(0)) * 3
     params = SamplingParams(temperature=0.8, top_k=20)
     drafts = Distribution(logits[:, :3], params).probs.argmax(dim=-1)  # often accepted, not always
-    gens = lambda: [torch.Generator().manual_seed(10 + i) for i in range(5)]  # noqa: E731
-    rows = Distribution(logits[:, 0], params).draw(gens())
-    assert rows.tolist() == [Distribution(logits[i:i + 1, 0], params).draw([g])[0].item() for i, g in enumerate(gens())]
+    keys = torch.tensor([[sampling.stream_key(10 + i, j) for j in (0, 1)] for i in range(5)])
+    rows = Distribution(logits[:, 0], params).draw(keys[:, 0])
+    assert rows.tolist() == [Distribution(logits[i:i + 1, 0], params).draw(keys[i:i + 1, 0])[0].item() for i in range(5)]
     assert len(set(rows.tolist())) > 1
-    together = torch.stack(speculative_sample(Distribution(logits, params), drafts, gens()), dim=1)
-    alone = [torch.stack(speculative_sample(Distribution(logits[i:i + 1], params), drafts[i:i + 1], [g]), dim=1)[0]
-             for i, g in enumerate(gens())]
+    together = torch.stack(speculative_sample(Distribution(logits, params), drafts, keys), dim=1)
+    alone = [torch.stack(speculative_sample(Distribution(logits[i:i + 1], params), drafts[i:i + 1], keys[i:i + 1]),
+                         dim=1)[0] for i in range(5)]
     assert together.tolist() == torch.stack(alone).tolist()
     assert len(set(together[:, 0].tolist())) > 1  # rows accepted different counts
 
