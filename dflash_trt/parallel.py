@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import copy
 import ctypes
 import dataclasses
 import math
@@ -326,6 +327,11 @@ class VocabParallelDistribution:
         p = self.logp[:, :tokens.shape[1]].gather(-1, local[..., None])[..., 0].exp() * mine
         dist.all_reduce(p)  # from the rank that holds the token; zeros from the others
         return p
+
+    def at(self, positions: torch.Tensor) -> "VocabParallelDistribution":
+        picked = copy.copy(self)
+        picked.logp = self.logp[torch.arange(len(positions), device=positions.device), positions][:, None]
+        return picked
 
     def draw(self, keys: torch.Tensor, exclude: torch.Tensor | None = None) -> torch.Tensor:
         shape = (*self.logp.shape[:-1], self.vocab)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 
@@ -116,7 +117,7 @@ class Distribution:
     """The target distributions of a group of requests, one row each (probs [n, ..., V] of
     target_probs: one position a row for an AR step, a block's for a verify), as the sampling
     steps use them. Row r's randomness comes from its key (draw_keys) alone. Tensor
-    parallelism swaps in one over vocabulary slices (parallel.py) with the same two methods."""
+    parallelism swaps in one over vocabulary slices (parallel.py) with the same methods."""
 
     def __init__(self, logits: torch.Tensor, params: SamplingParams):
         self.probs = target_probs(logits, params)
@@ -125,12 +126,20 @@ class Distribution:
         """tokens [n, J] -> [n, J]: each row's probability of its token j at position j."""
         return self.probs[:, :tokens.shape[1]].gather(-1, tokens[..., None])[..., 0]
 
+    def at(self, positions: torch.Tensor) -> "Distribution":
+        """The distributions [n, 1, V] at one position per row (positions [n], on the device)."""
+        picked = copy.copy(self)
+        picked.probs = self.probs[torch.arange(len(positions), device=positions.device), positions][:, None]
+        return picked
+
     def draw(self, keys: torch.Tensor, exclude: torch.Tensor | None = None) -> torch.Tensor:
         """A draw at every position of every row ([n, ...]) with row r's noise from keys[r], on
-        the device; `exclude` [n, J]: at position j < J a row's token j is removed and the rest
-        renormalised."""
+        the device; `exclude` [n, J]: at position j < J a row's token j (none where it is -1)
+        is removed and the rest renormalised."""
         score = gumbel_noise(self.probs[0].numel(), keys).view_as(self.probs)
         score += self.probs.log()
         if exclude is not None:
-            score[:, :exclude.shape[1]].scatter_(-1, exclude[..., None], float("-inf"))
+            index, removed = exclude.clamp(min=0)[..., None], (exclude >= 0)[..., None]
+            part = score[:, :exclude.shape[1]]
+            part.scatter_(-1, index, torch.where(removed, float("-inf"), part.gather(-1, index)))
         return score.argmax(dim=-1)

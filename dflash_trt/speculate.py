@@ -39,14 +39,15 @@ def speculative_sample(dist: Distribution, drafts: torch.Tensor, keys: torch.Ten
 
     Draft d_j is accepted with probability p_{j-1}(d_j) (d_j sits at index j - 1 of drafts);
     on the first rejection the bonus is drawn from p_{j-1} with d_j removed and renormalised,
-    so every emitted token is distributed exactly as the target would sample it. A bonus is
-    drawn at every position and the accepted count picks one: the draws are independent of
-    the acceptance uniforms, so the picked one is still a draw from its position. Returns
-    (accepted drafts [n], bonus [n]) on the device.
+    so every emitted token is distributed exactly as the target would sample it; past the
+    last draft, from p_{W-1}. The bonus's position is picked on the device, so only that
+    position's noise is drawn. Returns (accepted drafts [n], bonus [n]) on the device.
     """
     uniforms = ops.random_uniform(keys[:, 0].contiguous(), drafts.shape[1])
     accepted = (uniforms < dist.probs_of(drafts)).long().cumprod(dim=-1).sum(dim=-1)
-    bonus = dist.draw(keys[:, 1], exclude=drafts).gather(1, accepted[:, None])[:, 0]
+    # the draft rejected at the bonus's position; none (-1) after the last draft
+    rejected = torch.cat([drafts, drafts.new_full((len(drafts), 1), -1)], dim=1).gather(1, accepted[:, None])
+    bonus = dist.at(accepted).draw(keys[:, 1], exclude=rejected)[:, 0]
     return accepted, bonus
 
 
@@ -183,9 +184,8 @@ def sample_rows(target, logits: torch.Tensor, block: torch.Tensor, width: int, s
                 accepted: torch.Tensor, bonus: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The verify's outcome (accepted [bs], bonus [bs]) with the rows that sample redone by the
     lossless rule from the verify's logits [bs, width, V], rows of like settings together, on
-    the device, in chunks of RULE_ELEMENTS (the rule's fp32 probabilities, noise and scores
-    are a few tensors that size; the whole vocabulary's: a vocabulary-parallel rank draws the
-    whole noise too)."""
+    the device, in chunks of RULE_ELEMENTS (the rule's fp32 probabilities are a few tensors
+    that size; the whole vocabulary's: on a vocabulary-parallel rank top-p gathers it)."""
     lm_head, rows_per = target.lm_head, max(1, RULE_ELEMENTS // (width * target.config.vocab_size))
     order, picked = [], []
     for group in sampled_groups([s.params for s in seqs]):
