@@ -48,20 +48,44 @@ def _finite(x) -> bool:
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution a sampling request draws from: logits [..., V] -> probs [..., V] (fp32).
 
-    Temperature first, then top-k, then top-p over what top-k kept (the usual HF / vLLM order).
+    Temperature first, then top-k (every token tied with the k-th stays), then top-p over what
+    top-k kept (the usual HF / vLLM order): a token is dropped when the mass of the tokens
+    before it in descending order already reaches top_p. Among tokens of equal probability
+    that order is the sort's (top-p alone), or top-k's own picks first and then token order.
     """
     logits = logits.float() / params.temperature
+    top = None
     if params.top_k and params.top_k < logits.shape[-1]:
-        kth = logits.topk(params.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        top = logits.topk(params.top_k, dim=-1)
+        logits = logits.masked_fill(logits < top.values[..., -1:], float("-inf"))
     probs = logits.softmax(dim=-1)
     if params.top_p < 1:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        # Drop a token when the mass before it already reaches top_p; the top token always stays.
-        drop_sorted = sorted_probs.cumsum(dim=-1) - sorted_probs >= params.top_p
-        probs = probs.masked_fill(torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted), 0.0)
+        drop = _past_the_nucleus(probs, params.top_p) if top is None else \
+            _past_the_nucleus_of_top_k(probs, logits, top, params.top_p)
+        probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
+
+
+def _past_the_nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Where top-p drops a token, from the whole vocabulary sorted (the top token always stays)."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    drop_sorted = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
+    return torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+
+
+def _past_the_nucleus_of_top_k(probs: torch.Tensor, logits: torch.Tensor, top, top_p: float) -> torch.Tensor:
+    """_past_the_nucleus where top-k kept its k picks (top, in descending order) and the tokens
+    tied with the k-th: only those can be in the nucleus, so only the k are ordered (a sort of
+    the whole vocabulary at every verify position cost more than the rest of the rule); the
+    tied ones follow them in token order, all of probability p_k."""
+    picked = probs.gather(-1, top.indices)
+    before = picked.cumsum(dim=-1) - picked
+    drop = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, top.indices, before >= top_p)
+    tied = (logits == top.values[..., -1:]).scatter(-1, top.indices, False)
+    rank = tied.cumsum(dim=-1) - 1  # among the tied ones
+    mass = picked.sum(dim=-1, keepdim=True) + rank * picked[..., -1:]
+    return drop | (tied & (mass >= top_p))
 
 
 def draw_keys(seqs: list, count: int, device) -> torch.Tensor:

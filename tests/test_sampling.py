@@ -46,6 +46,32 @@ def test_top_k_and_top_p_keep_the_expected_tokens(params, kept):
     assert probs.sum().item() == pytest.approx(1.0)
 
 
+def test_top_p_within_top_k_is_top_p_over_the_sorted_vocabulary():
+    # without ties the nucleus of what top-k kept is one set, however it is found
+    logits = torch.randn(6, 3, 500, generator=torch.Generator().manual_seed(0)) * 2
+    for top_k, top_p in ((20, 0.95), (20, 0.5), (100, 0.9), (3, 0.99)):
+        params = SamplingParams(temperature=0.8, top_k=top_k, top_p=top_p)
+        kept = sampling.target_probs(logits, replace(params, top_p=1.0))
+        sorted_way = kept.masked_fill(sampling._past_the_nucleus(kept, top_p), 0.0)
+        assert torch.allclose(sampling.target_probs(logits, params), sorted_way / sorted_way.sum(-1, keepdim=True))
+
+
+@pytest.mark.parametrize("top_k, top_p", [(3, 0.5), (4, 0.8), (2, 0.99), (6, 0.3)])
+def test_top_p_within_top_k_keeps_a_nucleus_where_probabilities_tie(top_k, top_p):
+    # integer logits over 12 tokens tie often, at the k-th and inside the nucleus
+    logits = torch.randint(0, 4, (400, 12), generator=torch.Generator().manual_seed(top_k)).float()
+    params = SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p)
+    p = sampling.target_probs(logits, replace(params, top_p=1.0))  # what top-k kept, renormalised
+    kept = sampling.target_probs(logits, params) > 0
+    assert (logits == logits.topk(top_k).values[:, -1:]).sum(-1).gt(1).any()  # ties at the k-th
+    for row in range(len(logits)):
+        mine, dropped = p[row][kept[row]], p[row][~kept[row] & (p[row] > 0)]
+        assert len(mine) and (not len(dropped) or mine.min() >= dropped.max())  # the most probable first
+        mass = mine.sum().item()
+        assert mass - mine.min().item() < top_p + 1e-6  # the last kept one was needed...
+        assert mass >= top_p - 1e-6 or not len(dropped)  # ...and they reach top_p, or are all there
+
+
 def test_temperature_sharpens_the_distribution():
     logits = torch.tensor([0.0, 1.0, 2.0])
     cold, hot = target_probs(logits, SamplingParams(temperature=0.5)), target_probs(logits, SamplingParams(temperature=2))
