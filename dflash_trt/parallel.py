@@ -277,7 +277,7 @@ def _plan_lm_head(head: nn.Linear, g: Group) -> Cut:
 
     def distribution(logits: torch.Tensor, params: SamplingParams) -> Distribution:
         if params.top_p < 1:  # the nucleus is cut from the whole sorted distribution: gathered
-            return Distribution(gather(head, (), logits).float(), params)
+            return Distribution(gather(head, (), logits), params)
         return VocabParallelDistribution(logits.float(), params, own, vocab, g)
 
     head.register_forward_hook(gather)

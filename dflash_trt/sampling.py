@@ -52,7 +52,10 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     top-k kept (the usual HF / vLLM order): a token is dropped when the mass of the tokens
     before it in descending order already reaches top_p. Among tokens of equal probability
     that order is the sort's (top-p alone), or top-k's own picks first and then token order.
+    Logits in bf16 (the LM head's) are ordered as they come: the order of their probabilities,
+    sorted by half the key bits of fp32.
     """
+    given = logits
     logits = logits.float() / params.temperature
     top = None
     if params.top_k and params.top_k < logits.shape[-1]:
@@ -60,16 +63,18 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         logits = logits.masked_fill(logits < top.values[..., -1:], float("-inf"))
     probs = logits.softmax(dim=-1)
     if params.top_p < 1:
-        drop = _past_the_nucleus(probs, params.top_p) if top is None else \
+        drop = _past_the_nucleus(probs, params.top_p, given) if top is None else \
             _past_the_nucleus_of_top_k(probs, logits, top, params.top_p)
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
 
 
-def _past_the_nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Where top-p drops a token, from the whole vocabulary sorted (the top token always stays)."""
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
+def _past_the_nucleus(probs: torch.Tensor, top_p: float, logits: torch.Tensor | None = None) -> torch.Tensor:
+    """Where top-p drops a token, from the whole vocabulary sorted (the top token always stays),
+    by `logits` (probs' own order, in fewer bits) if given, else by probs."""
+    order = (probs if logits is None else logits).sort(dim=-1, descending=True).indices
+    sorted_probs = probs.gather(-1, order)
     drop_sorted = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
     return torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
 

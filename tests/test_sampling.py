@@ -56,6 +56,17 @@ def test_top_p_within_top_k_is_top_p_over_the_sorted_vocabulary():
         assert torch.allclose(sampling.target_probs(logits, params), sorted_way / sorted_way.sum(-1, keepdim=True))
 
 
+@pytest.mark.parametrize("top_p", [0.3, 0.9, 0.99])
+def test_bf16_logits_keep_the_nucleus_of_their_fp32_copy(top_p):
+    # top-p orders bf16 logits as they come (fewer key bits to sort): their order is their
+    # probabilities' (distinct multiples of 1/32, exact in bf16: no ties to break)
+    logits = torch.stack([torch.randperm(200, generator=torch.Generator().manual_seed(i)) for i in range(8)]) / 32
+    params = SamplingParams(temperature=0.7, top_p=top_p)
+    half = logits.bfloat16()
+    assert torch.equal(half.float(), logits)
+    assert torch.equal(sampling.target_probs(half, params), sampling.target_probs(logits, params))
+
+
 @pytest.mark.parametrize("top_k, top_p", [(3, 0.5), (4, 0.8), (2, 0.99), (6, 0.3)])
 def test_top_p_within_top_k_keeps_a_nucleus_where_probabilities_tie(top_k, top_p):
     # integer logits over 12 tokens tie often, at the k-th and inside the nucleus

@@ -152,7 +152,7 @@ class LMHead(Linear):
 
     def distribution(self, logits: torch.Tensor, params: SamplingParams) -> Distribution:
         """`logits`' rows of positions -> their target distributions."""
-        return Distribution(logits.float(), params)
+        return Distribution(logits, params)
 
 
 class PackedLinear(Linear):
