@@ -52,19 +52,20 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     top-k kept (the usual HF / vLLM order): a token is dropped when the mass of the tokens
     before it in descending order already reaches top_p. Among tokens of equal probability
     that order is the sort's (top-p alone), or top-k's own picks first and then token order.
-    Logits in bf16 (the LM head's) are ordered as they come: the order of their probabilities,
-    sorted by half the key bits of fp32.
+    Logits in bf16 (the LM head's) are ranked as they come: the order of their probabilities,
+    found with half the key bits of fp32.
     """
     given = logits
     logits = logits.float() / params.temperature
     top = None
     if params.top_k and params.top_k < logits.shape[-1]:
-        top = logits.topk(params.top_k, dim=-1)
-        logits = logits.masked_fill(logits < top.values[..., -1:], float("-inf"))
+        top = given.topk(params.top_k, dim=-1)
+        kth = top.values[..., -1:].float() / params.temperature  # exactly the k-th of `logits`
+        logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = logits.softmax(dim=-1)
     if params.top_p < 1:
         drop = _past_the_nucleus(probs, params.top_p, given) if top is None else \
-            _past_the_nucleus_of_top_k(probs, logits, top, params.top_p)
+            _past_the_nucleus_of_top_k(probs, logits, top.indices, kth, params.top_p)
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
@@ -79,15 +80,16 @@ def _past_the_nucleus(probs: torch.Tensor, top_p: float, logits: torch.Tensor | 
     return torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
 
 
-def _past_the_nucleus_of_top_k(probs: torch.Tensor, logits: torch.Tensor, top, top_p: float) -> torch.Tensor:
-    """_past_the_nucleus where top-k kept its k picks (top, in descending order) and the tokens
-    tied with the k-th: only those can be in the nucleus, so only the k are ordered (a sort of
-    the whole vocabulary at every verify position cost more than the rest of the rule); the
-    tied ones follow them in token order, all of probability p_k."""
-    picked = probs.gather(-1, top.indices)
+def _past_the_nucleus_of_top_k(probs: torch.Tensor, logits: torch.Tensor, picks: torch.Tensor, kth: torch.Tensor,
+                               top_p: float) -> torch.Tensor:
+    """_past_the_nucleus where top-k kept its k picks (their indices in descending order) and
+    the tokens tied with the k-th (logit kth): only those can be in the nucleus, so only the k
+    are ordered (a sort of the whole vocabulary at every verify position cost more than the
+    rest of the rule); the tied ones follow them in token order, all of probability p_k."""
+    picked = probs.gather(-1, picks)
     before = picked.cumsum(dim=-1) - picked
-    drop = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, top.indices, before >= top_p)
-    tied = (logits == top.values[..., -1:]).scatter(-1, top.indices, False)
+    drop = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, picks, before >= top_p)
+    tied = (logits == kth).scatter(-1, picks, False)
     rank = tied.cumsum(dim=-1) - 1  # among the tied ones
     mass = picked.sum(dim=-1, keepdim=True) + rank * picked[..., -1:]
     return drop | (tied & (mass >= top_p))

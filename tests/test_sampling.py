@@ -56,12 +56,12 @@ def test_top_p_within_top_k_is_top_p_over_the_sorted_vocabulary():
         assert torch.allclose(sampling.target_probs(logits, params), sorted_way / sorted_way.sum(-1, keepdim=True))
 
 
-@pytest.mark.parametrize("top_p", [0.3, 0.9, 0.99])
-def test_bf16_logits_keep_the_nucleus_of_their_fp32_copy(top_p):
-    # top-p orders bf16 logits as they come (fewer key bits to sort): their order is their
+@pytest.mark.parametrize("top_k, top_p", [(0, 0.3), (0, 0.9), (0, 0.99), (20, 0.9), (20, 1.0)])
+def test_bf16_logits_keep_the_nucleus_of_their_fp32_copy(top_k, top_p):
+    # top-k and top-p rank bf16 logits as they come (fewer key bits): their order is their
     # probabilities' (distinct multiples of 1/32, exact in bf16: no ties to break)
     logits = torch.stack([torch.randperm(200, generator=torch.Generator().manual_seed(i)) for i in range(8)]) / 32
-    params = SamplingParams(temperature=0.7, top_p=top_p)
+    params = SamplingParams(temperature=0.7, top_k=top_k, top_p=top_p)
     half = logits.bfloat16()
     assert torch.equal(half.float(), logits)
     assert torch.equal(sampling.target_probs(half, params), sampling.target_probs(logits, params))
