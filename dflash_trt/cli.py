@@ -469,6 +469,10 @@ def _bench_engine(output_dir, random_weights, device, draft_window, tensor_paral
 @click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
               help="Sample every request at this temperature, in-process and through --url (prompt i seeded i; "
                    "DFlash with the lossless rule, real acceptance only). Default greedy.")
+@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True,
+              help="With --temperature: sample from the k most likely tokens (0: all).")
+@click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=1.0, show_default=True,
+              help="With --temperature: sample from the nucleus of this mass (1: all).")
 @click.option("--chat/--no-chat", default=True, show_default=True, help="Apply the chat template.")
 @click.option("--thinking/--no-thinking", default=False, show_default=True)
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), help="Default: the device the engine was built for.")
@@ -497,8 +501,8 @@ def _bench_engine(output_dir, random_weights, device, draft_window, tensor_paral
 @_DRAFT_WINDOW
 @_TENSOR_PARALLEL
 def bench(output_dir, random_weights, urls, compare_transformers, datasets, concurrency, num_prompts, max_tokens,
-          oracle_tau, temperature, chat, thinking, device, json_file, prefill_chunk_size, verify_width, overlap,
-          oracle_dist, repeat, max_seq_len, stall_prompt, draft_window_size, tensor_parallel):
+          oracle_tau, temperature, top_k, top_p, chat, thinking, device, json_file, prefill_chunk_size, verify_width,
+          overlap, oracle_dist, repeat, max_seq_len, stall_prompt, draft_window_size, tensor_parallel):
     """Benchmark AR vs DFlash per dataset and concurrency; markdown tables on stdout.
 
     \b
@@ -518,6 +522,8 @@ def bench(output_dir, random_weights, urls, compare_transformers, datasets, conc
     if (compare_transformers or oracle_tau is not None) and output_dir is None and random_weights is None:
         raise click.UsageError("--compare-transformers and --oracle-tau need an in-process engine "
                                "(OUTPUT_DIR or --random-weights)")
+    if (top_k or top_p < 1) and not temperature:
+        raise click.UsageError("--top-k and --top-p shape sampling: they need --temperature > 0")
     if stall_prompt and (urls or compare_transformers or oracle_tau is not None):
         raise click.UsageError("--stall-prompt runs alone: not with --url, --compare-transformers or --oracle-tau")
     try:
@@ -531,13 +537,16 @@ def bench(output_dir, random_weights, urls, compare_transformers, datasets, conc
            if sys.stderr.isatty() and runs else None)
     progress = lambda n, msg: bar.update(n) if bar else (msg and click.echo(msg, err=True))  # noqa: E731
     with _errors():
+        from dflash_trt.sampling import SamplingParams
+
+        sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p) if temperature else None
         loaded = _bench_engine(output_dir, random_weights, device, draft_window_size, tensor_parallel, max_seq_len)
         report = bench_lib.run_report(loaded, datasets, urls=urls, concurrencies=levels, num_prompts=num_prompts,
                                       max_tokens=max_tokens, chat=chat, thinking=thinking, oracle_tau=oracle_tau,
                                       compare_transformers=compare_transformers, progress=progress,
                                       prefill_chunk=prefill_chunk_size, stall_prompt=stall_prompt or 0,
                                       verify_width=verify_width, oracle_dist=oracle_dist, overlap=overlap,
-                                      repeat=repeat, max_seq_len=max_seq_len, temperature=temperature)
+                                      repeat=repeat, max_seq_len=max_seq_len, sampling=sampling)
     if bar:
         bar.render_finish()
     click.echo(bench_lib.format_report(report))

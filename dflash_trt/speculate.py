@@ -31,7 +31,8 @@ def accepted_length(draft: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (draft == target).long().cumprod(dim=-1).sum(dim=-1)
 
 
-def speculative_sample(dist: Distribution, drafts: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def speculative_sample(dist: Distribution, drafts: torch.Tensor,
+                       keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Lossless rule for point-mass drafts, every row at once: `dist` the target distributions
     p_0..p_{W-1} of each row's block positions (sampling.Distribution, [n, W, V]), drafts
     [n, W-1], keys [n, 2] each row's keys of the acceptance uniforms and of the bonus noise
@@ -193,7 +194,8 @@ def sample_rows(target, logits: torch.Tensor, block: torch.Tensor, width: int, s
         for first in range(0, len(group), rows_per):
             chunk = group[first:first + rows_per]
             dist = lm_head.distribution(logits[row_index(chunk, logits.device)], params)
-            drafts, keys = block[row_index(chunk, block.device), 1:width], draw_keys([seqs[i] for i in chunk], 2, block.device)
+            drafts = block[row_index(chunk, block.device), 1:width]
+            keys = draw_keys([seqs[i] for i in chunk], 2, block.device)
             picked.append(torch.stack(speculative_sample(dist, drafts, keys)))
             order += chunk
     if not picked:

@@ -112,9 +112,10 @@ def test_oracle_tau_sets_the_mean_acceptance_length(loaded):
 def test_a_sampled_bench_seeds_each_prompt_and_reports_no_identity(loaded):
     prompts = load_prompts("gsm8k", 3)
     sampled, greedy = {}, {}
-    rows = bench.run_bench(loaded, prompts, dataset="gsm8k", concurrencies=(1, 3), max_tokens=12, temperature=0.8,
+    settings = SamplingParams(temperature=0.8, top_k=40, top_p=0.9)
+    rows = bench.run_bench(loaded, prompts, dataset="gsm8k", concurrencies=(1, 3), max_tokens=12, sampling=settings,
                            seed=7, ar_outputs=sampled)
-    assert [r.mode_label for r in rows] == ["real acceptance, T=0.8"] * 2
+    assert [r.mode_label for r in rows] == ["real acceptance, T=0.8, top-k 40, top-p 0.9"] * 2
     assert all(r.identical_share is None and r.ar_tok_s > 0 and r.dflash_tok_s > 0 for r in rows)
     assert "| n/a |" in bench.format_table(rows)
     # prompt i draws with seed 7 + i whatever runs beside it (fp32 on the CPU: the same logits)
@@ -122,9 +123,9 @@ def test_a_sampled_bench_seeds_each_prompt_and_reports_no_identity(loaded):
     bench.run_bench(loaded, prompts, concurrencies=(1,), max_tokens=12, ar_outputs=greedy)
     assert greedy[1] != sampled[1]
     with pytest.raises(ConfigError, match="oracle acceptance forces greedy outcomes: temperature = 0.8"):
-        bench.run_bench(loaded, prompts, oracle_tau=3, temperature=0.8)
+        bench.run_bench(loaded, prompts, oracle_tau=3, sampling=settings)
     with pytest.raises(ConfigError, match="temperature = 0.5 is for the throughput rows"):
-        bench.run_report(loaded, ["gsm8k"], compare_transformers=True, temperature=0.5)
+        bench.run_report(loaded, ["gsm8k"], compare_transformers=True, sampling=SamplingParams(temperature=0.5))
 
 
 def test_a_repeated_bench_reports_its_median_run_and_the_range_of_all(loaded):
@@ -185,6 +186,10 @@ def test_cli_rejects_bad_input(out, tmp_path):
     assert result.exit_code == 1 and "temperature = 0.7 needs real acceptance" in result.output
     result = CliRunner().invoke(cli, ["bench", str(out), "--temperature", "-1"])
     assert result.exit_code == 2 and "--temperature" in result.output
+    result = CliRunner().invoke(cli, ["bench", str(out), "--top-p", "0.9"])
+    assert result.exit_code == 2 and "--top-k and --top-p shape sampling: they need --temperature > 0" in result.output
+    result = CliRunner().invoke(cli, ["bench", str(out), "--temperature", "0.7", "--top-p", "0"])
+    assert result.exit_code == 2 and "--top-p" in result.output
 
 
 def test_cli_stall_prompt_prints_one_row_per_mode_and_chunk_setting(out, tmp_path):

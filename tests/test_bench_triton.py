@@ -80,7 +80,8 @@ def test_sampled_requests_through_either_path_draw_what_the_engine_draws(server,
     greedy = loadgen.closed_loop(server.endpoints.grpc, prompts, 2, max_tokens=MAX_TOKENS)
     assert [r.text for r in greedy.results] != want
     for url, path in ((server.endpoints.grpc, "Triton"), (openai_url, "the OpenAI API")):
-        run = loadgen.closed_loop(url, prompts, 2, max_tokens=MAX_TOKENS, temperature=0.8, seed=5)
+        run = loadgen.closed_loop(url, prompts, 2, max_tokens=MAX_TOKENS, sampling=SamplingParams(temperature=0.8),
+                                  seed=5)
         assert [r.text for r in run.results] == want
         assert loadgen.row(run, "mt_bench").mode_label == f"DFlash through {path} (real acceptance, T=0.8)"
 
@@ -144,12 +145,13 @@ def test_cli_prints_both_tables_and_the_serving_overhead(engine_dir, server, tmp
     assert all(e["ratio"] > 0 and e["like_for_like"] for e in data["serving_overhead"])
 
     sampled = CliRunner().invoke(cli, ["bench", str(engine_dir), "--url", server.endpoints.grpc, *args,
-                                       "--temperature", "0.8"])
+                                       "--temperature", "0.8", "--top-k", "40", "--top-p", "0.9"])
     assert sampled.exit_code == 0, sampled.output
     local_table, triton_table, overhead = sampled.stdout.strip().split("\n\n")
-    assert local_table.splitlines()[-1].endswith("| real acceptance, T=0.8 |")
-    assert triton_table.splitlines()[-1].endswith("| DFlash through Triton (real acceptance, T=0.8) |")
-    assert "like-for-like" not in overhead  # both sides sampled at 0.8 with real acceptance
+    assert local_table.splitlines()[-1].endswith("| real acceptance, T=0.8, top-k 40, top-p 0.9 |")
+    assert triton_table.splitlines()[-1].endswith(
+        "| DFlash through Triton (real acceptance, T=0.8, top-k 40, top-p 0.9) |")
+    assert "like-for-like" not in overhead  # both sides sampled alike with real acceptance
 
     alone = CliRunner().invoke(cli, ["bench", "--url", server.endpoints.grpc, *args])
     assert alone.exit_code == 0, alone.output

@@ -127,7 +127,8 @@ def test_rows_drawn_together_draw_what_each_draws_alone():
     drafts = Distribution(logits[:, :3], params).probs.argmax(dim=-1)  # often accepted, not always
     keys = torch.tensor([[sampling.stream_key(10 + i, j) for j in (0, 1)] for i in range(5)])
     rows = Distribution(logits[:, 0], params).draw(keys[:, 0])
-    assert rows.tolist() == [Distribution(logits[i:i + 1, 0], params).draw(keys[i:i + 1, 0])[0].item() for i in range(5)]
+    alone = [Distribution(logits[i:i + 1, 0], params).draw(keys[i:i + 1, 0])[0].item() for i in range(5)]
+    assert rows.tolist() == alone
     assert len(set(rows.tolist())) > 1
     together = torch.stack(speculative_sample(Distribution(logits, params), drafts, keys), dim=1)
     alone = [torch.stack(speculative_sample(Distribution(logits[i:i + 1], params), drafts[i:i + 1], keys[i:i + 1]),

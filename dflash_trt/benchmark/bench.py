@@ -6,9 +6,9 @@ added only when one finishes, so at most c run at once and a request's TTFT coun
 its own submission (not from the start of the run). AR runs first; DFlash then runs the
 same prompts on the same engine. Decoding is greedy, so DFlash must reproduce AR token
 for token (`identical_share`; 1.0 on fp32, bf16 batch-shape effects may lower it); with a
-`temperature` every request samples (prompt i with seed `seed` + i), DFlash with the lossless
-rule, so its outputs are the target's distribution rather than AR's tokens and
-`identical_share` is n/a.
+`sampling` (a SamplingParams' temperature, top-k and top-p) every request samples (prompt i
+with seed `seed` + i), DFlash with the lossless rule, so its outputs are the target's
+distribution rather than AR's tokens and `identical_share` is n/a.
 
 Numbers per (dataset, concurrency):
 - end-to-end tok/s: all output tokens / wall time of the whole run (prefill included);
@@ -102,9 +102,9 @@ class _Run:
         return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
 
 
-def mode_label(oracle_tau: float | None, oracle_dist: str = "two-point", temperature: float = 0.0) -> str:
+def mode_label(oracle_tau: float | None, oracle_dist: str = "two-point", sampling: SamplingParams | None = None) -> str:
     if oracle_tau is None:
-        return "real acceptance" + (f", T={temperature:g}" if temperature else "")
+        return "real acceptance" + loadgen.sampling_label(sampling)
     return f"oracle τ={oracle_tau:g}" + ("" if oracle_dist == "two-point" else f" ({oracle_dist})")
 
 
@@ -191,9 +191,9 @@ def run_bench(loaded_engine, prompts: Sequence[str], *, dataset: str = "custom",
               progress: Progress | None = None, ar_outputs: dict | None = None,
               prefill_chunk: int | None = None, verify_width: str | None = None,
               oracle_dist: str = "two-point", overlap: bool | None = None, repeat: int = 1,
-              max_seq_len: int | None = None, temperature: float = 0.0) -> list[BenchRow]:
-    """One BenchRow per concurrency: AR then DFlash over `prompts` (greedy, or sampled at
-    `temperature`: see the module doc).
+              max_seq_len: int | None = None, sampling: SamplingParams | None = None) -> list[BenchRow]:
+    """One BenchRow per concurrency: AR then DFlash over `prompts` (greedy, or sampled with
+    `sampling`'s settings: see the module doc).
 
     `ar_outputs`, when given, is filled with {concurrency: AR output ids per prompt};
     `prefill_chunk`, `verify_width` and `overlap`, when given, override the engine's. `repeat`:
@@ -211,13 +211,15 @@ def run_bench(loaded_engine, prompts: Sequence[str], *, dataset: str = "custom",
         raise ConfigError(f"concurrencies must be ints >= 1, got {list(concurrencies)}")
     if repeat < 1:
         raise ConfigError(f"repeat must be >= 1, got {repeat}")
-    if temperature and oracle_tau is not None:
-        raise ConfigError(f"oracle acceptance forces greedy outcomes: temperature = {temperature:g} needs real "
-                          "acceptance (no oracle τ)")
+    sampled = sampling is not None and not sampling.greedy
+    if sampled and oracle_tau is not None:
+        raise ConfigError(f"oracle acceptance forces greedy outcomes: temperature = {sampling.temperature:g} needs "
+                          "real acceptance (no oracle τ)")
     num_correct = OracleNumCorrect(oracle_tau, base.block_size, seed, oracle_dist) if oracle_tau is not None else None
     prompt_ids = encode_prompts(tok, prompts, chat=chat, thinking=thinking)
-    params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed + i if temperature else None,
-                             stop_token_ids=tuple(tok.stop_token_ids)) for i in range(len(prompt_ids))]
+    settings = sampling if sampled else SamplingParams()
+    params = [replace(settings, max_tokens=max_tokens, seed=seed + i if sampled else None,
+                      stop_token_ids=tuple(tok.stop_token_ids)) for i in range(len(prompt_ids))]
     need = max(len(p) for p in prompt_ids) + max_tokens
     if need > base.max_seq_len:
         raise ConfigError(f"the longest prompt ({need - max_tokens} tokens) + max_tokens ({max_tokens}) exceeds the "
@@ -239,7 +241,7 @@ def run_bench(loaded_engine, prompts: Sequence[str], *, dataset: str = "custom",
         warm.generate(prompt_ids[:1], SamplingParams(max_tokens=min(8, max_tokens), ignore_eos=True), mode=mode)
     del warm
 
-    label, rows = mode_label(oracle_tau, oracle_dist, temperature), []
+    label, rows = mode_label(oracle_tau, oracle_dist, sampling), []
     for c in concurrencies:
         c = int(c)
         engine = new_engine(c)
@@ -257,7 +259,7 @@ def run_bench(loaded_engine, prompts: Sequence[str], *, dataset: str = "custom",
                                                forced=True))
             engine.set_mode("dflash")
             df = _drive(engine, prompt_ids, params, c, progress)
-            pairs.append(_row(dataset, c, label, ar, df, num_correct is None and not temperature, engine.overlap))
+            pairs.append(_row(dataset, c, label, ar, df, num_correct is None and not sampled, engine.overlap))
             if progress:
                 progress(0, f"{dataset} c={c} DFlash: {df.tok_s:.1f} tok/s, τ {pairs[-1].tau_steps:.2f}, verify "
                             f"width {pairs[-1].verify_width:.2f} ({label})")
@@ -397,16 +399,16 @@ def run_report(loaded_engine, datasets: Sequence[str], *, urls: Sequence[str] = 
                compare_transformers: bool = False, progress: Progress | None = None,
                prefill_chunk: int | None = None, stall_prompt: int = 0, verify_width: str | None = None,
                oracle_dist: str = "two-point", overlap: bool | None = None, repeat: int = 1,
-               max_seq_len: int | None = None, temperature: float = 0.0) -> Report:
+               max_seq_len: int | None = None, sampling: SamplingParams | None = None) -> Report:
     """Per dataset: in-process rows (with an engine), the transformers row (if asked), and rows
     through each server URL (Triton's gRPC host:port, or the OpenAI API's http:// address), all
     over the same prompts. `stall_prompt` N > 0 runs prefill_stall.py's test instead (a prompt of
     N tokens arriving while `concurrency` requests decode, in AR and DFlash mode, in one pass and
-    in chunks of `prefill_chunk`). `temperature` > 0 samples the in-process rows and the
-    servers' alike; the transformers baseline and the stall test are greedy, so they refuse it."""
-    if temperature and (stall_prompt or compare_transformers):
-        raise ConfigError(f"temperature = {temperature:g} is for the throughput rows (in-process and through "
-                          "servers): not with a stall prompt or the transformers baseline")
+    in chunks of `prefill_chunk`). `sampling` (temperature > 0) samples the in-process rows and
+    the servers' alike; the transformers baseline and the stall test are greedy, so they refuse it."""
+    if sampling is not None and not sampling.greedy and (stall_prompt or compare_transformers):
+        raise ConfigError(f"temperature = {sampling.temperature:g} is for the throughput rows (in-process and "
+                          "through servers): not with a stall prompt or the transformers baseline")
     if stall_prompt:
         return _stall_report(loaded_engine, datasets, concurrencies, num_prompts, max_tokens, chat, thinking,
                              prefill_chunk, stall_prompt, progress)
@@ -427,7 +429,7 @@ def run_report(loaded_engine, datasets: Sequence[str], *, urls: Sequence[str] = 
                              max_tokens=max_tokens, chat=chat, thinking=thinking, oracle_tau=oracle_tau,
                              progress=progress, ar_outputs=ar_outputs, prefill_chunk=prefill_chunk,
                              verify_width=verify_width, oracle_dist=oracle_dist, overlap=overlap,
-                             repeat=repeat, max_seq_len=max_seq_len, temperature=temperature)
+                             repeat=repeat, max_seq_len=max_seq_len, sampling=sampling)
             report.rows += rows
         if hf_model is not None:
             at_1 = next((r for r in rows if r.concurrency == 1), None)
@@ -437,7 +439,7 @@ def run_report(loaded_engine, datasets: Sequence[str], *, urls: Sequence[str] = 
         for url in urls:
             report.triton_rows += loadgen.run_triton_bench(url, prompts, dataset=label, concurrencies=concurrencies,
                                                            max_tokens=max_tokens, chat=chat, thinking=thinking,
-                                                           progress=progress, temperature=temperature)
+                                                           progress=progress, sampling=sampling)
     return report
 
 

@@ -3,8 +3,8 @@
 At concurrency c, c worker threads each hold one gRPC stream to the `ensemble` model (or,
 for an http:// URL, one connection to the OpenAI-compatible API that `serve` starts) and
 send their next prompt as soon as the previous one has finished, so exactly c requests are
-in flight until the prompts run out. Requests are greedy (temperature 0; with a temperature,
-prompt i samples with seed `seed` + i, as the in-process rows do), streamed (the
+in flight until the prompts run out. Requests are greedy (with `sampling`'s temperature, top-k
+and top-p, prompt i samples with seed `seed` + i, as the in-process rows do), streamed (the
 first response that carries text gives the TTFT) and ask for the perf outputs, so the final
 response reports `num_output_tokens` and `mean_acceptance_length`.
 
@@ -29,12 +29,15 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
 from dflash_trt.serving import protocol as p
 from dflash_trt.serving.client import ClientError, Completion, GrpcStream, OpenAIStream
+
+if TYPE_CHECKING:  # only its fields are read here; the client side needs no torch
+    from dflash_trt.sampling import SamplingParams
 
 RESPONSE_TIMEOUT_S = 600.0  # longest wait for one response before the run is given up
 
@@ -72,7 +75,7 @@ class LoadRun:
     concurrency: int
     results: list[RequestResult]  # in prompt order
     wall_s: float
-    temperature: float = 0.0
+    sampling: SamplingParams | None = None  # the settings every request sampled with; None: greedy
 
     @property
     def output_tokens(self) -> int:
@@ -111,10 +114,18 @@ def path_name(url: str) -> str:
     return "the OpenAI API" if is_openai(url) else "Triton"
 
 
-def triton_mode_label(speculative: bool, url: str, temperature: float = 0.0) -> str:
+def triton_mode_label(speculative: bool, url: str, sampling: SamplingParams | None = None) -> str:
     # The server cannot run oracle acceptance: its drafts are always the drafter's own.
-    path, sampled = path_name(url), f", T={temperature:g}" if temperature else ""
+    path, sampled = path_name(url), sampling_label(sampling)
     return f"DFlash through {path} (real acceptance{sampled})" if speculative else f"AR through {path}{sampled}"
+
+
+def sampling_label(sampling: SamplingParams | None) -> str:
+    """What a row's requests sampled with, as its mode label says it ('' for greedy)."""
+    if sampling is None or sampling.greedy:
+        return ""
+    return (f", T={sampling.temperature:g}" + (f", top-k {sampling.top_k}" if sampling.top_k else "")
+            + (f", top-p {sampling.top_p:g}" if sampling.top_p < 1 else ""))
 
 
 def _connect(url: str):
@@ -157,14 +168,16 @@ def _request(connection: GrpcStream | OpenAIStream, index: int, prompt: str, opt
 
 
 def closed_loop(url: str, prompts: Sequence[str], concurrency: int, *, max_tokens: int, chat: bool = True,
-                thinking: bool = False, progress: Progress | None = None, temperature: float = 0.0,
+                thinking: bool = False, progress: Progress | None = None, sampling: SamplingParams | None = None,
                 seed: int = 0) -> LoadRun:
     """Send every prompt once with `concurrency` closed-loop workers; results in prompt order."""
     from tritonclient.utils import InferenceServerException  # optional (the serve extra)
 
     if concurrency < 1:
         raise ClientError(f"concurrency must be >= 1, got {concurrency}")
-    options = dict(max_tokens=max_tokens, temperature=temperature, top_k=0, top_p=1.0, chat=chat,
+    sampled = sampling is not None and not sampling.greedy
+    options = dict(max_tokens=max_tokens, temperature=sampling.temperature if sampled else 0.0,
+                   top_k=sampling.top_k if sampled else 0, top_p=sampling.top_p if sampled else 1.0, chat=chat,
                    thinking=thinking, stats=True)
     todo: queue.SimpleQueue[int] = queue.SimpleQueue()
     for i in range(len(prompts)):
@@ -182,7 +195,7 @@ def closed_loop(url: str, prompts: Sequence[str], concurrency: int, *, max_token
                 except queue.Empty:
                     return
                 results[index] = _request(connection, index, prompts[index],
-                                          {**options, "seed": seed + index if temperature else None})
+                                          {**options, "seed": seed + index if sampled else None})
                 if progress:
                     with progress_lock:
                         progress(1, None)
@@ -213,7 +226,7 @@ def closed_loop(url: str, prompts: Sequence[str], concurrency: int, *, max_token
             connection.close()
     if errors:
         raise errors[0]
-    return LoadRun(url, concurrency, [results[i] for i in range(len(prompts))], wall, temperature)
+    return LoadRun(url, concurrency, [results[i] for i in range(len(prompts))], wall, sampling if sampled else None)
 
 
 def row(run: LoadRun, dataset: str) -> TritonRow:
@@ -222,7 +235,7 @@ def row(run: LoadRun, dataset: str) -> TritonRow:
     n = len(run.results)
     return TritonRow(
         url=run.url, dataset=dataset, concurrency=run.concurrency,
-        mode_label=triton_mode_label(any(r.speculative for r in run.results), run.url, run.temperature),
+        mode_label=triton_mode_label(any(r.speculative for r in run.results), run.url, run.sampling),
         tok_s=run.output_tokens / run.wall_s if run.wall_s > 0 else 0.0,
         requests_s=n / run.wall_s if run.wall_s > 0 else 0.0,
         tau=sum(taus) / len(taus) if taus else 0.0,
@@ -236,7 +249,7 @@ def row(run: LoadRun, dataset: str) -> TritonRow:
 def run_triton_bench(url: str, prompts: Sequence[str], *, dataset: str = "custom",
                      concurrencies: Sequence[int] = (1, 8, 16, 32), max_tokens: int = 256, chat: bool = True,
                      thinking: bool = False, progress: Progress | None = None,
-                     temperature: float = 0.0) -> list[TritonRow]:
+                     sampling: SamplingParams | None = None) -> list[TritonRow]:
     """One TritonRow per concurrency, measured through the server at `url` (see the module doc)."""
     if not prompts:
         raise ClientError("no prompts to benchmark")
@@ -246,7 +259,7 @@ def run_triton_bench(url: str, prompts: Sequence[str], *, dataset: str = "custom
     rows = []
     for c in concurrencies:
         run = closed_loop(url, prompts, int(c), max_tokens=max_tokens, chat=chat, thinking=thinking,
-                          progress=progress, temperature=temperature)
+                          progress=progress, sampling=sampling)
         rows.append(row(run, dataset))
         if progress:
             progress(0, f"{dataset} c={c}: {rows[-1].tok_s:.1f} tok/s, {rows[-1].mode_label}")
