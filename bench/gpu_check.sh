@@ -46,6 +46,8 @@
 #                                      # the demo pair (real acceptance) and a Qwen3-8B-shaped random pair
 #   OLD=DIR bash bench/gpu_check.sh sampled-ab # the demo's sampled bench alternating with DIR, a tree whose
 #                                      # bench takes --temperature
+#   bash bench/gpu_check.sh top-p      # what top-p and top-k cost end to end: Qwen3-8B-shaped random pair at T 0.7,
+#                                      # with top-p 0.95, and with Qwen3's top-k 20 + top-p 0.95
 #   bash bench/gpu_check.sh train-ranks # (2 GPUs) train over 2 processes, the target whole and sharded
 #                                      # (FSDP in training, tensor-parallel for the data and evaluation)
 #   bash bench/gpu_check.sh demo-target demo-drafter demo-eval
@@ -74,7 +76,7 @@
 # The machine has no `unzip`: zips are opened with `python3 -m zipfile`, which drops the
 # executable bits, so they are set again.
 set -u
-usage="usage: gpu_check.sh STAGE... (tests hybrid benches roofline bench8b goals overlap identity triton window flashinfer splits moe moe-models moe-bench moe-split moe-norm moe-params context context-bench trace persistent-span moe-flashinfer tp draft-vocab prefill stall fa3 fa3-engine burst sampled sampled-ab train-ranks demo-target demo-drafter demo-eval)"
+usage="usage: gpu_check.sh STAGE... (tests hybrid benches roofline bench8b goals overlap identity triton window flashinfer splits moe moe-models moe-bench moe-split moe-norm moe-params context context-bench trace persistent-span moe-flashinfer tp draft-vocab prefill stall fa3 fa3-engine burst sampled sampled-ab top-p train-ranks demo-target demo-drafter demo-eval)"
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
@@ -472,6 +474,13 @@ sampled-ab)
         --json "$OUT/sampled_demo_${arm}_$r.json")
     done
   done
+  ;;
+top-p)
+  step plugins 300 python3 -c 'from dflash_trt import plugins; print(plugins.load())'
+  args="--random-weights qwen3-8b --dataset gsm8k --num-prompts 32 --max-tokens 128 --concurrency 1,32"
+  step top-p-t0.7 150 dflash-trt bench $args --temperature 0.7 --json "$OUT/top_p_none.json"
+  step top-p-0.95 150 dflash-trt bench $args --temperature 0.7 --top-p 0.95 --json "$OUT/top_p_0.95.json"
+  step top-k-20 150 dflash-trt bench $args --temperature 0.6 --top-k 20 --top-p 0.95 --json "$OUT/top_k_20.json"
   ;;
 train-ranks)
   # (2 GPUs: nvidia-h100-x2) the demo drafter fine-tuned over 2 processes, the target whole on
