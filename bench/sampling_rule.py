@@ -16,6 +16,7 @@ import argparse
 import json
 
 import torch
+from profile_step import time_ms  # bench/, this script's folder
 
 from dflash_trt import sampling
 from dflash_trt.sampling import Distribution, SamplingParams
@@ -26,18 +27,6 @@ SETTINGS = {  # name -> what a request sends
     "T 0.7, top-p 0.95": SamplingParams(temperature=0.7, top_p=0.95),
     "T 0.6, top-k 20, top-p 0.95": SamplingParams(temperature=0.6, top_k=20, top_p=0.95),  # Qwen3's advice
 }
-
-
-def mean_ms(fn, reps: int) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / reps
 
 
 def main() -> None:
@@ -56,13 +45,13 @@ def main() -> None:
             shape = (n, args.vocab) if width == 1 else (n, width, args.vocab)
             logits = (3 * torch.randn(shape, generator=gen, device="cuda")).bfloat16()
             drafts = logits[:, :-1].argmax(-1) if width > 1 else None
-            row = {"rows": n, "width": width, "greedy_ms": mean_ms(lambda: logits.argmax(-1), args.reps)}
+            row = {"rows": n, "width": width, "greedy_ms": time_ms(lambda: logits.argmax(-1), args.reps)}
             for name, params in SETTINGS.items():
                 if width == 1:  # an AR step's draw
                     step = lambda: Distribution(logits, params).draw(keys[:, 0])  # noqa: E731
                 else:  # a verify's lossless rule
                     step = lambda: speculative_sample(Distribution(logits, params), drafts, keys)  # noqa: E731
-                row[name] = mean_ms(step, args.reps)
+                row[name] = time_ms(step, args.reps)
             results.append(row)
             print(", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True)
     if args.out:
