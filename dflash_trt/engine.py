@@ -18,6 +18,7 @@ device idle between steps; a step() returns the tokens of the step it read.
 
 from __future__ import annotations
 
+import secrets
 from collections import deque
 from dataclasses import dataclass
 from typing import Iterable
@@ -149,7 +150,9 @@ class Engine:
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         self._validate(prompt_ids, params)
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
-        seed = params.seed if params.seed is not None else torch.seed()
+        seed = params.seed
+        if seed is None:  # a fresh one for a sampling request (torch.seed() would reseed torch's own generator)
+            seed = 0 if params.greedy else secrets.randbits(64)
         seq = Sequence(self._next_id, list(prompt_ids), params, frozenset(stop), seed)
         self._next_id += 1
         self.waiting.append(seq)

@@ -161,6 +161,18 @@ def test_a_seeded_sample_is_the_same_alone_or_beside_other_requests(make_pair, m
     assert together[0] != engine.generate([prompts[0]], [replace(params[0], seed=5)], mode=mode)[0].token_ids
 
 
+def test_unseeded_requests_draw_apart_and_leave_torchs_generator_alone(make_pair):
+    pair = make_pair(tokenizer_tokens=None, vocab_size=64, init_scale=0.7)
+    engine = load_pair(pair.target, pair.drafter, device="cpu", max_batch_size=8, max_seq_len=64)
+    params = SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)
+    torch.manual_seed(3)
+    expected = torch.rand(())
+    torch.manual_seed(3)
+    outputs = [r.token_ids for r in engine.generate([[3, 1, 4]] * 4, params, mode="ar")]
+    assert len({tuple(o) for o in outputs}) > 1  # each its own seed
+    assert torch.rand(()) == expected  # a seed drawn by torch.seed() would have reseeded it
+
+
 @pytest.mark.parametrize("rule_rows", [1, 2])
 def test_a_verify_samples_the_same_in_chunks(make_pair, monkeypatch, rule_rows):
     # the rule over a few rows at a time: each row's outcome unchanged
