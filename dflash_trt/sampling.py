@@ -71,10 +71,10 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
-def _past_the_nucleus(probs: torch.Tensor, top_p: float, logits: torch.Tensor | None = None) -> torch.Tensor:
-    """Where top-p drops a token, from the whole vocabulary sorted (the top token always stays),
-    by `logits` (probs' own order, in fewer bits) if given, else by probs."""
-    order = (probs if logits is None else logits).sort(dim=-1, descending=True).indices
+def _past_the_nucleus(probs: torch.Tensor, top_p: float, order_by: torch.Tensor) -> torch.Tensor:
+    """Where top-p drops a token, from the whole vocabulary sorted (the top token always stays)
+    by `order_by`: probs, or the logits they came from (their order, in fewer bits)."""
+    order = order_by.sort(dim=-1, descending=True).indices
     sorted_probs = probs.gather(-1, order)
     drop_sorted = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
     return torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
@@ -125,7 +125,7 @@ def gumbel_noise(size: int, keys: torch.Tensor) -> torch.Tensor:
 
 def sampled_groups(params: list[SamplingParams]) -> list[list[int]]:
     """The indices of the requests that sample, grouped by the distribution their settings
-    define: each group's rows are drawn together (one LM head pass)."""
+    define: each group's rows are drawn together (one distribution over their logits)."""
     groups: dict[tuple, list[int]] = {}
     for i, p in enumerate(params):
         if not p.greedy:

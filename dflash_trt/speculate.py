@@ -193,9 +193,10 @@ def sample_rows(target, logits: torch.Tensor, block: torch.Tensor, width: int, s
         params = seqs[group[0]].params
         for first in range(0, len(group), rows_per):
             chunk = group[first:first + rows_per]
-            dist = lm_head.distribution(logits[row_index(chunk, logits.device)], params)
-            drafts = block[row_index(chunk, block.device), 1:width]
+            rows = row_index(chunk, block.device)  # the logits' device too
+            dist = lm_head.distribution(logits[rows], params)
             keys = draw_keys([seqs[i] for i in chunk], 2, block.device)
+            drafts = block[rows, 1:width]
             picked.append(torch.stack(speculative_sample(dist, drafts, keys)))
             order += chunk
     if not picked:

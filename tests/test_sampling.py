@@ -52,7 +52,7 @@ def test_top_p_within_top_k_is_top_p_over_the_sorted_vocabulary():
     for top_k, top_p in ((20, 0.95), (20, 0.5), (100, 0.9), (3, 0.99)):
         params = SamplingParams(temperature=0.8, top_k=top_k, top_p=top_p)
         kept = sampling.target_probs(logits, replace(params, top_p=1.0))
-        sorted_way = kept.masked_fill(sampling._past_the_nucleus(kept, top_p), 0.0)
+        sorted_way = kept.masked_fill(sampling._past_the_nucleus(kept, top_p, kept), 0.0)
         assert torch.allclose(sampling.target_probs(logits, params), sorted_way / sorted_way.sum(-1, keepdim=True))
 
 
